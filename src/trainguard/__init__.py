@@ -1,0 +1,28 @@
+"""trainguard: keep PyTorch training jobs making progress through faults.
+
+Subpackages (imported on demand, importing this package has no side effects):
+
+- :mod:`trainguard.events`: the structured event log.
+- :mod:`trainguard.errors`: the exception tree.
+"""
+
+from __future__ import annotations
+
+from trainguard.errors import (
+    CheckpointError,
+    ConfigError,
+    CoordinationError,
+    RestartError,
+    TrainguardError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "CoordinationError",
+    "RestartError",
+    "TrainguardError",
+    "__version__",
+]

@@ -1,0 +1,78 @@
+"""The ``trainguard`` command.
+
+Subcommands:
+
+- ``trainguard events RUN_DIR``: merge a run's event logs and print them in time order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from trainguard import __version__, events
+
+
+def _cmd_events(args: argparse.Namespace) -> int:
+    merged = events.read_events(args.run_dir)
+    if args.kind:
+        merged = [e for e in merged if e.get("kind") in args.kind]
+    if not merged:
+        print(f"no events under {args.run_dir}", file=sys.stderr)
+        return 1
+    for event in merged:
+        if args.json:
+            print(json.dumps(event, separators=(",", ":")))
+            continue
+        extra = {
+            k: v
+            for k, v in event.items()
+            if k not in ("time", "host", "pid", "rank", "round", "kind", "duration")
+        }
+        duration = event.get("duration")
+        print(
+            f"{event['time']:.6f}  rank={event.get('rank')!s:>4}  round={event.get('round')!s:>3}  "
+            f"{event.get('kind', '?'):<16}"
+            + (f" {duration * 1e3:9.2f} ms" if isinstance(duration, (int, float)) else " " * 13)
+            + (f"  {json.dumps(extra, default=str)}" if extra else "")
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trainguard",
+        description=(
+            "Keep PyTorch training jobs making progress through faults. "
+            "The library is used from Python; this tool inspects what it recorded."
+        ),
+        epilog="Run 'trainguard COMMAND --help' for a command's options.",
+    )
+    parser.add_argument("--version", action="version", version=f"trainguard {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser(
+        "events",
+        help="print a run's event logs merged in time order",
+        description="Merge every events-*.jsonl file under RUN_DIR and print them in time order.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="directory given as TRAINGUARD_EVENTS_DIR")
+    p.add_argument("--kind", action="append", help="only events of this kind (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per line")
+    p.set_defaults(func=_cmd_events)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,76 @@
+"""The one exception tree of trainguard.
+
+Every error the library raises on purpose derives from :class:`TrainguardError`::
+
+    TrainguardError
+    ├── ConfigError              bad arguments or environment; raised when an object is built
+    ├── CoordinationError        the coordination store misbehaved or a barrier timed out
+    ├── RestartError             in-process restart could not continue (too few ranks, ...)
+    └── CheckpointError          a checkpoint could not be written, committed or loaded
+
+Later modules add subclasses under these branches. A failure that one rank detects surfaces
+as the *same* type on every rank; ``causes`` maps each rank that reported a cause to a short
+description of it, so the error reads the same wherever it is caught.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "CoordinationError",
+    "RestartError",
+    "TrainguardError",
+]
+
+
+class TrainguardError(Exception):
+    """Root of every error trainguard raises.
+
+    Args:
+        message: what went wrong and what to do about it.
+        causes: optional mapping rank -> description of that rank's cause.
+    """
+
+    def __init__(self, message: str = "", *, causes: Mapping[int, str] | None = None) -> None:
+        self.causes: dict[int, str] = dict(causes or {})
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        if not self.causes:
+            return self.message
+        lines = [self.message] if self.message else []
+        for rank in sorted(self.causes):
+            lines.append(f"  rank {rank}: {self.causes[rank]}")
+        return "\n".join(lines)
+
+    def __reduce__(self):  # keep `causes` when the error crosses a process boundary
+        return (_rebuild, (type(self), self.message, self.causes))
+
+
+def _rebuild(cls: type[TrainguardError], message: str, causes: dict[int, str]) -> TrainguardError:
+    err = cls.__new__(cls)
+    TrainguardError.__init__(err, message, causes=causes)
+    return err
+
+
+class ConfigError(TrainguardError, ValueError):
+    """An argument, a combination of arguments or an environment variable is invalid.
+
+    Raised when the object is built, never at the first fault. The message names the fix.
+    """
+
+
+class CoordinationError(TrainguardError):
+    """The coordination store could not be reached, or a barrier did not complete in time."""
+
+
+class RestartError(TrainguardError):
+    """In-process restart cannot go on (for example too few ranks are left)."""
+
+
+class CheckpointError(TrainguardError):
+    """A checkpoint could not be staged, written, committed, verified or loaded."""

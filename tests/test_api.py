@@ -1,0 +1,104 @@
+"""Public surface: __all__ matches the exports, imports have no side effects, CLI runs."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import trainguard
+from trainguard import errors
+
+PACKAGES = ["trainguard", "trainguard.errors", "trainguard.events"]
+
+
+@pytest.mark.parametrize("name", PACKAGES)
+def test_all_is_sorted_and_exported(name: str) -> None:
+    module = importlib.import_module(name)
+    names = list(module.__all__)
+    assert names == sorted(names), f"{name}.__all__ is not sorted"
+    assert len(set(names)) == len(names)
+    for attr in names:
+        assert hasattr(module, attr), f"{name}.__all__ names {attr!r} which does not exist"
+    public = {
+        k
+        for k, v in vars(module).items()
+        if not k.startswith("_")
+        and getattr(v, "__module__", None) == name
+        and (isinstance(v, type) or callable(v))
+    }
+    assert public <= set(names), (
+        f"{name} defines public names missing from __all__: {public - set(names)}"
+    )
+
+
+def test_import_has_no_side_effects() -> None:
+    code = (
+        "import logging, sys, threading\n"
+        "before = set(sys.modules)\n"
+        "import trainguard, trainguard.events, trainguard.errors\n"
+        "assert threading.active_count() == 1, threading.enumerate()\n"
+        "assert not logging.getLogger().handlers\n"
+        "assert 'torch' not in sys.modules, 'importing trainguard must not import torch'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"
+    assert threading.active_count() >= 1 and not logging.getLogger("trainguard").handlers
+
+
+def test_error_tree_and_causes_survive_pickling() -> None:
+    import pickle
+
+    for cls in (
+        errors.ConfigError,
+        errors.CoordinationError,
+        errors.RestartError,
+        errors.CheckpointError,
+    ):
+        assert issubclass(cls, errors.TrainguardError)
+    assert issubclass(errors.ConfigError, ValueError)
+    err = errors.RestartError("too few ranks left", causes={2: "SIGKILL", 0: "ValueError: x"})
+    text = str(err)
+    assert text.splitlines() == [
+        "too few ranks left",
+        "  rank 0: ValueError: x",
+        "  rank 2: SIGKILL",
+    ]
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is errors.RestartError and back.causes == err.causes and str(back) == text
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trainguard", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_cli_version_and_help() -> None:
+    out = _cli("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"trainguard {trainguard.__version__}"
+    out = _cli("--help")
+    assert out.returncode == 0 and "events" in out.stdout and "usage: trainguard" in out.stdout
+
+
+def test_cli_events_merges_a_run(tmp_path) -> None:
+    from trainguard.events import EventLog
+
+    with EventLog(tmp_path, rank=1) as log:
+        log.emit("fault", cause="ValueError")
+        log.emit("restart", duration=0.002)
+    out = _cli("events", str(tmp_path), "--json")
+    assert out.returncode == 0, out.stderr
+    kinds = [json.loads(line)["kind"] for line in out.stdout.splitlines()]
+    assert kinds == ["fault", "restart"]
+    out = _cli("events", str(tmp_path), "--kind", "restart")
+    assert out.returncode == 0 and "restart" in out.stdout and "fault" not in out.stdout
+    assert "2.00 ms" in out.stdout
+    out = _cli("events", str(tmp_path / "empty"))
+    assert out.returncode == 1 and "no events" in out.stderr

@@ -1,0 +1,39 @@
+"""The one reader of TRAINGUARD_* variables."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from trainguard import _env
+from trainguard.errors import ConfigError
+
+
+def test_settings_read_known_variables() -> None:
+    s = _env.settings(
+        {
+            "TRAINGUARD_EVENTS_DIR": "/tmp/x",
+            "TRAINGUARD_STORE_ADDR": "node1:29500",
+            "TRAINGUARD_JOB_ID": " ",
+        }
+    )
+    assert s == _env.Settings(events_dir="/tmp/x", store_addr=("node1", 29500), job_id=None)
+
+
+@pytest.mark.parametrize("value", ["node1", ":29500", "node1:port", "node1:70000"])
+def test_bad_store_addr_names_the_fix(value: str) -> None:
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        _env.settings({"TRAINGUARD_STORE_ADDR": value})
+
+
+def test_unknown_variable_is_reported_once(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="trainguard._env"):
+        _env.settings({"TRAINGUARD_EVENT_DIR": "/tmp/typo"})
+        _env.settings({"TRAINGUARD_EVENT_DIR": "/tmp/typo"})
+    hits = [r for r in caplog.records if "TRAINGUARD_EVENT_DIR" in r.getMessage()]
+    assert len(hits) == 1
+
+
+def test_every_variable_has_the_prefix() -> None:
+    assert all(name.startswith("TRAINGUARD_") for name in _env.VARIABLES)
