@@ -472,6 +472,10 @@ class AsyncCheckpointer:
         except WriterDied:
             with contextlib.suppress(OSError):
                 os.unlink(file + ".tmp")
+            try:  # replace it now, so the next save does not wait for a start
+                self._writer.start()
+            except WriterDied as exc:
+                logger.warning("restarting the checkpoint writer failed (%s); will retry", exc)
             raise
         assert result is not None and result.job_id == job.handle.seq
         return result
