@@ -65,8 +65,10 @@ def assert_same(a, b, path="state") -> None:
         assert a.dtype == b.dtype and a.shape == b.shape, (path, a.dtype, b.dtype)
         ac, bc = a.contiguous(), b.contiguous()
         if a.numel():
-            assert torch.equal(ac.view(torch.uint8) if ac.dim() else ac.reshape(1).view(torch.uint8),
-                               bc.view(torch.uint8) if bc.dim() else bc.reshape(1).view(torch.uint8)), path
+            assert torch.equal(
+                ac.view(torch.uint8) if ac.dim() else ac.reshape(1).view(torch.uint8),
+                bc.view(torch.uint8) if bc.dim() else bc.reshape(1).view(torch.uint8),
+            ), path
     elif isinstance(a, dict):
         assert list(a) == list(b), (path, list(a), list(b))
         for k in a:

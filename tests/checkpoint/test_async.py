@@ -172,6 +172,7 @@ def test_killed_writer_fails_the_save_and_is_replaced(tmp_path: Path, no_leaks) 
         pid = ckpt.writer_pid
         os.kill(pid, signal.SIGSTOP)
         ckpt.save({"w": torch.randn(1 << 20)}, tmp_path / "doomed")
+        time.sleep(0.5)  # let the background thread hand the job to the stopped writer
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(CheckpointWriteError, match="writer process died"):
             ckpt.wait()
