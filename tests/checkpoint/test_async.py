@@ -157,7 +157,7 @@ def test_disk_full_is_reported_and_the_next_save_works(small_fs: Path, tmp_path:
 def test_read_only_directory_is_reported(readonly_dir: Path, tmp_path: Path) -> None:
     with AsyncCheckpointer() as ckpt:
         ckpt.save({"w": torch.ones(10)}, readonly_dir / "x")
-        with pytest.raises(CheckpointWriteError, match="EROFS|EACCES|Read-only|Permission"):
+        with pytest.raises(CheckpointWriteError, match=r"EROFS|EACCES|Read-only|Permission"):
             ckpt.wait()
         ckpt.save({"w": torch.ones(10)}, tmp_path / "y")
         ckpt.wait()
@@ -217,5 +217,5 @@ def test_latest_ignores_tmp_junk_and_missing(tmp_path: Path) -> None:
     (tmp_path / "junk").write_bytes(b"x" * 100)
     (tmp_path / "uncommitted").mkdir()
     assert latest(tmp_path) == tmp_path / "real"
-    with pytest.raises(CheckpointError, match="only a .tmp"):
+    with pytest.raises(CheckpointError, match=r"only a \.tmp"):
         load(tmp_path / "newer")
