@@ -147,6 +147,17 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def _check_space(fd: int, nbytes: int, path: str) -> None:
+    """Fail at once with ENOSPC when the file system cannot hold ``nbytes`` more (cheaper than
+    ``fallocate``, which on tmpfs zeroes every page before the data is written over it)."""
+    try:
+        st = os.fstatvfs(fd)
+    except OSError:
+        return
+    if st.f_bavail * st.f_frsize < nbytes:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while len(data):
         n = os.pwrite(fd, data, offset)
@@ -175,8 +186,7 @@ def write_file(
     tmp = path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
-        with contextlib.suppress(OSError):  # reserve the space: a full disk fails before writing
-            os.posix_fallocate(fd, 0, len(header) + data_nbytes)
+        _check_space(fd, len(header) + data_nbytes, tmp)
         hashes = _write_and_hash(fd, data[:data_nbytes], len(header), placed, hasher)
         final = encode_header(placed, metadata, hashes)
         if len(final) != len(header):
