@@ -71,7 +71,8 @@ def test_killing_the_writer_at_random_points(tmp_path: Path) -> None:
             assert handle is not None and handle.finished.is_set()
             assert not list(tmp_path.glob("*.tmp"))  # partial files are removed
             found = _check_latest(tmp_path)
-            assert found == (committed[-1] if committed else None)
+            # a writer killed between its rename and its reply leaves that step complete
+            assert found in (step, committed[-1] if committed else None)
     assert failures >= 1, "no kill landed mid-write: the test proved nothing"
 
 

@@ -46,6 +46,8 @@ def test_round_trip_is_bit_exact(ckpt, tmp_path) -> None:
     opt = torch.optim.Adam(model.parameters())
     opt.load_state_dict(back["optim"])
     model.load_state_dict(back["model"])
+    torch.set_rng_state(back["rng"])  # reads from the storage's start, not the tensor's
+    assert torch.equal(torch.get_rng_state(), state["rng"])
 
 
 def test_shared_storage_is_written_once_and_stays_shared(ckpt, tmp_path) -> None:

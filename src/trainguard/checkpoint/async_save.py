@@ -199,7 +199,7 @@ class AsyncCheckpointer:
         try:
             self._writer.start()
         except WriterDied as exc:
-            raise CheckpointWriteError(f"{exc}; is the main module importable?") from exc
+            raise CheckpointWriteError(str(exc)) from exc
         self._thread = threading.Thread(target=self._run, name="trainguard-ckpt", daemon=True)
         self._thread.start()
         self._committer: threading.Thread | None = None

@@ -336,10 +336,13 @@ def load_file(
     """Map a checkpoint file and rebuild its state; returns ``(state, header)``.
 
     Tensors are views of a private (copy-on-write) mapping of the file: nothing is read until it
-    is touched, and writing to a tensor never changes the file. ``verify`` checks every tensor's
-    checksum first (a mismatch raises :class:`CheckpointCorruptError` naming the tensor).
+    is touched, and writing to a tensor never changes the file. Each entry gets a storage of its
+    own that starts at its first byte (some torch functions, ``torch.set_rng_state`` among them,
+    ignore a tensor's storage offset). ``verify`` checks every tensor's checksum first (a
+    mismatch raises :class:`CheckpointCorruptError` naming the tensor). The mapping is released
+    when the last tensor is.
     """
-    import ctypes
+    import mmap
 
     import torch
 
@@ -351,14 +354,18 @@ def load_file(
             f"{header.path}: a safetensors file without trainguard metadata; open it with the "
             "safetensors package instead"
         )
-    whole = torch.from_file(header.path, shared=False, size=header.file_size, dtype=torch.uint8)
-    base = whole.data_ptr() + header.data_start
+    with open(header.path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), header.file_size, access=mmap.ACCESS_COPY)
+    start = header.data_start
     if verify:
         started = time.monotonic()
-        verify_entries(header, lambda b, e: (ctypes.c_char * (e - b)).from_address(base + b))
+        with memoryview(mm) as whole:
+            verify_entries(header, lambda b, e: whole[start + b : start + e])
         logger.debug("verified %s in %.3f s", header.path, time.monotonic() - started)
     data = {
-        name: whole[header.data_start + b : header.data_start + e]
+        name: torch.frombuffer(mm, dtype=torch.uint8, count=e - b, offset=start + b)
+        if e > b
+        else torch.empty(0, dtype=torch.uint8)
         for name, (_, _, b, e) in header.entries.items()
     }
     skeleton = json.loads(header.metadata.get("skeleton", "null"))

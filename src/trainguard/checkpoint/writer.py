@@ -2,8 +2,8 @@
 
 One :class:`WriterProcess` per checkpointer: started once with the ``spawn`` context (a fresh
 interpreter: no forked copy of the training process, its threads or its CUDA context), it runs
-at lowered CPU and I/O priority and writes every save of that checkpointer. It does not import
-torch unless it is asked for ``format="torch"``.
+at lowered CPU and I/O priority and writes every save of that checkpointer. It imports neither
+the training script (see :func:`_main_hidden`) nor torch, unless asked for ``format="torch"``.
 
 Protocol, over one duplex pipe (parent -> writer, then the writer's reply)::
 
@@ -35,8 +35,11 @@ import multiprocessing.connection
 import multiprocessing.reduction
 import os
 import platform
+import signal
+import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from trainguard.checkpoint.fileformat import PlacedEntry, fsync_dir, write_file
@@ -151,6 +154,9 @@ def _run_job(job: WriteJob, maps: dict[int, mmap.mmap], hasher: Any) -> WriteRes
 
 def _writer_main(conn: multiprocessing.connection.Connection, nice: int) -> None:
     """Entry point of the writer process."""
+    # Ctrl-C reaches the whole foreground process group: the training process decides what to
+    # do (close() finishes pending saves); the writer must not die with a half-written file.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _lower_priority(nice)
     maps: dict[int, mmap.mmap] = {}
     hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainguard-hash")
@@ -188,6 +194,35 @@ def _writer_main(conn: multiprocessing.connection.Connection, nice: int) -> None
 
 # --------------------------------------------------------------------------- parent side
 
+_start_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _main_hidden() -> Iterator[None]:
+    """Start a spawn child without re-running the program's main module in it.
+
+    ``spawn`` normally imports the parent's ``__main__`` again in the child (to find functions
+    defined there). The writer needs none of it: its entry point lives in this module. Hiding
+    ``__main__``'s file and spec while the child is launched keeps the writer from importing the
+    training script (and torch, and whatever that imports), which makes it start in a fraction
+    of a second and keeps an unguarded script from running twice.
+    """
+    main = sys.modules.get("__main__")
+    with _start_lock:
+        if main is None:
+            yield
+            return
+        saved: dict[str, Any] = {
+            k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__
+        }
+        main.__dict__.pop("__file__", None)
+        main.__dict__["__spec__"] = None
+        try:
+            yield
+        finally:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
+
 
 class WriterProcess:
     """Handle on one writer process (see the module docstring for the protocol).
@@ -220,7 +255,8 @@ class WriterProcess:
         proc = ctx.Process(
             target=_writer_main, args=(child, self.nice), name="trainguard-writer", daemon=True
         )
-        proc.start()
+        with _main_hidden():
+            proc.start()
         child.close()
         ready = multiprocessing.connection.wait([parent, proc.sentinel], self.start_timeout)
         if parent not in ready:
