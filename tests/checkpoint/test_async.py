@@ -219,3 +219,40 @@ def test_latest_ignores_tmp_junk_and_missing(tmp_path: Path) -> None:
     assert latest(tmp_path) == tmp_path / "real"
     with pytest.raises(CheckpointError, match=r"only a \.tmp"):
         load(tmp_path / "newer")
+
+
+def test_writer_is_light_and_low_priority(tmp_path: Path) -> None:
+    with AsyncCheckpointer(writer_nice=7) as ckpt:
+        ckpt.save({"w": torch.ones(10)}, tmp_path / "a")
+        ckpt.wait()
+        pid = ckpt.writer_pid
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        nice = int(stat[stat.rfind(")") + 2 :].split()[16])
+        assert nice >= 7
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert "libtorch" not in maps  # it neither imports torch nor re-runs __main__
+
+
+def test_explicit_store_makes_a_committed_directory(tmp_path: Path) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
+    commits: list[str] = []
+    with AsyncCheckpointer(store=store, rank=0, world_size=1) as ckpt:
+        ckpt.save({"w": torch.ones(3)}, tmp_path / "d", on_commit=lambda i: commits.append(i.path))
+        ckpt.wait()
+        ckpt.save({"w": torch.ones(3)}, tmp_path / "e", format="torch")
+        ckpt.wait()
+    assert commits == [str(tmp_path / "d")]
+    assert sorted(os.listdir(tmp_path / "d")) == ["COMMITTED", "rank00000.safetensors"]
+    assert torch.equal(load(tmp_path / "d")["w"], torch.ones(3))
+    assert torch.equal(load(tmp_path / "e")["w"], torch.ones(3))
+    assert latest(tmp_path) == tmp_path / "e"
+    (tmp_path / "d" / "COMMITTED").unlink()
+    from trainguard.errors import CheckpointUncommittedError
+
+    with pytest.raises(CheckpointUncommittedError, match="allow_uncommitted"):
+        load(tmp_path / "d")
+    assert torch.equal(load(tmp_path / "d", allow_uncommitted=True)["w"], torch.ones(3))
