@@ -152,3 +152,43 @@ def test_one_rank_failing_fails_the_commit_everywhere(tmp_path: Path, world_size
         assert r["files"] == [] and r["refused"] is True
         assert r["latest_after_failure"] == str(tmp_path / "step1")
         assert r["latest"] == str(tmp_path / "step3") and r["step3"] == 3
+
+
+def _one_rank_skips(root: str) -> dict:
+    from trainguard.checkpoint import AsyncCheckpointer, latest
+    from trainguard.errors import CheckpointWriteError
+
+    dist, rank, _, _ = _setup()
+    out: dict = {}
+    try:
+        with AsyncCheckpointer(commit_timeout=60) as ckpt:
+            if rank == 1:
+                os.kill(ckpt.writer_pid, signal.SIGSTOP)  # rank 1 is still writing step1...
+            first = ckpt.save(_state(rank, 1), f"{root}/step1")
+            if rank == 0:
+                assert first is not None and first.written.wait(30)  # ...rank 0 is not
+            out["step2"] = ckpt.save(_state(rank, 2), f"{root}/step2", if_busy="skip") is not None
+            if rank == 1:
+                time.sleep(0.3)
+                os.kill(ckpt.writer_pid, signal.SIGCONT)
+            try:
+                ckpt.wait()
+                out["error"] = None
+            except CheckpointWriteError as exc:
+                out["error"] = exc.causes
+            ckpt.save(_state(rank, 3), f"{root}/step3")  # the ranks agree again
+            ckpt.wait()
+            out["latest"] = str(latest(root))
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def test_a_rank_that_skips_fails_that_checkpoint_on_the_others(tmp_path: Path) -> None:
+    r0, r1 = (r.get() for r in run_ranks(_one_rank_skips, 2, args=(str(tmp_path),), timeout=150))
+    assert r0["step2"] is True and r1["step2"] is False
+    assert list(r0["error"]) == [1] and "skipped" in r0["error"][1]
+    assert r1["error"] is None  # it knew: save() returned None
+    assert (tmp_path / "step1" / "COMMITTED").exists()
+    assert not (tmp_path / "step2" / "COMMITTED").exists()
+    assert r0["latest"] == r1["latest"] == str(tmp_path / "step3")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import json
 import logging
@@ -97,8 +98,20 @@ class _Job:
     requested: float
     cuda_stream: Any = None
     retired: StagingBuffer | None = None  # a buffer this job's larger one replaced
+    commit_key: str = ""
     staged_at: float = 0.0
     nbytes: int = 0
+
+
+@dataclasses.dataclass
+class _CommitItem:
+    """One report to the store: for a job, or (job None) for a save that failed or was skipped
+    before it reached the writer, so that the other ranks do not wait for this rank's part."""
+
+    job: _Job | None
+    key: str
+    path: str
+    error: str | None
 
 
 class AsyncCheckpointer:
@@ -203,7 +216,8 @@ class AsyncCheckpointer:
         self._thread = threading.Thread(target=self._run, name="trainguard-ckpt", daemon=True)
         self._thread.start()
         self._committer: threading.Thread | None = None
-        self._commits: queue.SimpleQueue[tuple[_Job, str | None] | None] = queue.SimpleQueue()
+        self._commits: queue.SimpleQueue[_CommitItem | None] = queue.SimpleQueue()
+        self._occurrences: dict[str, int] = {}
         if self.distributed:
             self._committer = threading.Thread(
                 target=self._run_commits, name="trainguard-ckpt-commit", daemon=True
@@ -228,7 +242,8 @@ class AsyncCheckpointer:
 
         Every rank calls it with the same ``path``, in the same order. Returns a
         :class:`SaveHandle`, or None when ``if_busy="skip"`` and the previous save is still
-        being written. Raises the error of an earlier failed save first. Objects JSON cannot hold
+        being written (with several ranks, a rank that skips makes that checkpoint fail on the
+        others, which name it as the cause; a save that raises here does the same). Raises the error of an earlier failed save first. Objects JSON cannot hold
         need ``pickle=True`` (and ``allow_pickle=True`` to load). ``format="torch"`` writes a
         file that ``torch.load(weights_only=True)`` reads.
         """
@@ -241,6 +256,7 @@ class AsyncCheckpointer:
         self.poll()
         path = os.fspath(path)
         events.emit("ckpt_requested", path=path, overlap=overlap, format=format)
+        key = self._commit_key(path)
         last = self._last
         if last is not None and not last.handle.written.is_set():
             if if_busy == "skip":
@@ -248,20 +264,31 @@ class AsyncCheckpointer:
                 logger.info(
                     "checkpoint %s skipped: %s is still being written", path, last.handle.path
                 )
+                if self.distributed:  # the other ranks' parts of it cannot be committed
+                    reason = f"skipped the save (if_busy='skip'): {last.handle.path} was busy"
+                    self._commits.put(_CommitItem(None, key, path, reason))
                 return None
             last.handle.written.wait()
-        flat = flatten(state, pickle=pickle)
-        placed, data_nbytes = place(flat.entries)
-        buffer, replaced = self._stager.ensure(data_nbytes)
-        seq = next(self._seq)
-        file = os.path.join(path, part_name(self.rank, format)) if self.distributed else path
-        handle = SaveHandle(seq, path, file)
-        job = _Job(handle, flat, placed, buffer, format, overlap, on_durable, on_commit, requested)
-        job.retired = replaced
-        if any(e.source.is_cuda for e in flat.entries):
-            job.cuda_stream = torch.cuda.current_stream()
-        if not overlap:
-            self._stage(job)
+        try:
+            flat = flatten(state, pickle=pickle)
+            placed, data_nbytes = place(flat.entries)
+            buffer, replaced = self._stager.ensure(data_nbytes)
+            seq = next(self._seq)
+            file = os.path.join(path, part_name(self.rank, format)) if self.distributed else path
+            handle = SaveHandle(seq, path, file)
+            job = _Job(
+                handle, flat, placed, buffer, format, overlap, on_durable, on_commit, requested
+            )
+            job.commit_key = key
+            job.retired = replaced
+            if any(e.source.is_cuda for e in flat.entries):
+                job.cuda_stream = torch.cuda.current_stream()
+            if not overlap:
+                self._stage(job)
+        except Exception as exc:  # raised here; the other ranks learn it through the store
+            if self.distributed:
+                self._commits.put(_CommitItem(None, key, path, f"{type(exc).__name__}: {exc}"))
+            raise
         self._last = job
         self._pending.append(handle)
         self._jobs.put(job)
@@ -433,7 +460,7 @@ class AsyncCheckpointer:
                 )
                 self._results.put(("durable", job))
             if self.distributed:
-                self._commits.put((job, error))
+                self._commits.put(_CommitItem(job, job.commit_key, job.handle.path, error))
             else:
                 self._finish(job, {} if error is None else {0: error})
 
@@ -480,29 +507,47 @@ class AsyncCheckpointer:
         assert result is not None and result.job_id == job.handle.seq
         return result
 
+    def _commit_key(self, path: str) -> str:
+        """Store prefix for this save: the path and how often this rank has saved to it.
+
+        Every rank computes the same key for the same save, whatever it did with earlier ones
+        (a rank that skips or fails a save still reports it), so a late rank can never count
+        toward the wrong checkpoint.
+        """
+        if not self.distributed:
+            return ""
+        n = self._occurrences.get(path, 0)
+        self._occurrences[path] = n + 1
+        digest = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:16]
+        return f"{self._key_base}/{digest}/{n}"
+
     def _run_commits(self) -> None:
         while True:
             item = self._commits.get()
             if item is None:
                 return
-            job, error = item
             try:
                 causes = _commit.report(
                     self._store,
-                    f"{self._key_base}/{job.handle.seq}",
+                    item.key,
                     rank=self.rank,
                     world_size=self.world_size,
-                    error=error,
-                    directory=job.handle.path,
-                    marker_info={"world_size": self.world_size, "format": job.format},
+                    error=item.error,
+                    directory=item.path,
+                    marker_info={
+                        "world_size": self.world_size,
+                        "format": item.job.format if item.job else None,
+                    },
                     timeout=self.commit_timeout,
                 )
             except Exception as exc:
                 causes = {self.rank: f"store failed during commit: {exc}"}
-            if causes and error is None:  # another rank failed: do not leave our part behind
+            if item.job is None:
+                continue  # this rank already knows (save() raised or returned None)
+            if causes and item.error is None:  # another rank failed: leave no part behind
                 with contextlib.suppress(OSError):
-                    os.unlink(job.handle.file)
-            self._finish(job, causes)
+                    os.unlink(item.job.handle.file)
+            self._finish(item.job, causes)
 
     def _finish(self, job: _Job, causes: dict[int, str]) -> None:
         handle = job.handle
