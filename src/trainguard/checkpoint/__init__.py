@@ -14,6 +14,15 @@ Modules: :mod:`.layout` (state <-> entries + JSON skeleton), :mod:`.fileformat`
 (safetensors-compatible files with checksums), :mod:`.staging` (shared-memory buffers),
 :mod:`.writer` (the writer process), :mod:`.async_save` (the checkpointer, load, latest).
 
+Building blocks for other checkpoint kinds (local checkpoints with replication reuse them):
+:func:`.layout.flatten` gives entries and a skeleton; :func:`.fileformat.place` gives each entry
+its offset in the data section; :class:`.staging.Stager` copies the entries to those offsets in a
+shared-memory :class:`.staging.StagingBuffer` (whose ``tensor[:nbytes]`` is then exactly the
+file's data section, ready to send in one message); a :class:`.writer.WriterProcess` given a
+:class:`.writer.WriteJob` writes it durably with :func:`.fileformat.write_file`, which accepts
+any buffer holding a data section (a received copy too); :func:`.fileformat.read_header`,
+:func:`.fileformat.verify_entries` and :func:`.fileformat.load_file` check and read files.
+
 Names are imported on first use, so that importing this package (as the writer process does)
 does not import torch.
 """

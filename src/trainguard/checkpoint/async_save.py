@@ -147,7 +147,9 @@ class AsyncCheckpointer:
         commit_timeout: seconds a rank waits for the other ranks' parts before failing.
         writer_nice: nice increment of the writer process.
         start_timeout: seconds to wait for the writer process to start.
-        key_prefix: prefix of the store keys this checkpointer uses.
+        key_prefix: prefix of the store keys this checkpointer uses. With several ranks, every
+            rank must create its checkpointers in the same order (each gets a generation number
+            from the store, so keys of an earlier checkpointer never count for a later one).
     """
 
     def __init__(
