@@ -256,3 +256,18 @@ def test_explicit_store_makes_a_committed_directory(tmp_path: Path) -> None:
     with pytest.raises(CheckpointUncommittedError, match="allow_uncommitted"):
         load(tmp_path / "d")
     assert torch.equal(load(tmp_path / "d", allow_uncommitted=True)["w"], torch.ones(3))
+
+
+def test_example_runs(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "async_checkpoint.py"
+    out = subprocess.run(
+        [sys.executable, str(example), "--root", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "resumed run matches the uninterrupted one: True" in out.stdout

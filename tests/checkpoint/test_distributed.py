@@ -164,6 +164,7 @@ def _one_rank_skips(root: str) -> dict:
         with AsyncCheckpointer(commit_timeout=60) as ckpt:
             if rank == 1:
                 os.kill(ckpt.writer_pid, signal.SIGSTOP)  # rank 1 is still writing step1...
+            started = time.monotonic()
             first = ckpt.save(_state(rank, 1), f"{root}/step1")
             if rank == 0:
                 assert first is not None and first.written.wait(30)  # ...rank 0 is not
@@ -178,6 +179,7 @@ def _one_rank_skips(root: str) -> dict:
                 out["error"] = exc.causes
             ckpt.save(_state(rank, 3), f"{root}/step3")  # the ranks agree again
             ckpt.wait()
+            out["seconds"] = time.monotonic() - started  # no wait for a commit timeout (60 s)
             out["latest"] = str(latest(root))
     finally:
         dist.destroy_process_group()
@@ -192,3 +194,4 @@ def test_a_rank_that_skips_fails_that_checkpoint_on_the_others(tmp_path: Path) -
     assert (tmp_path / "step1" / "COMMITTED").exists()
     assert not (tmp_path / "step2" / "COMMITTED").exists()
     assert r0["latest"] == r1["latest"] == str(tmp_path / "step3")
+    assert r0["seconds"] < 30 and r1["seconds"] < 30, (r0, r1)

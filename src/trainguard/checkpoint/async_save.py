@@ -199,7 +199,10 @@ class AsyncCheckpointer:
         )
         self._writer = WriterProcess(nice=writer_nice, start_timeout=start_timeout)
         self._seq = itertools.count()
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        # jobs, and reports of saves that never reached the writer, in save order: every rank
+        # must report its saves to the store in the same order, or two ranks could each wait
+        # for an outcome that needs the other's next report
+        self._jobs: queue.SimpleQueue[_Job | _CommitItem | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[tuple[str, _Job]] = queue.SimpleQueue()
         self._pending: list[SaveHandle] = []
         self._last: _Job | None = None
@@ -268,7 +271,7 @@ class AsyncCheckpointer:
                 )
                 if self.distributed:  # the other ranks' parts of it cannot be committed
                     reason = f"skipped the save (if_busy='skip'): {last.handle.path} was busy"
-                    self._commits.put(_CommitItem(None, key, path, reason))
+                    self._jobs.put(_CommitItem(None, key, path, reason))
                 return None
             last.handle.written.wait()
         try:
@@ -289,7 +292,7 @@ class AsyncCheckpointer:
                 self._stage(job)
         except Exception as exc:  # raised here; the other ranks learn it through the store
             if self.distributed:
-                self._commits.put(_CommitItem(None, key, path, f"{type(exc).__name__}: {exc}"))
+                self._jobs.put(_CommitItem(None, key, path, f"{type(exc).__name__}: {exc}"))
             raise
         self._last = job
         self._pending.append(handle)
@@ -425,6 +428,9 @@ class AsyncCheckpointer:
             job = self._jobs.get()
             if job is None:
                 return
+            if isinstance(job, _CommitItem):
+                self._commits.put(job)
+                continue
             try:
                 if not job.handle.staged.is_set():
                     self._stage(job)
