@@ -213,7 +213,9 @@ class AsyncCheckpointer:
         if self.distributed:
             generation = (store.add(f"{key_prefix}/instances", 1) - 1) // self.world_size
             self._key_base = f"{key_prefix}/{generation}"
+            # a client of our own: a pending wait() holds a TCPStore client for its duration
             self._store = store.clone() if hasattr(store, "clone") else store
+            self._store_origin = store  # keeps rank 0's store server alive while we need it
         try:
             self._writer.start()
         except WriterDied as exc:
