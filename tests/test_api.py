@@ -14,7 +14,17 @@ import pytest
 import trainguard
 from trainguard import errors
 
-PACKAGES = ["trainguard", "trainguard.errors", "trainguard.events"]
+PACKAGES = [
+    "trainguard",
+    "trainguard.checkpoint",
+    "trainguard.checkpoint.async_save",
+    "trainguard.checkpoint.fileformat",
+    "trainguard.checkpoint.layout",
+    "trainguard.checkpoint.staging",
+    "trainguard.checkpoint.writer",
+    "trainguard.errors",
+    "trainguard.events",
+]
 
 
 @pytest.mark.parametrize("name", PACKAGES)

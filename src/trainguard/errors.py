@@ -7,6 +7,11 @@ Every error the library raises on purpose derives from :class:`TrainguardError`:
     ├── CoordinationError        the coordination store misbehaved or a barrier timed out
     ├── RestartError             in-process restart could not continue (too few ranks, ...)
     └── CheckpointError          a checkpoint could not be written, committed or loaded
+        ├── CheckpointWriteError         staging, writing or committing failed (disk full,
+        │                                permission denied, writer killed, a rank failed)
+        ├── CheckpointCorruptError       a file is truncated, malformed or fails its checksum
+        ├── CheckpointUncommittedError   a multi-rank checkpoint has no commit marker
+        └── CheckpointPickleError        a leaf needs pickle and pickle was not allowed
 
 Later modules add subclasses under these branches. A failure that one rank detects surfaces
 as the *same* type on every rank; ``causes`` maps each rank that reported a cause to a short
@@ -18,7 +23,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 __all__ = [
+    "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointPickleError",
+    "CheckpointUncommittedError",
+    "CheckpointWriteError",
     "ConfigError",
     "CoordinationError",
     "RestartError",
@@ -74,3 +83,25 @@ class RestartError(TrainguardError):
 
 class CheckpointError(TrainguardError):
     """A checkpoint could not be staged, written, committed, verified or loaded."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A save failed in the background: staging, the writer process, the file system, or the
+    commit (another rank failed). Raised by the next ``poll``/``wait``/``save`` on every rank,
+    with ``causes`` naming each failed rank's reason. The next save may be tried again."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint file is truncated or malformed, or a tensor fails its checksum (the message
+    names the tensor)."""
+
+
+class CheckpointUncommittedError(CheckpointError):
+    """A multi-rank checkpoint directory has no commit marker: some rank's part never became
+    durable. Load it anyway with ``allow_uncommitted=True``."""
+
+
+class CheckpointPickleError(CheckpointError):
+    """A leaf of the state is neither a tensor nor JSON-representable, or a file holds pickled
+    leaves, and pickle was not allowed (``pickle=True`` on save, ``allow_pickle=True`` on load).
+    The message names the key."""

@@ -1,0 +1,50 @@
+"""Asynchronous, verifiable checkpoints.
+
+::
+
+    from trainguard.checkpoint import AsyncCheckpointer, latest, load
+
+    with AsyncCheckpointer() as ckpt:             # one persistent writer process
+        ckpt.protect(optimizer)                   # fence overlapped staging before step()
+        ckpt.save(state, "ckpt/step100", on_durable=print)
+        ckpt.poll()                               # callbacks and errors, never blocks
+    state = load(latest("ckpt"))
+
+Modules: :mod:`.layout` (state <-> entries + JSON skeleton), :mod:`.fileformat`
+(safetensors-compatible files with checksums), :mod:`.staging` (shared-memory buffers),
+:mod:`.writer` (the writer process), :mod:`.async_save` (the checkpointer, load, latest).
+
+Building blocks for other checkpoint kinds (local checkpoints with replication reuse them):
+:func:`.layout.flatten` gives entries and a skeleton; :func:`.fileformat.place` gives each entry
+its offset in the data section; :class:`.staging.Stager` copies the entries to those offsets in a
+shared-memory :class:`.staging.StagingBuffer` (whose ``tensor[:nbytes]`` is then exactly the
+file's data section, ready to send in one message); a :class:`.writer.WriterProcess` given a
+:class:`.writer.WriteJob` writes it durably with :func:`.fileformat.write_file`, which accepts
+any buffer holding a data section (a received copy too); :func:`.fileformat.read_header`,
+:func:`.fileformat.verify_entries` and :func:`.fileformat.load_file` check and read files.
+
+Names are imported on first use, so that importing this package (as the writer process does)
+does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainguard.checkpoint.async_save import (
+        AsyncCheckpointer,
+        SaveHandle,
+        SaveInfo,
+        latest,
+        load,
+    )
+
+__all__ = ["AsyncCheckpointer", "SaveHandle", "SaveInfo", "latest", "load"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return getattr(importlib.import_module("trainguard.checkpoint.async_save"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,127 @@
+"""Loading checkpoints written by AsyncCheckpointer, and finding the newest one.
+
+Re-exported by :mod:`trainguard.checkpoint.async_save` and :mod:`trainguard.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainguard import events
+from trainguard.checkpoint import _commit
+from trainguard.checkpoint.fileformat import FileHeader, load_file, read_header
+from trainguard.errors import CheckpointError, CheckpointUncommittedError
+
+_FORMATS = ("trainguard", "torch")
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def part_name(rank: int, format: str) -> str:
+    """File name of one rank's part inside a multi-rank checkpoint directory."""
+    return f"rank{rank:05d}" + (".pt" if format == "torch" else ".safetensors")
+
+
+def _resolve(path: str, rank: int | None, allow_uncommitted: bool) -> str:
+    if not os.path.isdir(path):
+        if not os.path.exists(path):
+            hint = (
+                " (only a .tmp file exists: that save never completed)"
+                if os.path.exists(path + ".tmp")
+                else ""
+            )
+            raise CheckpointError(f"no checkpoint at {path}{hint}")
+        return path
+    marker = os.path.join(path, _commit.MARKER)
+    info: dict[str, Any] = {}
+    if os.path.exists(marker):
+        with open(marker) as f:
+            info = json.load(f)
+    elif not allow_uncommitted:
+        raise CheckpointUncommittedError(
+            f"{path} has no {_commit.MARKER} marker: not every rank's part became durable; "
+            "load an older checkpoint, or pass allow_uncommitted=True"
+        )
+    if rank is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank()
+        elif info.get("world_size", 1) == 1:
+            rank = 0
+        else:
+            raise CheckpointError(
+                f"{path} holds {info['world_size']} ranks' parts; pass rank= to choose one"
+            )
+    for fmt in _FORMATS:
+        file = os.path.join(path, part_name(rank, fmt))
+        if os.path.exists(file):
+            return file
+    raise CheckpointError(f"{path} has no part for rank {rank}")
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    rank: int | None = None,
+    verify: bool = True,
+    allow_pickle: bool = False,
+    allow_uncommitted: bool = False,
+) -> Any:
+    """Load a checkpoint written by :class:`AsyncCheckpointer`; returns the nested state.
+
+    ``path`` is a file (single process) or a multi-rank directory, of which this rank's part is
+    loaded (``rank`` defaults to the torch.distributed rank). Tensors are views of a private
+    memory map of the file. ``verify`` checks every tensor's checksum. Refuses a directory without
+    a commit marker unless ``allow_uncommitted``. ``format="torch"`` files are read with
+    ``torch.load(weights_only=not allow_pickle, mmap=True)``.
+    """
+    started = time.monotonic()
+    file = _resolve(os.fspath(path), rank, allow_uncommitted)
+    with open(file, "rb") as f:
+        magic = f.read(4)
+    if magic == _ZIP_MAGIC:
+        state = torch.load(file, weights_only=not allow_pickle, mmap=True)
+    else:
+        state, _ = load_file(file, verify=verify, allow_pickle=allow_pickle)
+    events.emit(
+        "ckpt_load",
+        duration=time.monotonic() - started,
+        bytes=os.path.getsize(file),
+        path=os.fspath(path),
+        verified=verify,
+    )
+    return state
+
+
+def _committed_time(entry: Path) -> float | None:
+    """mtime of a complete checkpoint at ``entry`` (file or committed directory), else None."""
+    try:
+        if entry.is_dir():
+            return (entry / _commit.MARKER).stat().st_mtime
+        if entry.name.endswith(".tmp"):
+            return None
+        with open(entry, "rb") as f:
+            magic = f.read(4)
+        if magic != _ZIP_MAGIC:
+            header: FileHeader = read_header(entry)
+            if not header.is_trainguard:
+                return None
+        return entry.stat().st_mtime
+    except (OSError, CheckpointError, ValueError):
+        return None
+
+
+def latest(root: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint directly under ``root`` (a committed directory or a whole
+    checkpoint file; ``.tmp`` files never count), or None. Newest = latest commit time."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    found = [(t, p.name, p) for p in root.iterdir() if (t := _committed_time(p)) is not None]
+    return max(found)[2] if found else None

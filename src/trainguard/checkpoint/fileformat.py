@@ -1,0 +1,372 @@
+"""The checkpoint file: a safetensors-compatible container with a checksum per tensor.
+
+Layout (any safetensors reader opens it)::
+
+    u64 little-endian N | N bytes of JSON header, padded with spaces | data
+    header = {"__metadata__": {"format": "trainguard", "format_version": "1",
+                               "skeleton": "<JSON>", "checksums": "<JSON name -> hex>",
+                               "checksum": "xxh3_64", "rank": "0", "world_size": "1"},
+              "<entry>": {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, ...}
+
+- ``8 + N`` is a multiple of :data:`ALIGN` (4096), so the data starts on a page: the file can
+  be written and read with direct I/O and mapped with the data page-aligned.
+- Entries follow each other without gaps (safetensors requires that), ordered by the largest
+  element size that views them, so every tensor starts aligned to its element size.
+- Checksums are xxh3-64 of each entry's bytes, as 16 hex digits. The header is written with
+  placeholder digits of the same length first, so its size is known before the data is hashed.
+
+Writing (:func:`write_file`) and header parsing need no torch; that lets the writer process
+start without importing torch. Loading (:func:`load_file`) maps the file and returns tensors that
+are views of the mapping.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import errno
+import json
+import logging
+import os
+import struct
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import xxhash
+
+from trainguard.errors import CheckpointCorruptError
+
+__all__ = [  # noqa: RUF022 (plain sorted order, as tests/test_api.py checks)
+    "ALIGN",
+    "FORMAT",
+    "FileHeader",
+    "PlacedEntry",
+    "SAFETENSORS_DTYPES",
+    "checksum",
+    "encode_header",
+    "fsync_dir",
+    "load_file",
+    "place",
+    "read_header",
+    "verify_entries",
+    "write_file",
+]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "trainguard"
+FORMAT_VERSION = "1"
+ALIGN = 4096
+CHUNK = 64 << 20  # bytes per write call (and per hash step)
+_PLACEHOLDER = "0" * 16
+_MAX_HEADER = 100 << 20  # safetensors' own limit
+
+#: torch dtype name -> safetensors dtype code (dtypes not listed are stored as U8 bytes).
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "uint16": "U16",
+    "uint32": "U32",
+    "uint64": "U64",
+    "bool": "BOOL",
+    "complex64": "C64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacedEntry:
+    """An entry with its place in the data section (``offset`` counts from the data start)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def place(entries: Sequence[Any]) -> tuple[list[PlacedEntry], int]:
+    """Assign data offsets to entries (objects with name, dtype, shape, nbytes, align).
+
+    Returns the placed entries in offset order and the data section's size. Staging copies each
+    entry to the same offset in its buffer, so the buffer *is* the data section.
+    """
+    order = sorted(range(len(entries)), key=lambda i: -entries[i].align)
+    placed, offset = [], 0
+    for i in order:
+        e = entries[i]
+        placed.append(PlacedEntry(e.name, e.dtype, tuple(e.shape), offset, e.nbytes))
+        offset += e.nbytes
+    return placed, offset
+
+
+def checksum(data: Any) -> str:
+    """xxh3-64 of a buffer, 16 hex digits (the GIL is released while hashing)."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def encode_header(
+    placed: Sequence[PlacedEntry], metadata: dict[str, str], checksums: dict[str, str]
+) -> bytes:
+    """The header bytes including the 8-byte length, padded so the data starts on ALIGN."""
+    meta = dict(metadata)
+    meta.update(format=FORMAT, format_version=FORMAT_VERSION, checksum="xxh3_64")
+    meta["checksums"] = json.dumps(checksums, separators=(",", ":"))
+    header: dict[str, Any] = {"__metadata__": meta}
+    for e in placed:
+        header[e.name] = {
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "data_offsets": [e.offset, e.offset + e.nbytes],
+        }
+    body = json.dumps(header, separators=(",", ":")).encode()
+    total = 8 + len(body)
+    body += b" " * (-total % ALIGN)
+    return struct.pack("<Q", len(body)) + body
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync a directory so that a rename or a new file in it survives a power loss."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # some file systems (tmpfs on old kernels) refuse: nothing to lose
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _check_space(fd: int, nbytes: int, path: str) -> None:
+    """Fail at once with ENOSPC when the file system cannot hold ``nbytes`` more (cheaper than
+    ``fallocate``, which on tmpfs zeroes every page before the data is written over it)."""
+    try:
+        st = os.fstatvfs(fd)
+    except OSError:
+        return
+    if st.f_bavail * st.f_frsize < nbytes:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def write_file(
+    path: str,
+    data: memoryview,
+    placed: Sequence[PlacedEntry],
+    metadata: dict[str, str],
+    *,
+    fsync: bool = True,
+    hasher: concurrent.futures.Executor | None = None,
+) -> int:
+    """Write a checkpoint file durably and atomically; returns the file's size.
+
+    ``data`` is the data section (placed entries at their offsets), typically a view of a
+    staging buffer in shared memory: it is written straight from there, in large chunks, while
+    another thread hashes the chunk just written. The file appears under ``path`` only complete:
+    it is written as ``path + ".tmp"``, fsynced, renamed, and the directory fsynced. On any error
+    the partial ``.tmp`` file is removed and the error is raised.
+    """
+    data_nbytes = placed[-1].offset + placed[-1].nbytes if placed else 0
+    header = encode_header(placed, metadata, {e.name: _PLACEHOLDER for e in placed})
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        _check_space(fd, len(header) + data_nbytes, tmp)
+        hashes = _write_and_hash(fd, data[:data_nbytes], len(header), placed, hasher)
+        final = encode_header(placed, metadata, hashes)
+        if len(final) != len(header):
+            raise AssertionError("header size changed after hashing")
+        _pwrite_all(fd, memoryview(final), 0)
+        if fsync:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
+    try:
+        os.rename(tmp, path)
+        if fsync:
+            fsync_dir(os.path.dirname(os.path.abspath(path)))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return len(header) + data_nbytes
+
+
+def _write_and_hash(
+    fd: int,
+    data: memoryview,
+    base: int,
+    placed: Sequence[PlacedEntry],
+    hasher: concurrent.futures.Executor | None,
+) -> dict[str, str]:
+    states = [xxhash.xxh3_64() for _ in placed]
+    cursor = [0]  # first entry not yet fully hashed
+
+    def hash_range(lo: int, hi: int) -> None:
+        i = cursor[0]
+        while i < len(placed):
+            e = placed[i]
+            start, end = max(e.offset, lo), min(e.offset + e.nbytes, hi)
+            if start < end:
+                states[i].update(data[start:end])
+            if e.offset + e.nbytes > hi:
+                break
+            i += 1
+        cursor[0] = i
+
+    pending: concurrent.futures.Future[None] | None = None
+    for lo in range(0, len(data), CHUNK):
+        hi = min(lo + CHUNK, len(data))
+        _pwrite_all(fd, data[lo:hi], base + lo)
+        if pending is not None:
+            pending.result()
+        if hasher is not None:
+            pending = hasher.submit(hash_range, lo, hi)
+        else:
+            hash_range(lo, hi)
+    if pending is not None:
+        pending.result()
+    return {e.name: s.hexdigest() for e, s in zip(placed, states, strict=True)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FileHeader:
+    """A parsed header: where the data starts, the entries, and the metadata strings."""
+
+    path: str
+    data_start: int
+    file_size: int
+    entries: dict[str, tuple[str, list[int], int, int]]  # name -> (dtype, shape, begin, end)
+    metadata: dict[str, str]
+
+    @property
+    def is_trainguard(self) -> bool:
+        return self.metadata.get("format") == FORMAT
+
+    def checksums(self) -> dict[str, str]:
+        return dict(json.loads(self.metadata.get("checksums", "{}")))
+
+
+def read_header(path: str | os.PathLike[str]) -> FileHeader:
+    """Parse and check a file's header; :class:`CheckpointCorruptError` names what is wrong."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointCorruptError(
+                f"{path}: truncated: {size} bytes, too short to hold a header"
+            )
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise CheckpointCorruptError(
+                f"{path}: truncated or not a checkpoint: the header claims {n} bytes but the "
+                f"file has {size}"
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+        metadata = header.pop("__metadata__", None) or {}
+        entries = {}
+        end = 0
+        for name, info in header.items():
+            begin, stop = (int(x) for x in info["data_offsets"])
+            entries[name] = (str(info["dtype"]), [int(s) for s in info["shape"]], begin, stop)
+            end = max(end, stop)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointCorruptError(f"{path}: malformed header: {exc}") from exc
+    if 8 + n + end > size:
+        raise CheckpointCorruptError(
+            f"{path}: truncated: the header describes {8 + n + end} bytes but the file has {size}"
+        )
+    return FileHeader(path, 8 + n, size, entries, dict(metadata))
+
+
+def verify_entries(
+    header: FileHeader, view: Callable[[int, int], Any], *, threads: int = 2
+) -> None:
+    """Check every entry's checksum; ``view(begin, end)`` returns a buffer of the data bytes."""
+    expected = header.checksums()
+    names = [n for n in header.entries if n in expected]
+    missing = [n for n in header.entries if n not in expected]
+    if missing:
+        raise CheckpointCorruptError(f"{header.path}: no checksum for tensor(s) {missing[:5]}")
+
+    def check(name: str) -> str | None:
+        _, _, begin, end = header.entries[name]
+        return None if checksum(view(begin, end)) == expected[name] else name
+
+    if threads > 1 and len(names) > 1:
+        with concurrent.futures.ThreadPoolExecutor(threads, "trainguard-verify") as pool:
+            bad = [n for n in pool.map(check, names) if n]
+    else:
+        bad = [n for n in map(check, names) if n]
+    if bad:
+        raise CheckpointCorruptError(
+            f"{header.path}: checksum mismatch in tensor {bad[0]!r}"
+            + (f" (and {len(bad) - 1} more: {bad[1:5]})" if len(bad) > 1 else "")
+            + "; the file is corrupt, load an older checkpoint"
+        )
+
+
+def load_file(
+    path: str | os.PathLike[str], *, verify: bool = True, allow_pickle: bool = False
+) -> tuple[Any, FileHeader]:
+    """Map a checkpoint file and rebuild its state; returns ``(state, header)``.
+
+    Tensors are views of a private (copy-on-write) mapping of the file: nothing is read until it
+    is touched, and writing to a tensor never changes the file. Each entry gets a storage of its
+    own that starts at its first byte (some torch functions, ``torch.set_rng_state`` among them,
+    ignore a tensor's storage offset). ``verify`` checks every tensor's checksum first (a
+    mismatch raises :class:`CheckpointCorruptError` naming the tensor). The mapping is released
+    when the last tensor is.
+    """
+    import mmap
+
+    import torch
+
+    from trainguard.checkpoint.layout import unflatten
+
+    header = read_header(path)
+    if not header.is_trainguard:
+        raise CheckpointCorruptError(
+            f"{header.path}: a safetensors file without trainguard metadata; open it with the "
+            "safetensors package instead"
+        )
+    with open(header.path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), header.file_size, access=mmap.ACCESS_COPY)
+    start = header.data_start
+    if verify:
+        started = time.monotonic()
+        with memoryview(mm) as whole:
+            verify_entries(header, lambda b, e: whole[start + b : start + e])
+        logger.debug("verified %s in %.3f s", header.path, time.monotonic() - started)
+    data = {
+        name: torch.frombuffer(mm, dtype=torch.uint8, count=e - b, offset=start + b)
+        if e > b
+        else torch.empty(0, dtype=torch.uint8)
+        for name, (_, _, b, e) in header.entries.items()
+    }
+    skeleton = json.loads(header.metadata.get("skeleton", "null"))
+    return unflatten(skeleton, data, allow_pickle=allow_pickle), header

@@ -1,0 +1,348 @@
+"""The persistent background writer process and its protocol.
+
+One :class:`WriterProcess` per checkpointer: started once with the ``spawn`` context (a fresh
+interpreter: no forked copy of the training process, its threads or its CUDA context), it runs
+at lowered CPU and I/O priority and writes every save of that checkpointer. It imports neither
+the training script (see :func:`_main_hidden`) nor torch, unless asked for ``format="torch"``.
+
+Protocol, over one duplex pipe (parent -> writer, then the writer's reply)::
+
+    writer  -> ("ready", pid)                               handshake after start
+    parent  -> ("attach", buffer_id, nbytes) + the memfd    (send_handle) map a staging buffer
+    parent  -> ("detach", buffer_id)                        unmap it
+    parent  -> ("write", WriteJob)
+    writer  -> ("done", job_id, {"bytes", "seconds"})  or  ("error", job_id, {...})
+    parent  -> None                                         stop sentinel
+    writer  -> ("bye",)
+
+Jobs are answered in order. If the parent dies, the writer finishes the job at hand (its bytes
+are a consistent snapshot) and exits when it reads end-of-file. If the writer dies, the parent
+sees its sentinel; :meth:`WriterProcess.result` raises :class:`WriterDied` and the caller removes
+the partial file and starts a new writer for the next save.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import ctypes
+import dataclasses
+import errno
+import logging
+import mmap
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.reduction
+import os
+import platform
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from trainguard.checkpoint.fileformat import PlacedEntry, fsync_dir, write_file
+
+__all__ = ["WriteJob", "WriteResult", "WriterDied", "WriterProcess"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteJob:
+    """One file to write from a staging buffer (``buffer_id``) whose bytes are the data section.
+
+    ``format`` is ``"trainguard"`` (see :mod:`fileformat`) or ``"torch"`` (``torch.save`` of the
+    state rebuilt from ``skeleton``; needs torch in the writer).
+    """
+
+    job_id: int
+    path: str
+    buffer_id: int
+    placed: Sequence[PlacedEntry]
+    metadata: dict[str, str]
+    format: str = "trainguard"
+    skeleton: Any = None
+    fsync: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteResult:
+    job_id: int
+    ok: bool
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str = ""
+    errno: int | None = None
+
+
+class WriterDied(RuntimeError):
+    """The writer process ended while a job was pending."""
+
+
+# --------------------------------------------------------------------------- writer side
+
+
+def _lower_priority(nice: int) -> None:
+    with contextlib.suppress(OSError):
+        os.nice(nice)
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    # ioprio_set(IOPRIO_WHO_PROCESS, 0, IOPRIO_CLASS_BE << 13 | 7): lowest best-effort I/O.
+    number = {"x86_64": 251, "aarch64": 30, "ppc64le": 273}.get(platform.machine())
+    if number is not None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.syscall(number, 1, 0, (2 << 13) | 7) != 0:
+                logger.debug("ioprio_set failed: errno %d", ctypes.get_errno())
+        except OSError:
+            pass
+
+
+def _write_torch(job: WriteJob, data: memoryview) -> int:
+    import torch
+
+    from trainguard.checkpoint.layout import unflatten
+
+    tensors = {}
+    for e in job.placed:
+        if e.nbytes:
+            tensors[e.name] = torch.frombuffer(
+                data[e.offset : e.offset + e.nbytes], dtype=torch.uint8
+            )
+        else:
+            tensors[e.name] = torch.empty(0, dtype=torch.uint8)
+    state = unflatten(job.skeleton, tensors, allow_pickle=True)
+    tmp = job.path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            if job.fsync:
+                os.fsync(f.fileno())
+        size = os.path.getsize(tmp)
+        os.rename(tmp, job.path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if job.fsync:
+        fsync_dir(os.path.dirname(os.path.abspath(job.path)))
+    return size
+
+
+def _run_job(job: WriteJob, maps: dict[int, mmap.mmap], hasher: Any) -> WriteResult:
+    started = time.monotonic()
+    try:
+        mm = maps[job.buffer_id]
+        with memoryview(mm) as data:
+            if job.format == "torch":
+                nbytes = _write_torch(job, data)
+            else:
+                nbytes = write_file(
+                    job.path, data, job.placed, job.metadata, fsync=job.fsync, hasher=hasher
+                )
+        return WriteResult(job.job_id, True, nbytes, time.monotonic() - started)
+    except Exception as exc:
+        code = getattr(exc, "errno", None)
+        text = f"{type(exc).__name__}: {exc}"
+        if code is not None and code in errno.errorcode:
+            text = f"{errno.errorcode[code]} ({os.strerror(code)}) writing {job.path}"
+        return WriteResult(job.job_id, False, 0, time.monotonic() - started, text, code)
+
+
+def _writer_main(conn: multiprocessing.connection.Connection, nice: int) -> None:
+    """Entry point of the writer process."""
+    # Ctrl-C reaches the whole foreground process group: the training process decides what to
+    # do (close() finishes pending saves); the writer must not die with a half-written file.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _lower_priority(nice)
+    maps: dict[int, mmap.mmap] = {}
+    hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainguard-hash")
+    conn.send(("ready", os.getpid()))
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break  # the parent died: nothing more will come
+            if msg is None:
+                conn.send(("bye",))
+                break
+            op = msg[0]
+            if op == "attach":
+                fd = multiprocessing.reduction.recv_handle(conn)
+                try:
+                    maps[msg[1]] = mmap.mmap(fd, msg[2], mmap.MAP_SHARED)
+                finally:
+                    os.close(fd)
+            elif op == "detach":
+                mm = maps.pop(msg[1], None)
+                if mm is not None:
+                    mm.close()
+            elif op == "write":
+                result = _run_job(msg[1], maps, hasher)
+                with contextlib.suppress(OSError):
+                    conn.send(("done", result))
+    finally:
+        hasher.shutdown()
+        for mm in maps.values():
+            with contextlib.suppress(BufferError):
+                mm.close()
+
+
+# --------------------------------------------------------------------------- parent side
+
+_start_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _main_hidden() -> Iterator[None]:
+    """Start a spawn child without re-running the program's main module in it.
+
+    ``spawn`` normally imports the parent's ``__main__`` again in the child (to find functions
+    defined there). The writer needs none of it: its entry point lives in this module. Hiding
+    ``__main__``'s file and spec while the child is launched keeps the writer from importing the
+    training script (and torch, and whatever that imports), which makes it start in a fraction
+    of a second and keeps an unguarded script from running twice.
+    """
+    main = sys.modules.get("__main__")
+    with _start_lock:
+        if main is None:
+            yield
+            return
+        saved: dict[str, Any] = {
+            k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__
+        }
+        main.__dict__.pop("__file__", None)
+        main.__dict__["__spec__"] = None
+        try:
+            yield
+        finally:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
+
+
+class WriterProcess:
+    """Handle on one writer process (see the module docstring for the protocol).
+
+    Args:
+        nice: added to the writer's nice value (lower CPU priority); its I/O priority is set to
+            the lowest best-effort level and its scheduling policy to SCHED_BATCH.
+        start_timeout: seconds to wait for the handshake.
+
+    Used from one thread at a time (the checkpointer's background thread).
+    """
+
+    def __init__(self, *, nice: int = 10, start_timeout: float = 120.0) -> None:
+        self.nice = nice
+        self.start_timeout = start_timeout
+        self._proc: Any = None
+        self._conn: multiprocessing.connection.Connection | None = None
+        self._attached: set[int] = set()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
+
+    def start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        proc = ctx.Process(
+            target=_writer_main, args=(child, self.nice), name="trainguard-writer", daemon=True
+        )
+        with _main_hidden():
+            proc.start()
+        child.close()
+        ready = multiprocessing.connection.wait([parent, proc.sentinel], self.start_timeout)
+        if parent not in ready:
+            with contextlib.suppress(Exception):
+                proc.kill()
+            proc.join(5)
+            parent.close()
+            raise WriterDied(
+                f"the checkpoint writer did not start within {self.start_timeout} s "
+                f"(exit code {proc.exitcode})"
+            )
+        msg = parent.recv()
+        assert msg[0] == "ready", msg
+        self._proc, self._conn = proc, parent
+        self._attached = set()
+        logger.debug("checkpoint writer started, pid %d", proc.pid)
+
+    def attach(self, buffer_id: int, fd: int, nbytes: int) -> None:
+        assert self._conn is not None and self._proc is not None
+        self._conn.send(("attach", buffer_id, nbytes))
+        multiprocessing.reduction.send_handle(self._conn, fd, self._proc.pid)
+        self._attached.add(buffer_id)
+
+    def is_attached(self, buffer_id: int) -> bool:
+        return buffer_id in self._attached
+
+    def detach(self, buffer_id: int) -> None:
+        if self._conn is not None and buffer_id in self._attached:
+            self._attached.discard(buffer_id)
+            with contextlib.suppress(OSError):
+                self._conn.send(("detach", buffer_id))
+
+    def submit(self, job: WriteJob) -> None:
+        assert self._conn is not None
+        try:
+            self._conn.send(("write", job))
+        except OSError as exc:
+            raise WriterDied(f"the checkpoint writer is gone ({exc})") from exc
+
+    def result(self, timeout: float | None = None) -> WriteResult | None:
+        """The next job's result; None after ``timeout``; :class:`WriterDied` if it died."""
+        assert self._conn is not None and self._proc is not None
+        ready = multiprocessing.connection.wait([self._conn, self._proc.sentinel], timeout)
+        if not ready:
+            return None
+        try:
+            if self._conn in ready or self._conn.poll():
+                msg = self._conn.recv()
+                if msg[0] == "done":
+                    return msg[1]
+        except (EOFError, OSError):
+            pass
+        self._proc.join(1)
+        code = self._proc.exitcode
+        self._reap()
+        raise WriterDied(
+            "the checkpoint writer process died"
+            + (f" (signal {-code})" if code is not None and code < 0 else f" (exit code {code})")
+        )
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Send the stop sentinel, wait for the writer to exit (killed after ``timeout``)."""
+        if self._proc is None:
+            return
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn.send(None)
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            logger.warning("checkpoint writer did not stop within %s s; killing it", timeout)
+            self._proc.kill()
+            self._proc.join(5)
+        self._reap()
+
+    def kill(self) -> None:
+        if self._proc is not None:
+            with contextlib.suppress(Exception):
+                self._proc.kill()
+            self._proc.join(5)
+        self._reap()
+
+    def _reap(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        if self._proc is not None:
+            with contextlib.suppress(ValueError):
+                self._proc.close()
+        self._proc, self._conn = None, None
+        self._attached = set()
