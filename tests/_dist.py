@@ -293,13 +293,21 @@ def run_ranks(
     env: Mapping[str, str] | None = None,
     rank_env: Callable[[int], Mapping[str, str]] | None = None,
     allow_leftovers: bool = False,
+    leftover_grace: float = 10.0,
 ) -> list[RankResult]:
     """Run ``fn`` on ``world_size`` ranks and return every rank's :class:`RankResult`.
 
     Fails (AssertionError) if the ranks left processes behind, unless ``allow_leftovers``.
     """
     with RankGroup(
-        fn, world_size, args=args, kwargs=kwargs, timeout=timeout, env=env, rank_env=rank_env
+        fn,
+        world_size,
+        args=args,
+        kwargs=kwargs,
+        timeout=timeout,
+        env=env,
+        rank_env=rank_env,
+        leftover_grace=leftover_grace,
     ) as group:
         group.start()
         results = group.join()

@@ -144,7 +144,7 @@ def _leave_a_process_behind() -> None:
 
 def test_leftover_processes_fail_the_run() -> None:
     with pytest.raises(AssertionError, match="left processes behind"):
-        run_ranks(_leave_a_process_behind, 1, timeout=60)
+        run_ranks(_leave_a_process_behind, 1, timeout=60, leftover_grace=1.0)
 
 
 def test_free_port_is_bindable() -> None:
