@@ -1,0 +1,169 @@
+"""Abort of torch.distributed so that no rank stays blocked in a collective.
+
+- NCCL (when a process group has a CUDA backend): the communicators are aborted with
+  ``_abort_process_group``, which also forgets every group.
+- gloo: ``abort()``/``shutdown()`` in torch 2.13 do not release a collective already waiting on
+  a peer. We shut down (``SHUT_RDWR``) the group's own connected TCP sockets, which makes the
+  pending collective raise at once; then the groups are destroyed.
+
+The group's sockets are identified precisely: while the wrapper runs, the constructor of every
+process group (``torch.distributed.distributed_c10d._new_process_group_helper``, called by
+``init_process_group`` and ``new_group``) is wrapped so that the socket inodes of the process
+before and after it are compared. The store's client connects before the constructor runs and
+the user's sockets are not made inside it, so neither is ever touched. Listening sockets are
+left alone too (gloo's listener thread aborts the process on an accept error). Before a
+shutdown, the descriptor is checked to still name the recorded inode (descriptor numbers are
+reused).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from trainguard.coord import _sockets
+
+__all__ = ["GroupSockets", "abort_distributed", "destroy_groups"]
+
+logger = logging.getLogger(__name__)
+
+_destroy_lock = threading.Lock()
+
+
+class GroupSockets:
+    """Record the TCP sockets that process group constructors open (process-wide).
+
+    :meth:`install` / :meth:`uninstall` nest (a count); :meth:`take` returns and forgets the
+    inodes recorded so far.
+    """
+
+    _lock = threading.Lock()
+    _users = 0
+    _original: Any = None
+    _inodes: set[int] = set()  # noqa: RUF012 - process-wide on purpose
+
+    @classmethod
+    def install(cls) -> None:
+        import torch.distributed.distributed_c10d as c10d
+
+        with cls._lock:
+            cls._users += 1
+            if cls._users > 1:
+                return
+            original = c10d._new_process_group_helper
+            cls._original = original
+
+            def tracked(*args: Any, **kwargs: Any) -> Any:
+                before = set(_sockets.socket_fds())
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    new = set(_sockets.socket_fds()) - before
+                    with cls._lock:
+                        cls._inodes |= new
+
+            tracked.__wrapped__ = original  # type: ignore[attr-defined]
+            c10d._new_process_group_helper = tracked
+
+    @classmethod
+    def uninstall(cls) -> None:
+        import torch.distributed.distributed_c10d as c10d
+
+        with cls._lock:
+            cls._users -= 1
+            if cls._users > 0:
+                return
+            if cls._original is not None:
+                c10d._new_process_group_helper = cls._original
+            cls._original = None
+            cls._inodes = set()
+
+    @classmethod
+    def take(cls) -> set[int]:
+        with cls._lock:
+            inodes, cls._inodes = cls._inodes, set()
+        return inodes
+
+    @classmethod
+    def peek(cls) -> set[int]:
+        with cls._lock:
+            return set(cls._inodes)
+
+
+def shutdown_sockets(inodes: set[int]) -> int:
+    """``shutdown(SHUT_RDWR)`` every connected socket of ``inodes``; returns how many."""
+    if not inodes:
+        return 0
+    fds = _sockets.socket_fds()
+    listening = {s.inode for s in _sockets.tcp_sockets(inodes) if s.state == _sockets.LISTEN}
+    count = 0
+    for inode in inodes:
+        fd = fds.get(inode)
+        if fd is None or inode in listening:
+            continue
+        dup = _sockets.fd_of_inode(fd, inode)
+        if dup is None:
+            continue
+        sock = socket.socket(fileno=dup)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            pass  # already closed by its peer
+        finally:
+            sock.close()  # closes our duplicate only
+    return count
+
+
+def _has_cuda_backend(dist: Any) -> bool:
+    import torch
+
+    group = dist.distributed_c10d._get_default_group()
+    try:
+        group._get_backend(torch.device("cuda"))
+        return True
+    except Exception:
+        return False
+
+
+def destroy_groups() -> bool:
+    """Destroy every process group (aborting NCCL communicators first); True if any existed."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False
+    with _destroy_lock:
+        if not dist.is_initialized():
+            return False
+        try:
+            if _has_cuda_backend(dist):
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
+        except Exception as exc:  # a group half torn down by the user: forget it anyway
+            logger.debug("destroying process groups failed: %s", exc)
+            with contextlib.suppress(Exception):
+                dist.distributed_c10d._world.pg_map.clear()
+                dist.distributed_c10d._update_default_pg(None)
+        return True
+
+
+def abort_distributed() -> dict[str, Any]:
+    """Release any collective pending in this process, then destroy the process groups.
+
+    Safe to call from any thread and more than once. Returns what was done (for events).
+    """
+    start = time.monotonic()
+    shut = shutdown_sockets(GroupSockets.take())
+    destroyed = destroy_groups()
+    return {
+        "sockets": shut,
+        "destroyed": destroyed,
+        "pid": os.getpid(),
+        "t": time.monotonic() - start,
+    }
