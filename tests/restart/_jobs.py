@@ -120,7 +120,11 @@ def resources() -> dict[str, Any]:
     sockets = sum(1 for fd in fds if os.path.islink(f"/proc/self/fd/{fd}") and _is_socket(fd))
     import logging
 
-    handlers = sum(len(lg.handlers) for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger))
+    handlers = sum(
+        len(lg.handlers)
+        for lg in logging.Logger.manager.loggerDict.values()
+        if isinstance(lg, logging.Logger)
+    )
     children = _children()
     return {
         "threads": sorted(t.name for t in threading.enumerate()),
@@ -151,3 +155,141 @@ def _children() -> list[int]:
             if int(fields[1]) == me and fields[0] != "Z":
                 kids.append(int(entry))
     return kids
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def leak_job(faulted_rounds: int, coord_port: int) -> dict[str, Any]:
+    """``faulted_rounds`` rounds in a row end with a fault (rank round % world raises); the
+    last round completes. Records resources and the store's key count at every round."""
+    import logging
+    import socket
+
+    from trainguard.coord.store import connect
+
+    before = resources()
+    per_round: list[dict[str, Any]] = []
+    old_ports: list[int] = []
+    probes: list[Any] = []  # a client of the coordination store, made once it is up
+
+    @tr.Wrapper(barrier_timeout=60, completion_timeout=60, max_rounds=faulted_rounds + 1)
+    def train(call: tr.CallWrapper) -> int:
+        dist.init_process_group("gloo")
+        t = torch.ones(8)
+        dist.all_reduce(t)
+        if not probes:
+            probes.append(connect("127.0.0.1", coord_port, timeout=30))
+        info = {
+            "round": call.round,
+            "keys": probes[0].num_keys(),
+            "os_threads": _os_threads(),
+            **resources(),
+        }
+        old_ports.append(int(os.environ["MASTER_PORT"]))
+        if len(old_ports) >= 3:  # round n-2's store must be gone
+            with socket.socket() as s:
+                info["old_store_refused"] = s.connect_ex(("127.0.0.1", old_ports[-3])) != 0
+        per_round.append(info)
+        if call.round < faulted_rounds and call.rank == call.round % call.world_size:
+            raise ValueError(f"fault in round {call.round}")
+        if call.round < faulted_rounds:
+            dist.all_reduce(t)  # blocks until the abort releases it
+            raise AssertionError("the collective was not aborted")
+        dist.destroy_process_group()
+        return call.round
+
+    result = train()
+    probes.clear()
+    after = resources()
+    return {
+        "result": result,
+        "before": before,
+        "after": after,
+        "rounds": per_round,
+        "handlers": logging.getLogger("trainguard").handlers,
+    }
+
+
+class Unhealthy(Exception):
+    pass
+
+
+def spares_job(unhealthy_rank: int) -> dict[str, Any]:
+    """4 processes, at most 3 active. ``unhealthy_rank`` raises in rounds 0 and 1; its health
+    check fails after round 1, so round 2 takes the spare in."""
+    seen: list[tuple[int, int | None, int]] = []
+
+    def health(state: tr.RoundState) -> None:
+        if state.initial_rank == unhealthy_rank and state.round == 1 and state.faults:
+            raise Unhealthy("health check failed after round 1")
+
+    @tr.Wrapper(
+        rank_filter=tr.MaxActiveWorldSize(3),
+        health_check=health,
+        barrier_timeout=60,
+        completion_timeout=60,
+    )
+    def train(call: tr.CallWrapper) -> tuple[int, int]:
+        dist.init_process_group("gloo")
+        seen.append((call.round, call.rank, call.world_size))
+        t = torch.tensor([float(call.initial_rank)])
+        dist.all_reduce(t)
+        if call.initial_rank == unhealthy_rank and call.round < 2:
+            raise ValueError(f"fault in round {call.round}")
+        dist.all_reduce(t)
+        dist.destroy_process_group()
+        return call.round, int(t.item())
+
+    return {"result": train(), "seen": seen}
+
+
+def interrupt_job() -> str:
+    """Rank 2 raises KeyboardInterrupt while the others loop over all_reduce."""
+
+    @tr.Wrapper(barrier_timeout=60, completion_timeout=60)
+    def train(call: tr.CallWrapper) -> str:
+        dist.init_process_group("gloo")
+        t = torch.ones(4)
+        for step in range(1000):
+            if call.initial_rank == 2 and step == 3:
+                raise KeyboardInterrupt
+            dist.all_reduce(t)
+        return "finished"
+
+    return train()
+
+
+def swallow_job() -> dict[str, Any]:
+    """Rank 1 faults in round 0; rank 0 catches the restart interrupt and returns."""
+    import logging
+
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Collect(logging.WARNING)
+    logger = logging.getLogger("trainguard")
+    logger.addHandler(handler)
+    try:
+
+        @tr.Wrapper(barrier_timeout=60, completion_timeout=60)
+        def train(call: tr.CallWrapper) -> int:
+            if call.round == 0 and call.initial_rank == 1:
+                raise ValueError("fault")
+            if call.round == 0:
+                try:
+                    deadline = time.monotonic() + 30
+                    while time.monotonic() < deadline:
+                        time.sleep(0.01)
+                except BaseException:
+                    pass  # the mistake under test
+            return call.round
+
+        result = train()
+    finally:
+        logger.removeHandler(handler)
+    return {"result": result, "messages": messages}

@@ -81,8 +81,7 @@ class _Host:
                 self.server_ports.discard(store.port)
         if store is not None:
             del store  # the server stops and drops every key of the round
-            if not self.own:
-                self.coord.delete_key(self.keys.pg_addr(n))
+            self.coord.delete_key(self.keys.pg_addr(n))
 
     def follow_rounds(self) -> None:
         watcher = self.coord.clone()

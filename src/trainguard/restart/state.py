@@ -38,15 +38,20 @@ class RoundState:
     gone: Mapping[int, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     faults: Mapping[int, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
+    def __post_init__(self) -> None:
+        for name in ("gone", "faults"):
+            value = getattr(self, name)
+            if not isinstance(value, MappingProxyType):
+                object.__setattr__(self, name, MappingProxyType(dict(value)))
+        object.__setattr__(self, "active_ranks", tuple(self.active_ranks))
+        object.__setattr__(self, "spare_ranks", tuple(self.spare_ranks))
+
     @property
     def active(self) -> bool:
         """True when this rank runs the function in this round."""
         return self.rank is not None
 
     def replace(self, **changes: object) -> RoundState:
-        for name in ("gone", "faults"):
-            if name in changes:
-                changes[name] = MappingProxyType(dict(changes[name]))  # type: ignore[call-overload]
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
