@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
 import threading
 import time
@@ -36,16 +35,17 @@ _destroy_lock = threading.Lock()
 
 
 class GroupSockets:
-    """Record the TCP sockets that process group constructors open (process-wide).
+    """Record the connected TCP sockets that process group constructors open (process-wide).
 
     :meth:`install` / :meth:`uninstall` nest (a count); :meth:`take` returns and forgets the
-    inodes recorded so far.
+    sockets recorded so far as ``inode -> fd``. Recording happens in the thread that builds
+    the group, off the restart path; listening sockets are left out then (``SO_ACCEPTCONN``).
     """
 
     _lock = threading.Lock()
     _users = 0
     _original: Any = None
-    _inodes: set[int] = set()  # noqa: RUF012 - process-wide on purpose
+    _sockets: dict[int, int] = {}  # noqa: RUF012 - process-wide on purpose
 
     @classmethod
     def install(cls) -> None:
@@ -63,9 +63,13 @@ class GroupSockets:
                 try:
                     return original(*args, **kwargs)
                 finally:
-                    new = set(_sockets.socket_fds()) - before
+                    new = {
+                        inode: fd
+                        for inode, fd in _sockets.socket_fds().items()
+                        if inode not in before and _connected(fd, inode)
+                    }
                     with cls._lock:
-                        cls._inodes |= new
+                        cls._sockets.update(new)
 
             tracked.__wrapped__ = original  # type: ignore[attr-defined]
             c10d._new_process_group_helper = tracked
@@ -81,40 +85,54 @@ class GroupSockets:
             if cls._original is not None:
                 c10d._new_process_group_helper = cls._original
             cls._original = None
-            cls._inodes = set()
+            cls._sockets = {}
 
     @classmethod
-    def take(cls) -> set[int]:
+    def take(cls) -> dict[int, int]:
         with cls._lock:
-            inodes, cls._inodes = cls._inodes, set()
-        return inodes
-
-    @classmethod
-    def peek(cls) -> set[int]:
-        with cls._lock:
-            return set(cls._inodes)
+            found, cls._sockets = cls._sockets, {}
+        return found
 
 
-def shutdown_sockets(inodes: set[int]) -> int:
-    """``shutdown(SHUT_RDWR)`` every connected socket of ``inodes``; returns how many."""
-    if not inodes:
-        return 0
-    fds = _sockets.socket_fds()
-    listening = {s.inode for s in _sockets.tcp_sockets(inodes) if s.state == _sockets.LISTEN}
+def _connected(fd: int, inode: int) -> bool:
+    """True for a stream socket that is not listening (a connection of the group)."""
+    dup = _sockets.fd_of_inode(fd, inode)
+    if dup is None:
+        return False
+    sock = socket.socket(fileno=dup)
+    try:
+        return sock.type == socket.SOCK_STREAM and not sock.getsockopt(
+            socket.SOL_SOCKET, socket.SO_ACCEPTCONN
+        )
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
+def shutdown_sockets(recorded: dict[int, int]) -> int:
+    """``shutdown(SHUT_RDWR)`` every recorded socket still open; returns how many.
+
+    Each descriptor is checked to still name its inode; one that moved is looked up again.
+    """
     count = 0
-    for inode in inodes:
-        fd = fds.get(inode)
-        if fd is None or inode in listening:
-            continue
+    fds: dict[int, int] | None = None
+    for inode, fd in recorded.items():
         dup = _sockets.fd_of_inode(fd, inode)
         if dup is None:
-            continue
+            if fds is None:
+                fds = _sockets.socket_fds()
+            if inode not in fds:
+                continue  # closed already (its peer went away first)
+            dup = _sockets.fd_of_inode(fds[inode], inode)
+            if dup is None:
+                continue
         sock = socket.socket(fileno=dup)
         try:
             sock.shutdown(socket.SHUT_RDWR)
             count += 1
         except OSError:
-            pass  # already closed by its peer
+            pass  # no longer connected
         finally:
             sock.close()  # closes our duplicate only
     return count
@@ -160,10 +178,11 @@ def abort_distributed() -> dict[str, Any]:
     """
     start = time.monotonic()
     shut = shutdown_sockets(GroupSockets.take())
+    mid = time.monotonic()
     destroyed = destroy_groups()
     return {
         "sockets": shut,
         "destroyed": destroyed,
-        "pid": os.getpid(),
-        "t": time.monotonic() - start,
+        "shutdown_s": mid - start,
+        "destroy_s": time.monotonic() - mid,
     }

@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -157,13 +158,26 @@ class Monitor:
                 outcome = {"why": "end", "reason": f"store lost: {exc}"}
             outcome["seen"] = time.monotonic()
             if outcome.get("why") != "complete" and self.aborted_round != n:
-                self._abort(n, outcome)
+                try:
+                    self._abort(n, outcome)
+                except Exception:  # never leave the main thread waiting for the outcome
+                    logger.exception("aborting round %d failed", n)
             with self._lock:
                 self._outcome = outcome
                 self._watching = None
             self._outcome_ready.set()
 
     def _abort(self, n: int, outcome: dict[str, Any]) -> None:
+        # The main thread may be running Python: hand the GIL over at once, not after the
+        # default 5 ms switch interval at every system call of the abort.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-5)
+        try:
+            self._abort_round(n, outcome)
+        finally:
+            sys.setswitchinterval(interval)
+
+    def _abort_round(self, n: int, outcome: dict[str, Any]) -> None:
         with self._lock:
             self.aborted_round = n
         start = time.monotonic()
@@ -179,7 +193,6 @@ class Monitor:
         with self._lock:
             if self._in_fn:
                 self._injected = _set_async_exc(self._tid, RestartInterrupt) == 1
-        info.pop("t", None)
         self.abort_info = info
         events.emit(
             "abort",
@@ -188,4 +201,7 @@ class Monitor:
             fault_rank=outcome.get("rank"),
             interrupted=self._injected,
             sockets=info.get("sockets"),
+            shutdown_s=info.get("shutdown_s"),
+            destroy_s=info.get("destroy_s"),
+            waited_s=start - outcome.get("seen", start),
         )
