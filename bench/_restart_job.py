@@ -28,7 +28,8 @@ def faulty_training(faults: int, seed: int, world: int) -> dict[str, Any]:
         dist.all_reduce(t)
         times["first"][call.round] = time.time()
         for step in range(1, 10_000):
-            if call.round < faults and plan[call.round] == (call.rank, step):
+            due = call.round < faults and plan[call.round][1] == step
+            if due and plan[call.round][0] % call.world_size == call.rank:
                 times["fault"][call.round] = time.time()
                 raise RuntimeError("injected")
             if call.round >= faults and step > 5:

@@ -35,18 +35,26 @@ def restart_run(
     results = run_ranks(
         _restart_job.faulty_training,
         world,
+        allow_leftovers=True,
         args=(faults, 1234 + world, world),
         timeout=600,
         env=env,
     )
-    values = [r.get() for r in results]
+    # A rank that gloo left blocked after an abort leaves the job (abort_timeout) and its
+    # process ends: count it, and measure the rounds with the ranks that remain.
+    values = [r.get() for r in results if r.ok]
+    lost = [r.rank for r in results if not r.ok]
     reentry, first = [], []
     for n in range(faults):
         fault_times = [v["times"]["fault"][n] for v in values if n in v["times"]["fault"]]
+        entered = [v["times"]["enter"].get(n + 1) for v in values]
+        done = [v["times"]["first"].get(n + 1) for v in values]
+        if not fault_times or None in entered or None in done:
+            continue
         t_fault = min(fault_times)
-        reentry.append(max(v["times"]["enter"][n + 1] for v in values) - t_fault)
-        first.append(max(v["times"]["first"][n + 1] for v in values) - t_fault)
-    return {"reentry": reentry, "first_collective": first}
+        reentry.append(max(e for e in entered if e is not None) - t_fault)
+        first.append(max(d for d in done if d is not None) - t_fault)
+    return {"reentry": reentry, "first_collective": first, "lost_ranks": lost}
 
 
 def baseline(world: int, repeats: int) -> list[float]:
@@ -102,6 +110,7 @@ def main() -> int:
                 fc["p95"] * 1e3,
                 fc["max"] * 1e3,
                 bs["p50"] * 1e3,
+                len(run["lost_ranks"]),
             ]
         )
     print_table(
@@ -115,6 +124,7 @@ def main() -> int:
             "p95",
             "max",
             "fresh procs p50",
+            "ranks lost",
         ],
         rows,
     )

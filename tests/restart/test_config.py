@@ -19,6 +19,7 @@ from trainguard.errors import ConfigError
         ({"store_timeout": True}, "give seconds"),
         ({"barrier_timeout": 10, "store_timeout": 30}, "lower store_timeout or raise"),
         ({"max_rounds": 5, "retry": tr.RetryController(3)}, "not both"),
+        ({"abort_timeout": 120, "barrier_timeout": 60}, "abort_timeout=120 s must be shorter"),
         ({"max_rounds": 0}, "max_rounds"),
         ({"retry": 3}, "RetryController"),
         ({"rank_filter": 3}, "rank_filter=3 is not callable"),

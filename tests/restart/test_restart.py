@@ -43,6 +43,7 @@ def test_rank_blocked_in_all_reduce_is_released_quickly(tmp_path) -> None:
     for r in results:
         r.get()
     raised = json.loads((tmp_path / "rank1.json").read_text())["raised_at"]
+    assert all(r.get()["store"] == "round 1" for r in results)
     for rank in (0, 2):
         released = json.loads((tmp_path / f"rank{rank}.json").read_text())["released_at"]
         assert 0 <= released - raised < 1.0, f"rank {rank} released after {released - raised} s"

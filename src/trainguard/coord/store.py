@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from trainguard.errors import CoordinationError
@@ -92,11 +93,16 @@ class StoreProcess:
 
     def start(self) -> StoreProcess:
         """Start the process and wait for its handshake (it binds its ports first)."""
+        # The child must import this very trainguard, even when it is not installed.
+        root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainguard.coord._server", json.dumps(self.config)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             close_fds=True,
+            env=env,
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()

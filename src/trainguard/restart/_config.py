@@ -45,6 +45,7 @@ class Config:
     barrier_timeout: float
     completion_timeout: float
     store_timeout: float
+    abort_timeout: float
 
 
 def build(**kw: Any) -> Config:
@@ -59,6 +60,13 @@ def build(**kw: Any) -> Config:
         raise ConfigError(
             f"store_timeout={store_timeout:g} s exceeds barrier_timeout={barrier_timeout:g} s: "
             "a barrier includes store operations, so lower store_timeout or raise barrier_timeout"
+        )
+    abort_timeout = seconds("abort_timeout", kw["abort_timeout"])
+    if abort_timeout >= barrier_timeout:
+        raise ConfigError(
+            f"abort_timeout={abort_timeout:g} s must be shorter than barrier_timeout="
+            f"{barrier_timeout:g} s: the others wait at the next barrier for a rank that is "
+            "still being aborted; lower abort_timeout or raise barrier_timeout"
         )
     retry = kw["retry"]
     max_rounds = kw["max_rounds"]
@@ -83,4 +91,5 @@ def build(**kw: Any) -> Config:
         barrier_timeout=barrier_timeout,
         completion_timeout=completion_timeout,
         store_timeout=store_timeout,
+        abort_timeout=abort_timeout,
     )

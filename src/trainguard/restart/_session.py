@@ -196,15 +196,20 @@ class Session:
         except Exception as exc:
             logger.warning("could not record this rank's exit in the store: %s", exc)
 
-    def close(self, *, wait_store: bool) -> None:
-        """Drop the store clients; on rank 0 wait for (or detach) the store process."""
+    def close(self, *, early: bool, timeout: float) -> None:
+        """Drop the store clients; on rank 0 wait for the store process to exit.
+
+        ``early``: this rank left while the others go on; its store process keeps serving
+        them and exits on its own when the job ends (it is not waited for, so it outlives
+        this call). Otherwise it is waited for up to ``timeout`` seconds, then killed.
+        """
         self.watch_store = None
         self.coord = None
         if self.server is not None:
-            if wait_store:
-                self.server.close(timeout=self.cfg.barrier_timeout)
+            if not early:
+                self.server.close(timeout=timeout)
             elif not self.server.join(0.0):
-                _detached.append(self.server)  # it serves the ranks still running
+                _detached.append(self.server)
             self.server = None
 
 

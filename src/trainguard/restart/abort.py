@@ -46,6 +46,7 @@ class GroupSockets:
     _users = 0
     _original: Any = None
     _sockets: dict[int, int] = {}  # noqa: RUF012 - process-wide on purpose
+    _listen_ports: set[int] = set()  # noqa: RUF012 - the groups' own listening ports
 
     @classmethod
     def install(cls) -> None:
@@ -63,13 +64,20 @@ class GroupSockets:
                 try:
                     return original(*args, **kwargs)
                 finally:
-                    new = {
+                    fresh = {
                         inode: fd
                         for inode, fd in _sockets.socket_fds().items()
-                        if inode not in before and _connected(fd, inode)
+                        if inode not in before
+                    }
+                    new = {i: fd for i, fd in fresh.items() if _connected(fd, i)}
+                    ports = {
+                        s.local_port
+                        for s in _sockets.tcp_sockets(set(fresh) - set(new))
+                        if s.state == _sockets.LISTEN
                     }
                     with cls._lock:
                         cls._sockets.update(new)
+                        cls._listen_ports |= ports
 
             tracked.__wrapped__ = original  # type: ignore[attr-defined]
             c10d._new_process_group_helper = tracked
@@ -86,11 +94,21 @@ class GroupSockets:
                 c10d._new_process_group_helper = cls._original
             cls._original = None
             cls._sockets = {}
+            cls._listen_ports = set()
 
     @classmethod
     def take(cls) -> dict[int, int]:
+        """The recorded connections, plus connections accepted later by a group's listener."""
         with cls._lock:
             found, cls._sockets = cls._sockets, {}
+            ports, cls._listen_ports = cls._listen_ports, set()
+        if ports:
+            # A peer's connection may be accepted after the constructor returned: it is ours
+            # if its local port is one of the groups' listening ports.
+            fds = _sockets.socket_fds()
+            for s in _sockets.tcp_sockets(set(fds)):
+                if s.local_port in ports and s.state != _sockets.LISTEN:
+                    found.setdefault(s.inode, fds[s.inode])
         return found
 
 

@@ -62,11 +62,15 @@ class Monitor:
         keys: Keyspace,
         thread_id: int,
         on_abort: Callable[[int, dict[str, Any]], None] | None = None,
+        abort_timeout: float = 5.0,
+        on_stuck: Callable[[int], None] | None = None,
     ) -> None:
         self._store = store
         self._keys = keys
         self._tid = thread_id
         self._on_abort = on_abort
+        self._abort_timeout = abort_timeout
+        self._on_stuck = on_stuck
         self._jobs: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -119,6 +123,7 @@ class Monitor:
             self._in_fn = False
             if self._injected:
                 _set_async_exc(self._tid, None)
+            self._cond.notify_all()
 
     @contextlib.contextmanager
     def atomic(self) -> Iterator[None]:
@@ -147,6 +152,25 @@ class Monitor:
             logger.warning("monitor thread did not stop within %.1f s", timeout)
 
     # monitor thread ---------------------------------------------------------------------
+    def _check_released(self, n: int) -> None:
+        """Wait for the main thread to leave the function; escalate if it never does.
+
+        gloo occasionally leaves a collective waiting although every connection of its group
+        was shut down (a send waiting for its peer, seen with 8 ranks on 2 cores). Such a
+        rank would hold every other rank at the next barrier; ``on_stuck`` takes it out of
+        the job instead.
+        """
+        deadline = time.monotonic() + self._abort_timeout
+        with self._cond:
+            while self._in_fn and self._injected:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            stuck = self._in_fn and self._injected
+        if stuck and self._on_stuck is not None:
+            self._on_stuck(n)
+
     def _run(self) -> None:
         while True:
             n = self._jobs.get()
@@ -194,6 +218,7 @@ class Monitor:
             if self._in_fn:
                 self._injected = _set_async_exc(self._tid, RestartInterrupt) == 1
         self.abort_info = info
+        self._check_released(n)
         events.emit(
             "abort",
             duration=time.monotonic() - start,

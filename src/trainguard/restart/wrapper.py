@@ -26,8 +26,12 @@ import functools
 import inspect
 import itertools
 import logging
+import os
+import signal
+import sys
 import threading
 import time
+import traceback
 import typing
 from collections.abc import Callable
 from datetime import timedelta
@@ -149,6 +153,9 @@ class Wrapper:
         barrier_timeout: the longest a rank waits for the others at a round's barrier.
         completion_timeout: the longest a rank whose function returned waits for the others.
         store_timeout: timeout of connecting to the store and of single store operations.
+        abort_timeout: how long a rank's function may stay blocked after its round was
+            aborted; past it the rank leaves the job and its process ends (shorter than
+            ``barrier_timeout``, so the others are not held at the next barrier).
     """
 
     def __init__(
@@ -166,6 +173,7 @@ class Wrapper:
         barrier_timeout: float | timedelta = 120,
         completion_timeout: float | timedelta = 120,
         store_timeout: float | timedelta = 60,
+        abort_timeout: float | timedelta = 5,
     ) -> None:
         self.config = _config.build(
             store=store,
@@ -180,6 +188,7 @@ class Wrapper:
             barrier_timeout=barrier_timeout,
             completion_timeout=completion_timeout,
             store_timeout=store_timeout,
+            abort_timeout=abort_timeout,
         )
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -213,6 +222,7 @@ class _Run:
         self.launch = _launch.detect()
         self.session = Session(self.launch, next(_call_counter), cfg)
         self.monitor: Monitor | None = None
+        self.left_early = False
         self.state = RoundState(
             round=0, initial_rank=self.launch.rank, initial_world_size=self.launch.world_size
         )
@@ -232,6 +242,8 @@ class _Run:
                 self.session.keys,
                 threading.get_ident(),
                 on_abort=self._abort_hook,
+                abort_timeout=self.cfg.abort_timeout,
+                on_stuck=self._stuck,
             )
             value = self._rounds()
             finished = True
@@ -252,7 +264,12 @@ class _Run:
             destroy_groups()
             GroupSockets.uninstall()
             self.session.leave()
-            self.session.close(wait_store=finished)
+            self.session.close(
+                early=self.left_early,
+                timeout=self.cfg.barrier_timeout
+                if finished
+                else min(10.0, self.cfg.barrier_timeout),
+            )
             self.monitor = None
             log.rank, log.round = saved_context
 
@@ -267,6 +284,7 @@ class _Run:
             )
             if ready is None:
                 assert leaving is not None
+                self.left_early = True
                 raise leaving
             self.state = self._state(n, ready)
             events.set_context(round=n)
@@ -327,6 +345,25 @@ class _Run:
             events.emit(f"{name}_failed", error=describe(exc))
             return exc
         return None
+
+    def _stuck(self, n: int) -> None:
+        """Monitor thread: the main thread did not leave the function after the abort.
+
+        This rank leaves the job at round ``n+1``'s barrier (so the others go on without it)
+        and its process ends: a thread blocked in the collective library cannot be recovered.
+        """
+        frame = sys._current_frames().get(self.monitor._tid if self.monitor else 0)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
+        reason = (
+            f"still blocked in the function {self.cfg.abort_timeout:g} s after the abort of "
+            "round {n}; the process ends"
+        ).replace("{n}", str(n))
+        logger.error("rank %d: %s; main thread at:\n%s", self.launch.rank, reason, stack)
+        events.emit("abort_stuck", stack=stack[-2000:])
+        with contextlib.suppress(Exception):
+            self.session.barrier(n + 1, leaving=reason, fault=None)
+            self.session.leave()
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def _abort_hook(self, n: int, outcome: dict[str, Any]) -> None:
         if self.cfg.abort is not None:
