@@ -10,10 +10,12 @@ The group's sockets are identified precisely: while the wrapper runs, the constr
 process group (``torch.distributed.distributed_c10d._new_process_group_helper``, called by
 ``init_process_group`` and ``new_group``) is wrapped so that the socket inodes of the process
 before and after it are compared. The store's client connects before the constructor runs and
-the user's sockets are not made inside it, so neither is ever touched. Listening sockets are
-left alone too (gloo's listener thread aborts the process on an accept error). Before a
-shutdown, the descriptor is checked to still name the recorded inode (descriptor numbers are
-reused).
+the user's sockets are not made inside it, so neither is ever touched. The group's listening
+sockets are never shut down (gloo's listener thread aborts the process on an accept error),
+but their ports are noted: a peer's connection that the listener accepts after the
+constructor returned (seen with 8 ranks) has that local port and is shut down too; without
+it, a collective could stay blocked on that connection. Before a shutdown, the descriptor is
+checked to still name the recorded inode (descriptor numbers are reused).
 """
 
 from __future__ import annotations
