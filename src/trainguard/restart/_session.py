@@ -95,6 +95,7 @@ class Session:
             payload = self._lay_out(n)
             self.coord.set(self.keys.ready(n), payload)
             raw = payload
+            self._delete_round(n - 1)  # after publishing: off the others' critical path
         elif leaving is not None:
             return None
         else:
@@ -157,10 +158,6 @@ class Session:
             if present
             else b""
         )
-        if n >= 1:  # every rank of round n-1 has arrived here: its keys are no longer read
-            with contextlib.suppress(Exception):
-                for key in self.keys.round_keys(n - 1, self.previous_roster):
-                    self.coord.delete_key(key)
         return encode(
             {
                 "round": n,
@@ -172,6 +169,14 @@ class Session:
                 "end": end,
             }
         )
+
+    def _delete_round(self, n: int) -> None:
+        """Delete round ``n``'s keys: every rank of it has reached round ``n+1``'s barrier."""
+        if n < 0:
+            return
+        for key in self.keys.round_keys(n, self.previous_roster):
+            with contextlib.suppress(Exception):
+                self.coord.delete_key(key)
 
     # round outcome -------------------------------------------------------------------------
     def complete(self, n: int, active: int) -> None:
