@@ -22,8 +22,11 @@ PACKAGES = [
     "trainguard.checkpoint.layout",
     "trainguard.checkpoint.staging",
     "trainguard.checkpoint.writer",
+    "trainguard.coord",
     "trainguard.errors",
     "trainguard.events",
+    "trainguard.restart",
+    "trainguard.restart.policy",
 ]
 
 
@@ -51,7 +54,7 @@ def test_import_has_no_side_effects() -> None:
     code = (
         "import logging, sys, threading\n"
         "before = set(sys.modules)\n"
-        "import trainguard, trainguard.events, trainguard.errors\n"
+        "import trainguard, trainguard.events, trainguard.errors, trainguard.restart, trainguard.coord\n"
         "assert threading.active_count() == 1, threading.enumerate()\n"
         "assert not logging.getLogger().handlers\n"
         "assert 'torch' not in sys.modules, 'importing trainguard must not import torch'\n"

@@ -5,7 +5,10 @@ Every error the library raises on purpose derives from :class:`TrainguardError`:
     TrainguardError
     ├── ConfigError              bad arguments or environment; raised when an object is built
     ├── CoordinationError        the coordination store misbehaved or a barrier timed out
+    │   └── BarrierTimeoutError  a barrier did not complete within its timeout
     ├── RestartError             in-process restart could not continue (too few ranks, ...)
+    │   ├── JobEndedError        another rank ended the job (KeyboardInterrupt, SystemExit)
+    │   └── RetryLimitError      max_rounds or min_active_world_size of RetryController hit
     └── CheckpointError          a checkpoint could not be written, committed or loaded
         ├── CheckpointWriteError         staging, writing or committing failed (disk full,
         │                                permission denied, writer killed, a rank failed)
@@ -16,6 +19,10 @@ Every error the library raises on purpose derives from :class:`TrainguardError`:
 Later modules add subclasses under these branches. A failure that one rank detects surfaces
 as the *same* type on every rank; ``causes`` maps each rank that reported a cause to a short
 description of it, so the error reads the same wherever it is caught.
+
+Not an error and not in this tree: ``trainguard.restart.RestartInterrupt`` (a
+``BaseException``) is raised inside the wrapped function to unwind it when a round is aborted;
+the wrapper catches it.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 __all__ = [
+    "BarrierTimeoutError",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointPickleError",
@@ -30,7 +38,9 @@ __all__ = [
     "CheckpointWriteError",
     "ConfigError",
     "CoordinationError",
+    "JobEndedError",
     "RestartError",
+    "RetryLimitError",
     "TrainguardError",
 ]
 
@@ -79,6 +89,22 @@ class CoordinationError(TrainguardError):
 
 class RestartError(TrainguardError):
     """In-process restart cannot go on (for example too few ranks are left)."""
+
+
+class BarrierTimeoutError(CoordinationError):
+    """A barrier of the coordination layer did not complete within its timeout."""
+
+
+class JobEndedError(RestartError):
+    """Another rank ended the job with an exception that is never restarted.
+
+    ``KeyboardInterrupt`` or ``SystemExit`` on one rank ends the job on every rank: that rank
+    re-raises its own exception, every other rank raises this error naming it in ``causes``.
+    """
+
+
+class RetryLimitError(RestartError):
+    """The retry controller stopped the job: too many rounds, or too few active ranks left."""
 
 
 class CheckpointError(TrainguardError):

@@ -1,0 +1,167 @@
+"""The store process: hosts the coordination store and one store per restart round.
+
+Started by the initial rank 0 with ``python -m trainguard.coord._server CONFIG_JSON`` (a fresh
+interpreter that does not import the user's ``__main__``), so that a crash of any training
+process, rank 0 included, leaves the store up. Protocol:
+
+1. Hosts the coordination TCPStore on the given port (unless it connects to an existing one).
+2. Hosts round stores for rounds 0 and 1 on free ports and publishes their ``host:port`` under
+   :meth:`Keyspace.pg_addr`; prints one JSON handshake line on stdout.
+3. Whenever round ``n`` starts (its ``ready`` key is set) it closes round ``n-1``'s store (every
+   rank of the job has left round ``n-1`` by then, so no old key stays visible) and opens round
+   ``n+1``'s, so the next round never waits for a store to start.
+4. Exits when the ``exit`` key is set (the last rank left), after deleting the job's keys from
+   an external store; or, once its parent is gone, when no client has been connected to any of
+   its stores for ``orphan_grace`` seconds (nothing is left to serve).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from trainguard.coord import _sockets
+from trainguard.coord.barrier import wait_forever
+from trainguard.coord.keys import Keyspace
+
+logger = logging.getLogger(__name__)
+
+
+class _Host:
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.cfg = cfg
+        self.keys = Keyspace(cfg["job"], cfg["call"])
+        self.timeout = timedelta(seconds=cfg["timeout"])
+        self.advertise = cfg["advertise_host"]
+        self.lock = threading.Lock()
+        self.rounds: dict[int, Any] = {}
+        host, port = cfg["coord_host"], cfg["coord_port"]
+        self.own = bool(cfg["host_coord"])
+        self.coord: Any = dist.TCPStore(
+            host,
+            port,
+            is_master=self.own,
+            use_libuv=True,
+            wait_for_workers=False,
+            timeout=self.timeout,
+        )
+        self.server_ports = {self.coord.port} if self.own else set()
+        self.last_round = 0
+
+    def open_round(self, n: int) -> None:
+        with self.lock:
+            if n in self.rounds:
+                return
+            store = self.dist.TCPStore(
+                self.advertise,
+                0,
+                is_master=True,
+                use_libuv=True,
+                wait_for_workers=False,
+                timeout=self.timeout,
+            )
+            self.rounds[n] = store
+            self.server_ports.add(store.port)
+        self.coord.set(self.keys.pg_addr(n), f"{self.advertise}:{store.port}")
+
+    def close_round(self, n: int) -> None:
+        with self.lock:
+            store = self.rounds.pop(n, None)
+            if store is not None:
+                self.server_ports.discard(store.port)
+        if store is not None:
+            del store  # the server stops and drops every key of the round
+            self.coord.delete_key(self.keys.pg_addr(n))
+
+    def follow_rounds(self) -> None:
+        watcher = self.coord.clone()
+        n = 0
+        while True:
+            wait_forever(watcher, self.keys.ready(n))
+            self.last_round = n
+            self.open_round(n + 1)
+            if n >= 1:
+                self.close_round(n - 1)
+            n += 1
+
+    def external_clients(self) -> int:
+        """Connections to our servers from sockets that are not our own clients."""
+        with self.lock:
+            ports = set(self.server_ports)
+        mine = _sockets.tcp_sockets(set(_sockets.socket_fds()))
+        own_client_ports = {
+            s.local_port for s in mine if s.remote_port in ports and s.state == _sockets.ESTABLISHED
+        }
+        return sum(
+            1
+            for s in mine
+            if s.local_port in ports
+            and s.state == _sockets.ESTABLISHED
+            and s.remote_port not in own_client_ports
+        )
+
+    def watch_orphan(self, parent: int, grace: float) -> None:
+        idle_since: float | None = None
+        while True:
+            time.sleep(1.0)
+            if os.getppid() == parent:
+                continue
+            if self.external_clients():
+                idle_since = None
+                continue
+            now = time.monotonic()
+            idle_since = idle_since or now
+            if now - idle_since >= grace:
+                logger.warning("store process: parent gone and no clients for %.0f s", grace)
+                self.coord.set(self.keys.exit, b"orphan")
+                return
+
+    def cleanup_external(self) -> None:
+        n = self.last_round
+        keys = [self.keys.left, self.keys.exit]
+        for r in range(max(0, n - 1), n + 2):
+            keys.extend(self.keys.round_keys(r, range(self.cfg["world_size"])))
+            keys.append(self.keys.pg_addr(r))
+        for key in keys:
+            with contextlib.suppress(Exception):  # best effort: the store may be going too
+                self.coord.delete_key(key)
+
+
+def main(argv: list[str]) -> int:
+    cfg = json.loads(argv[1])
+    try:
+        host = _Host(cfg)
+        host.open_round(0)
+        host.open_round(1)
+    except Exception as exc:
+        print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
+        return 1
+    print(json.dumps({"ok": True, "port": host.coord.port, "pid": os.getpid()}), flush=True)
+    threading.Thread(target=host.follow_rounds, name="tg-rounds", daemon=True).start()
+    threading.Thread(
+        target=host.watch_orphan,
+        args=(cfg["parent"], cfg["orphan_grace"]),
+        name="tg-orphan",
+        daemon=True,
+    ).start()
+    waiter: Any = host.coord.clone()
+    wait_forever(waiter, host.keys.exit)
+    if not host.own:
+        host.cleanup_external()
+    sys.stdout.flush()
+    # Threads blocked in store waits cannot be joined; the servers go down with the process.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

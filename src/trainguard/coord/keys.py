@@ -1,0 +1,89 @@
+"""Key names and values of the coordination protocol.
+
+Every key of a job starts with ``tg/<job token>/<call>/``: the job token keeps two jobs that
+share one store apart, the call index (how many wrapped calls this process made before) keeps
+two successive wrapped calls of one job apart. Keys of restart round ``n`` live under
+``.../r<n>/`` so that a stale key of an old round can never satisfy a barrier of a new one;
+:meth:`Keyspace.round_keys` lists every fixed key of a round so that it can be deleted.
+
+Values are JSON (:func:`encode` / :func:`decode`) or plain counters (``Store.add``); never
+pickle.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["Keyspace", "decode", "encode"]
+
+
+def encode(value: Any) -> bytes:
+    """JSON bytes of ``value`` (compact, keys as given)."""
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def decode(raw: bytes | str) -> Any:
+    """Inverse of :func:`encode`."""
+    return json.loads(raw)
+
+
+class Keyspace:
+    """Key names of one wrapped call of one job.
+
+    Args:
+        job: the job token (letters, digits, ``-_.``); shared by every rank of the job.
+        call: index of the wrapped call within each process (0 for the first).
+    """
+
+    def __init__(self, job: str, call: int = 0) -> None:
+        if not job or "/" in job:
+            raise ValueError(f"job token must be non-empty and contain no '/': {job!r}")
+        self.job = job
+        self.call = call
+        self.prefix = f"tg/{job}/{call}/"
+
+    # job-level keys ---------------------------------------------------------------------
+    @property
+    def left(self) -> str:
+        """Counter: how many initial ranks have left the job (for any reason)."""
+        return self.prefix + "left"
+
+    @property
+    def exit(self) -> str:
+        """Set when every initial rank has left; the store process then exits."""
+        return self.prefix + "exit"
+
+    def pg_addr(self, n: int) -> str:
+        """``host:port`` of the store that round ``n``'s process groups rendezvous on."""
+        return f"{self.prefix}pg/{n}"
+
+    # round keys -------------------------------------------------------------------------
+    def round_prefix(self, n: int) -> str:
+        return f"{self.prefix}r{n}/"
+
+    def arrive(self, n: int) -> str:
+        """Counter of the ranks that reached round ``n``'s barrier (leavers included)."""
+        return self.round_prefix(n) + "arrive"
+
+    def member(self, n: int, initial_rank: int) -> str:
+        """JSON record of one rank's arrival at round ``n`` (its host, fault, leaving...)."""
+        return f"{self.round_prefix(n)}m/{initial_rank}"
+
+    def ready(self, n: int) -> str:
+        """JSON layout of round ``n`` set by the last arriver; completes the barrier."""
+        return self.round_prefix(n) + "ready"
+
+    def done(self, n: int) -> str:
+        """Counter of active ranks whose function returned in round ``n``."""
+        return self.round_prefix(n) + "done"
+
+    def stop(self, n: int) -> str:
+        """JSON outcome of round ``n``: the first of fault / complete / end wins (compare_set)."""
+        return self.round_prefix(n) + "stop"
+
+    def round_keys(self, n: int, initial_ranks: Any) -> list[str]:
+        """Every key round ``n`` may have created, for deletion."""
+        keys = [self.arrive(n), self.ready(n), self.done(n), self.stop(n)]
+        keys.extend(self.member(n, r) for r in initial_ranks)
+        return keys

@@ -1,0 +1,146 @@
+"""Connecting to the coordination store, and the store process that hosts it.
+
+By default the initial rank 0 starts :class:`StoreProcess` (a separate interpreter, see
+:mod:`trainguard.coord._server`) that hosts the coordination TCPStore (libuv backend) and the
+per-round stores, so that no training process's crash takes the store down. Every rank,
+rank 0 included, talks to it as a client through :func:`connect`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from trainguard.errors import CoordinationError
+
+__all__ = ["StoreProcess", "connect", "parse_addr"]
+
+logger = logging.getLogger(__name__)
+
+
+def parse_addr(value: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise CoordinationError(f"not a host:port address: {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def connect(host: str, port: int, *, timeout: float) -> Any:
+    """A TCPStore client of ``host:port``; retries until the server is up or ``timeout``."""
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore(
+            host, port, is_master=False, timeout=timedelta(seconds=timeout), use_libuv=True
+        )
+    except Exception as exc:
+        raise CoordinationError(
+            f"could not connect to the coordination store at {host}:{port} within {timeout:g} s "
+            f"({exc}); check MASTER_ADDR/MASTER_PORT or TRAINGUARD_STORE_ADDR"
+        ) from exc
+
+
+class StoreProcess:
+    """Handle of the store process started by the initial rank 0.
+
+    Args:
+        job, call: the keyspace (see :class:`trainguard.coord.keys.Keyspace`).
+        coord_host, coord_port: where the coordination store listens (``host_coord=True``:
+            this process hosts it there) or is to be found (``host_coord=False``).
+        advertise_host: host name or address that other ranks use to reach this machine.
+        world_size: initial world size (for deleting keys from an external store).
+        timeout: store operation timeout in seconds.
+        orphan_grace: seconds without clients, once the parent is gone, before it exits.
+    """
+
+    def __init__(
+        self,
+        *,
+        job: str,
+        call: int,
+        coord_host: str,
+        coord_port: int,
+        host_coord: bool,
+        advertise_host: str,
+        world_size: int,
+        timeout: float,
+        orphan_grace: float = 10.0,
+    ) -> None:
+        self.config = {
+            "job": job,
+            "call": call,
+            "coord_host": coord_host,
+            "coord_port": coord_port,
+            "host_coord": host_coord,
+            "advertise_host": advertise_host,
+            "world_size": world_size,
+            "timeout": timeout,
+            "orphan_grace": orphan_grace,
+            "parent": os.getpid(),
+        }
+        self.timeout = timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port: int | None = None
+
+    def start(self) -> StoreProcess:
+        """Start the process and wait for its handshake (it binds its ports first)."""
+        # The child must import this very trainguard, even when it is not installed.
+        root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "trainguard.coord._server", json.dumps(self.config)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            close_fds=True,
+            env=env,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        self.proc.stdout.close()
+        reply: dict[str, Any]
+        try:
+            reply = json.loads(line) if line else {"ok": False, "error": "exited at start"}
+        except ValueError:
+            reply = {"ok": False, "error": f"unreadable handshake {line!r}"}
+        if not reply.get("ok"):
+            self.kill()
+            raise CoordinationError(
+                f"the store process could not start: {reply.get('error')}; is port "
+                f"{self.config['coord_port']} free (MASTER_PORT)?"
+            )
+        self.port = int(reply["port"])
+        return self
+
+    def join(self, timeout: float) -> bool:
+        """Wait for the process to exit on its own (after the job's ``exit`` key)."""
+        if self.proc is None:
+            return True
+        try:
+            self.proc.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            self.proc.wait()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Wait up to ``timeout`` s for a clean exit, then kill; leaves no zombie."""
+        start = time.monotonic()
+        if not self.join(timeout):
+            logger.warning("store process did not exit within %.1f s; killing it", timeout)
+            self.kill()
+        logger.debug("store process ended after %.3f s", time.monotonic() - start)

@@ -1,0 +1,117 @@
+"""What the launcher told this process, and the environment of each round.
+
+Understands the standard variables set by torchrun and plain launchers (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and Slurm's (SLURM_PROCID, SLURM_NTASKS,
+SLURM_LOCALID, SLURM_JOB_NODELIST, SLURM_JOB_ID).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import socket
+from collections.abc import Iterator, Mapping
+
+from trainguard import _env
+from trainguard.errors import ConfigError
+
+ROUND_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    agent_store: bool  # torchrun's agent hosts a store at MASTER_ADDR:MASTER_PORT
+    job: str
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list such as ``node[03-05,9],gpu1``."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ConfigError(f"cannot read SLURM_JOB_NODELIST={nodelist!r}; set MASTER_ADDR")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def detect(environ: Mapping[str, str] | None = None) -> Launch:
+    env = os.environ if environ is None else environ
+
+    def pick(*names: str) -> str | None:
+        for name in names:
+            value = env.get(name, "").strip()
+            if value:
+                return value
+        return None
+
+    rank = pick("RANK", "SLURM_PROCID")
+    world = pick("WORLD_SIZE", "SLURM_NTASKS")
+    if rank is None or world is None:
+        raise ConfigError(
+            "cannot tell this process's rank: set RANK and WORLD_SIZE (torchrun and "
+            "tests/_dist.py do) or run under Slurm srun"
+        )
+    local = pick("LOCAL_RANK", "SLURM_LOCALID") or "0"
+    addr = pick("MASTER_ADDR")
+    if addr is None and env.get("SLURM_JOB_NODELIST"):
+        addr = first_host(env["SLURM_JOB_NODELIST"])
+    port = pick("MASTER_PORT")
+    if port is None and env.get("SLURM_JOB_ID", "").isdigit():
+        port = str(20000 + int(env["SLURM_JOB_ID"]) % 20000)
+    if addr is None or port is None or not port.isdigit():
+        raise ConfigError(
+            "cannot tell where rank 0 is: set MASTER_ADDR and MASTER_PORT (or run under "
+            "torchrun or Slurm)"
+        )
+    settings = _env.settings(env)
+    job = settings.job_id or pick("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID") or f"{addr}-{port}"
+    job = re.sub(r"[^A-Za-z0-9_.-]", "_", job)
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return Launch(int(rank), int(world), int(local), addr, int(port), agent, job)
+
+
+def is_local_address(host: str) -> bool:
+    """True when ``host`` names an address of this machine (it can be bound here)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((sockaddr[0], 0))
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@contextlib.contextmanager
+def round_environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Set the round's variables in ``os.environ``; restore the previous values after."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

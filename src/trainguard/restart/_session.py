@@ -1,0 +1,233 @@
+"""One wrapped call's coordination: store connections, the store process, barriers, leaving."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import time
+from typing import Any
+
+from trainguard import _env, events
+from trainguard.coord import barrier
+from trainguard.coord.keys import Keyspace, decode, encode
+from trainguard.coord.store import StoreProcess, connect, parse_addr
+from trainguard.errors import ConfigError, RetryLimitError
+from trainguard.restart._launch import Launch, is_local_address
+from trainguard.restart.policy.layout import Layout
+
+logger = logging.getLogger(__name__)
+
+_detached: list[StoreProcess] = []  # store processes left serving the job after rank 0 left
+
+
+class Session:
+    """Store side of one wrapped call on one rank (built and closed by the Wrapper)."""
+
+    def __init__(self, launch: Launch, call: int, cfg: Any) -> None:
+        self.launch = launch
+        self.cfg = cfg
+        self.keys = Keyspace(launch.job, call)
+        self.irank = launch.rank
+        self.world = launch.world_size
+        self.host = socket.gethostname()
+        self.coord: Any = None
+        self.watch_store: Any = None
+        self.server: StoreProcess | None = None
+        self.roster: tuple[int, ...] = tuple(range(self.world))
+        self.order: tuple[int, ...] = self.roster
+        self.previous_roster: tuple[int, ...] = self.roster
+        self.gone: dict[int, str] = {}
+        self.left = False
+
+    # setup --------------------------------------------------------------------------------
+    def open(self) -> None:
+        cfg, launch = self.cfg, self.launch
+        given = cfg.store
+        if given is None:
+            addr = _env.settings().store_addr
+            if addr is not None:
+                given = f"{addr[0]}:{addr[1]}"
+        if given is None and launch.agent_store:
+            given = f"{launch.master_addr}:{launch.master_port}"
+        if isinstance(given, str):
+            host, port = parse_addr(given)
+            own = False
+        elif given is not None:  # a TCPStore object
+            host, port, own = given.host, given.port, False
+        else:
+            host, port, own = launch.master_addr, launch.master_port, True
+        if self.irank == 0:
+            # The round stores live on this machine; ranks reach it by MASTER_ADDR when that
+            # names it (always so when we host the coordination store there), else by name.
+            local = own or is_local_address(launch.master_addr)
+            advertise = launch.master_addr if local else self.host
+            self.server = StoreProcess(
+                job=self.keys.job,
+                call=self.keys.call,
+                coord_host=host,
+                coord_port=port,
+                host_coord=own,
+                advertise_host=advertise,
+                world_size=self.world,
+                timeout=cfg.store_timeout,
+            ).start()
+        if given is not None and not isinstance(given, str):
+            self.coord = given.clone()
+        else:
+            self.coord = connect(host, port, timeout=cfg.store_timeout)
+        self.watch_store = self.coord.clone()
+
+    # barrier ------------------------------------------------------------------------------
+    def barrier(self, n: int, *, leaving: str | None, fault: str | None) -> dict[str, Any] | None:
+        """Round ``n``'s barrier; returns the published round (None for a leaving rank)."""
+        record = {
+            "r": self.irank,
+            "host": self.host,
+            "local_rank": self.launch.local_rank,
+            "leave": leaving,
+            "fault": fault,
+        }
+        self.coord.set(self.keys.member(n, self.irank), encode(record))
+        start = time.monotonic()
+        count = int(self.coord.add(self.keys.arrive(n), 1))
+        if count == len(self.roster):
+            payload = self._lay_out(n)
+            self.coord.set(self.keys.ready(n), payload)
+            raw = payload
+            self._delete_round(n - 1)  # after publishing: off the others' critical path
+        elif leaving is not None:
+            return None
+        else:
+            raw = barrier.wait_key(
+                self.coord, self.keys.ready(n), self.cfg.barrier_timeout, what=f"round {n} barrier"
+            )
+        waited = time.monotonic() - start
+        if leaving is not None:
+            return None
+        ready = decode(raw)
+        events.emit("barrier", duration=waited, round_=n, last=count == len(self.roster))
+        self.previous_roster = self.roster
+        self.roster = tuple(ready["active"]) + tuple(ready["spare"])
+        self.order = self.roster
+        self.gone = {int(k): v for k, v in ready["gone"].items()}
+        return ready
+
+    def _lay_out(self, n: int) -> bytes:
+        """Run by the last arriver: read every record, apply the policies, publish."""
+        cfg = self.cfg
+        raws = self.coord.multi_get([self.keys.member(n, r) for r in self.roster])
+        records = [decode(raw) for raw in raws]
+        gone = dict(self.gone)
+        present: set[int] = set()
+        faults: dict[int, str] = {}
+        info: dict[int, dict[str, str]] = {}
+        for rec in records:
+            r = int(rec["r"])
+            if rec.get("fault"):
+                faults[r] = rec["fault"]
+            if rec.get("leave"):
+                gone[r] = rec["leave"]
+            else:
+                present.add(r)
+                info[r] = {"host": str(rec["host"]), "local_rank": str(rec["local_rank"])}
+        layout = Layout.start(
+            round=n,
+            initial_world_size=self.world,
+            previous=self.order,
+            present=present,
+            info=info,
+        )
+        end = None
+        try:
+            layout = cfg.rank_assignment(layout)
+            if cfg.rank_filter is not None:
+                layout = cfg.rank_filter(layout)
+            if cfg.retry is not None:
+                cfg.retry(layout)
+            if present and not layout.active:
+                raise RetryLimitError(
+                    f"round {n}: the rank filter left no active rank among {sorted(present)}"
+                )
+        except RetryLimitError as exc:
+            end = str(exc)
+        except Exception as exc:
+            end = f"a rank assignment or filter policy raised {type(exc).__name__}: {exc}"
+        pg = (
+            barrier.wait_key(self.coord, self.keys.pg_addr(n), self.cfg.store_timeout)
+            if present
+            else b""
+        )
+        return encode(
+            {
+                "round": n,
+                "active": list(layout.active) if end is None else [],
+                "spare": list(layout.spares) if end is None else sorted(present),
+                "gone": {str(k): v for k, v in gone.items()},
+                "faults": {str(k): v for k, v in faults.items()},
+                "pg": pg.decode(),
+                "end": end,
+            }
+        )
+
+    def _delete_round(self, n: int) -> None:
+        """Delete round ``n``'s keys: every rank of it has reached round ``n+1``'s barrier."""
+        if n < 0:
+            return
+        for key in self.keys.round_keys(n, self.previous_roster):
+            with contextlib.suppress(Exception):
+                self.coord.delete_key(key)
+
+    # round outcome -------------------------------------------------------------------------
+    def complete(self, n: int, active: int) -> None:
+        """Count this rank's function as returned; the last one marks the round complete."""
+        if int(self.coord.add(self.keys.done(n), 1)) == active:
+            self.coord.compare_set(self.keys.stop(n), "", encode({"why": "complete"}))
+
+    def stop(self, n: int, outcome: dict[str, Any]) -> bool:
+        """Propose ``outcome`` for round ``n``; True if it was the first (it wins)."""
+        value = encode(outcome)
+        return bytes(self.coord.compare_set(self.keys.stop(n), "", value)) == value
+
+    # leaving -------------------------------------------------------------------------------
+    def leave(self) -> None:
+        """This rank leaves the job; the last to leave lets the store process exit."""
+        if self.left or self.coord is None:
+            return
+        self.left = True
+        try:
+            if int(self.coord.add(self.keys.left, 1)) >= self.world:
+                self.coord.set(self.keys.exit, b"done")
+        except Exception as exc:
+            logger.warning("could not record this rank's exit in the store: %s", exc)
+
+    def close(self, *, early: bool, timeout: float) -> None:
+        """Drop the store clients; on rank 0 wait for the store process to exit.
+
+        ``early``: this rank left while the others go on; its store process keeps serving
+        them and exits on its own when the job ends (it is not waited for, so it outlives
+        this call). Otherwise it is waited for up to ``timeout`` seconds, then killed.
+        """
+        self.watch_store = None
+        self.coord = None
+        if self.server is not None:
+            if not early:
+                self.server.close(timeout=timeout)
+            elif not self.server.join(0.0):
+                _detached.append(self.server)
+            self.server = None
+
+
+def check_store_arg(store: Any) -> None:
+    if store is None or isinstance(store, str):
+        if isinstance(store, str):
+            try:
+                parse_addr(store)
+            except Exception as exc:
+                raise ConfigError(f"store={store!r} is not 'host:port'") from exc
+        return
+    if not all(hasattr(store, a) for a in ("host", "port", "clone")):
+        raise ConfigError(
+            f"store={store!r}: pass a torch.distributed.TCPStore or 'host:port' (the store "
+            "process must be able to connect to it too)"
+        )

@@ -1,0 +1,208 @@
+"""Abort of torch.distributed so that no rank stays blocked in a collective.
+
+- NCCL (when a process group has a CUDA backend): the communicators are aborted with
+  ``_abort_process_group``, which also forgets every group.
+- gloo: ``abort()``/``shutdown()`` in torch 2.13 do not release a collective already waiting on
+  a peer. We shut down (``SHUT_RDWR``) the group's own connected TCP sockets, which makes the
+  pending collective raise at once; then the groups are destroyed.
+
+The group's sockets are identified precisely: while the wrapper runs, the constructor of every
+process group (``torch.distributed.distributed_c10d._new_process_group_helper``, called by
+``init_process_group`` and ``new_group``) is wrapped so that the socket inodes of the process
+before and after it are compared. The store's client connects before the constructor runs and
+the user's sockets are not made inside it, so neither is ever touched. The group's listening
+sockets are never shut down (gloo's listener thread aborts the process on an accept error),
+but their ports are noted: a peer's connection that the listener accepts after the
+constructor returned (seen with 8 ranks) has that local port and is shut down too; without
+it, a collective could stay blocked on that connection. Before a shutdown, the descriptor is
+checked to still name the recorded inode (descriptor numbers are reused).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+from trainguard.coord import _sockets
+
+__all__ = ["GroupSockets", "abort_distributed", "destroy_groups"]
+
+logger = logging.getLogger(__name__)
+
+_destroy_lock = threading.Lock()
+
+
+class GroupSockets:
+    """Record the connected TCP sockets that process group constructors open (process-wide).
+
+    :meth:`install` / :meth:`uninstall` nest (a count); :meth:`take` returns and forgets the
+    sockets recorded so far as ``inode -> fd``. Recording happens in the thread that builds
+    the group, off the restart path; listening sockets are left out then (``SO_ACCEPTCONN``).
+    """
+
+    _lock = threading.Lock()
+    _users = 0
+    _original: Any = None
+    _sockets: dict[int, int] = {}  # noqa: RUF012 - process-wide on purpose
+    _listen_ports: set[int] = set()  # noqa: RUF012 - the groups' own listening ports
+
+    @classmethod
+    def install(cls) -> None:
+        import torch.distributed.distributed_c10d as c10d
+
+        with cls._lock:
+            cls._users += 1
+            if cls._users > 1:
+                return
+            original = c10d._new_process_group_helper
+            cls._original = original
+
+            def tracked(*args: Any, **kwargs: Any) -> Any:
+                before = set(_sockets.socket_fds())
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    fresh = {
+                        inode: fd
+                        for inode, fd in _sockets.socket_fds().items()
+                        if inode not in before
+                    }
+                    new = {i: fd for i, fd in fresh.items() if _connected(fd, i)}
+                    ports = {
+                        s.local_port
+                        for s in _sockets.tcp_sockets(set(fresh) - set(new))
+                        if s.state == _sockets.LISTEN
+                    }
+                    with cls._lock:
+                        cls._sockets.update(new)
+                        cls._listen_ports |= ports
+
+            tracked.__wrapped__ = original  # type: ignore[attr-defined]
+            c10d._new_process_group_helper = tracked
+
+    @classmethod
+    def uninstall(cls) -> None:
+        import torch.distributed.distributed_c10d as c10d
+
+        with cls._lock:
+            cls._users -= 1
+            if cls._users > 0:
+                return
+            if cls._original is not None:
+                c10d._new_process_group_helper = cls._original
+            cls._original = None
+            cls._sockets = {}
+            cls._listen_ports = set()
+
+    @classmethod
+    def take(cls) -> dict[int, int]:
+        """The recorded connections, plus connections accepted later by a group's listener."""
+        with cls._lock:
+            found, cls._sockets = cls._sockets, {}
+            ports, cls._listen_ports = cls._listen_ports, set()
+        if ports:
+            # A peer's connection may be accepted after the constructor returned: it is ours
+            # if its local port is one of the groups' listening ports.
+            fds = _sockets.socket_fds()
+            for s in _sockets.tcp_sockets(set(fds)):
+                if s.local_port in ports and s.state != _sockets.LISTEN:
+                    found.setdefault(s.inode, fds[s.inode])
+        return found
+
+
+def _connected(fd: int, inode: int) -> bool:
+    """True for a stream socket that is not listening (a connection of the group)."""
+    dup = _sockets.fd_of_inode(fd, inode)
+    if dup is None:
+        return False
+    sock = socket.socket(fileno=dup)
+    try:
+        return sock.type == socket.SOCK_STREAM and not sock.getsockopt(
+            socket.SOL_SOCKET, socket.SO_ACCEPTCONN
+        )
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
+def shutdown_sockets(recorded: dict[int, int]) -> int:
+    """``shutdown(SHUT_RDWR)`` every recorded socket still open; returns how many.
+
+    Each descriptor is checked to still name its inode; one that moved is looked up again.
+    """
+    count = 0
+    fds: dict[int, int] | None = None
+    for inode, fd in recorded.items():
+        dup = _sockets.fd_of_inode(fd, inode)
+        if dup is None:
+            if fds is None:
+                fds = _sockets.socket_fds()
+            if inode not in fds:
+                continue  # closed already (its peer went away first)
+            dup = _sockets.fd_of_inode(fds[inode], inode)
+            if dup is None:
+                continue
+        sock = socket.socket(fileno=dup)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            pass  # no longer connected
+        finally:
+            sock.close()  # closes our duplicate only
+    return count
+
+
+def _has_cuda_backend(dist: Any) -> bool:
+    import torch
+
+    group = dist.distributed_c10d._get_default_group()
+    try:
+        group._get_backend(torch.device("cuda"))
+        return True
+    except Exception:
+        return False
+
+
+def destroy_groups() -> bool:
+    """Destroy every process group (aborting NCCL communicators first); True if any existed."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False
+    with _destroy_lock:
+        if not dist.is_initialized():
+            return False
+        try:
+            if _has_cuda_backend(dist):
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
+        except Exception as exc:  # a group half torn down by the user: forget it anyway
+            logger.debug("destroying process groups failed: %s", exc)
+            with contextlib.suppress(Exception):
+                dist.distributed_c10d._world.pg_map.clear()
+                dist.distributed_c10d._update_default_pg(None)
+        return True
+
+
+def abort_distributed() -> dict[str, Any]:
+    """Release any collective pending in this process, then destroy the process groups.
+
+    Safe to call from any thread and more than once. Returns what was done (for events).
+    """
+    start = time.monotonic()
+    shut = shutdown_sockets(GroupSockets.take())
+    mid = time.monotonic()
+    destroyed = destroy_groups()
+    return {
+        "sockets": shut,
+        "destroyed": destroyed,
+        "shutdown_s": mid - start,
+        "destroy_s": time.monotonic() - mid,
+    }

@@ -1,0 +1,232 @@
+"""The monitor thread: wakes on a round's outcome, aborts, and interrupts the main thread.
+
+One monitor per wrapped call, on its own store connection (``Store.clone()``). Protocol, per
+round ``n`` (driven by the main thread):
+
+1. The main thread calls :meth:`Monitor.watch` with ``n``; the monitor blocks in
+   ``wait([stop(n)])``: no polling, it wakes within one store round trip of the outcome.
+2. Outcome ``complete``: nothing to do. Outcome ``fault`` or ``end``: the monitor waits for
+   any :meth:`atomic` section to finish, aborts torch.distributed (:mod:`.abort`), runs the
+   user's ``abort`` hook, and, if the main thread is inside the function, raises
+   :class:`RestartInterrupt` in it (``PyThreadState_SetAsyncExc``). A round is aborted at
+   most once, whatever happens afterwards.
+3. The main thread collects the outcome with :meth:`wait_outcome` before it goes on, so the
+   monitor never acts on a round the main thread has left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from trainguard import events
+from trainguard.coord.barrier import wait_forever
+from trainguard.coord.keys import Keyspace, decode, encode
+from trainguard.restart.abort import abort_distributed
+from trainguard.restart.state import RestartInterrupt
+
+__all__ = ["Monitor"]
+
+logger = logging.getLogger(__name__)
+
+
+def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> int:
+    return int(
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None
+        )
+    )
+
+
+class Monitor:
+    """Watches round outcomes for one wrapped call; see the module docstring.
+
+    Args:
+        store: a dedicated client connection (used by the monitor thread only).
+        keys: the call's keyspace.
+        thread_id: the thread that runs the wrapped function.
+        on_abort: called in the monitor thread after torch.distributed was aborted (the
+            user's ``abort`` hook); its exceptions are logged, never raised.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        keys: Keyspace,
+        thread_id: int,
+        on_abort: Callable[[int, dict[str, Any]], None] | None = None,
+        abort_timeout: float = 5.0,
+        on_stuck: Callable[[int], None] | None = None,
+    ) -> None:
+        self._store = store
+        self._keys = keys
+        self._tid = thread_id
+        self._on_abort = on_abort
+        self._abort_timeout = abort_timeout
+        self._on_stuck = on_stuck
+        self._jobs: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._atomic = 0
+        self._in_fn = False
+        self._injected = False
+        self._watching: int | None = None
+        self._outcome: dict[str, Any] | None = None
+        self._outcome_ready = threading.Event()
+        self.aborted_round: int | None = None
+        self.abort_info: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, name="trainguard-monitor", daemon=True)
+        self._thread.start()
+
+    # main thread ------------------------------------------------------------------------
+    def watch(self, n: int) -> None:
+        """Start watching round ``n``'s outcome."""
+        with self._lock:
+            self._outcome = None
+            self._outcome_ready.clear()
+            self._injected = False
+            self._watching = n
+        self._jobs.put(n)
+
+    def wait_outcome(self, timeout: float | None) -> dict[str, Any] | None:
+        """The outcome of the watched round, or None after ``timeout`` seconds.
+
+        Waits in short slices so that a signal (Ctrl-C) is handled promptly.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._outcome_ready.wait(0.5):
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+        return self._outcome
+
+    @property
+    def outcome(self) -> dict[str, Any] | None:
+        return self._outcome if self._outcome_ready.is_set() else None
+
+    def enter_fn(self, n: int) -> None:
+        """Mark the function as entered; raises RestartInterrupt if round ``n`` is aborted."""
+        with self._lock:
+            if self.aborted_round == n:
+                raise RestartInterrupt()
+            self._in_fn = True
+
+    def leave_fn(self) -> None:
+        """Mark the function as left; clears an interrupt that was raised but not delivered."""
+        with self._lock:
+            self._in_fn = False
+            if self._injected:
+                _set_async_exc(self._tid, None)
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator[None]:
+        """A section the monitor never interrupts: an abort waits until it ends."""
+        with self._cond:
+            self._atomic += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._atomic -= 1
+                self._cond.notify_all()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread; a round still watched is ended first so the wait returns."""
+        with self._lock:
+            n = self._watching if not self._outcome_ready.is_set() else None
+        if n is not None:
+            with contextlib.suppress(Exception):
+                self._store.compare_set(
+                    self._keys.stop(n), "", encode({"why": "end", "reason": "closed"})
+                )
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("monitor thread did not stop within %.1f s", timeout)
+
+    # monitor thread ---------------------------------------------------------------------
+    def _check_released(self, n: int) -> None:
+        """Wait for the main thread to leave the function; escalate if it never does.
+
+        gloo occasionally leaves a collective waiting although every connection of its group
+        was shut down (a send waiting for its peer, seen with 8 ranks on 2 cores). Such a
+        rank would hold every other rank at the next barrier; ``on_stuck`` takes it out of
+        the job instead.
+        """
+        deadline = time.monotonic() + self._abort_timeout
+        with self._cond:
+            while self._in_fn and self._injected:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            stuck = self._in_fn and self._injected
+        if stuck and self._on_stuck is not None:
+            self._on_stuck(n)
+
+    def _run(self) -> None:
+        while True:
+            n = self._jobs.get()
+            if n is None:
+                return
+            try:
+                outcome = decode(wait_forever(self._store, self._keys.stop(n)))
+            except Exception as exc:
+                outcome = {"why": "end", "reason": f"store lost: {exc}"}
+            outcome["seen"] = time.monotonic()
+            if outcome.get("why") != "complete" and self.aborted_round != n:
+                try:
+                    self._abort(n, outcome)
+                except Exception:  # never leave the main thread waiting for the outcome
+                    logger.exception("aborting round %d failed", n)
+            with self._lock:
+                self._outcome = outcome
+                self._watching = None
+            self._outcome_ready.set()
+
+    def _abort(self, n: int, outcome: dict[str, Any]) -> None:
+        # The main thread may be running Python: hand the GIL over at once, not after the
+        # default 5 ms switch interval at every system call of the abort.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-5)
+        try:
+            self._abort_round(n, outcome)
+        finally:
+            sys.setswitchinterval(interval)
+
+    def _abort_round(self, n: int, outcome: dict[str, Any]) -> None:
+        with self._lock:
+            self.aborted_round = n
+        start = time.monotonic()
+        with self._cond:
+            while self._atomic:
+                self._cond.wait()
+        info = abort_distributed()
+        if self._on_abort is not None:
+            try:
+                self._on_abort(n, outcome)
+            except Exception:
+                logger.exception("the abort hook raised (ignored)")
+        with self._lock:
+            if self._in_fn:
+                self._injected = _set_async_exc(self._tid, RestartInterrupt) == 1
+        self.abort_info = info
+        self._check_released(n)
+        events.emit(
+            "abort",
+            duration=time.monotonic() - start,
+            cause=outcome.get("why"),
+            fault_rank=outcome.get("rank"),
+            interrupted=self._injected,
+            sockets=info.get("sockets"),
+            shutdown_s=info.get("shutdown_s"),
+            destroy_s=info.get("destroy_s"),
+            waited_s=start - outcome.get("seen", start),
+        )

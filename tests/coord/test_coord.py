@@ -1,0 +1,157 @@
+"""The coordination layer against a real TCPStore and a real store process."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from tests._dist import free_port
+from tests.coord import _helpers
+from trainguard.coord import Keyspace, StoreProcess, arrive, connect, decode, encode, wait_key
+from trainguard.errors import BarrierTimeoutError, CoordinationError
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _refused(addr: str) -> bool:
+    host, _, port = addr.rpartition(":")
+    with socket.socket() as s:
+        return s.connect_ex((host, int(port))) != 0
+
+
+def test_keyspace_separates_jobs_calls_and_rounds() -> None:
+    a, b, c = Keyspace("job1"), Keyspace("job2"), Keyspace("job1", call=1)
+    assert a.stop(0) != b.stop(0) and a.stop(0) != c.stop(0) and a.stop(0) != a.stop(1)
+    assert all(k.startswith("tg/job1/0/r3/") for k in a.round_keys(3, range(2)))
+    assert decode(encode({"x": [1, "y"]})) == {"x": [1, "y"]}
+    with pytest.raises(ValueError):
+        Keyspace("a/b")
+
+
+@pytest.fixture()
+def store_process():
+    port = free_port()
+    server = StoreProcess(
+        job="t",
+        call=0,
+        coord_host="127.0.0.1",
+        coord_port=port,
+        host_coord=True,
+        advertise_host="127.0.0.1",
+        world_size=2,
+        timeout=30,
+    ).start()
+    client = connect("127.0.0.1", port, timeout=30)
+    yield server, client
+    client.set(Keyspace("t").exit, b"test over")
+    server.close(timeout=10)
+    assert server.proc is not None and server.proc.returncode == 0
+
+
+def test_round_stores_are_precreated_and_closed_when_the_next_round_starts(store_process):
+    _, client = store_process
+    keys = Keyspace("t")
+    first = wait_key(client, keys.pg_addr(0), 10).decode()
+    second = wait_key(client, keys.pg_addr(1), 10).decode()
+    assert first != second and not _refused(first) and not _refused(second)
+    # a key written in round 0's store is invisible to round 1's
+    r0 = connect(first.split(":")[0], int(first.split(":")[1]), timeout=10)
+    r0.set("rank_0", b"x")
+    r1 = connect(second.split(":")[0], int(second.split(":")[1]), timeout=10)
+    assert not r1.check(["rank_0"])
+    del r0, r1
+    client.set(keys.ready(0), b"{}")  # round 0 starts; round 1's store is already up
+    client.set(keys.ready(1), b"{}")  # round 1 starts: round 2's opens, round 0's closes
+    third = wait_key(client, keys.pg_addr(2), 10).decode()
+    assert not _refused(third)
+    deadline = time.monotonic() + 10
+    while not _refused(first) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _refused(first)
+    assert not client.check([keys.pg_addr(0)])
+
+
+def test_barrier_wakes_every_rank_once_the_last_arrives(store_process):
+    _, client = store_process
+    n = 4
+    woke: dict[int, float] = {}
+    leaders = []
+
+    def rank(i: int) -> None:
+        store = client.clone()
+        time.sleep(0.05 * i)
+        value, last, _ = arrive(store, "b/count", "b/done", n, on_last=lambda: b"go", timeout=10)
+        woke[i] = time.monotonic()
+        assert value == b"go"
+        if last:
+            leaders.append(i)
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert leaders == [n - 1]
+    assert max(woke.values()) - woke[n - 1] < 0.05  # woken within a round trip, no polling
+    with pytest.raises(BarrierTimeoutError, match="raise the timeout"):
+        wait_key(client, "never/set", 0.2, what="a test barrier")
+    with pytest.raises(CoordinationError, match="arrivals"):
+        arrive(client, "b/count", "b/done", n, on_last=lambda: b"", timeout=1)
+
+
+def test_store_survives_the_process_that_started_it() -> None:
+    port = free_port()
+    ctx = multiprocessing.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    starter = ctx.Process(target=_helpers.host_store_then_hang, args=("s", port, send))
+    starter.start()
+    try:
+        assert recv.poll(60), "the store process did not start"
+        store_pid = recv.recv()
+        os.kill(starter.pid, signal.SIGKILL)  # a crash of the training process (rank 0)
+        starter.join(10)
+        client = connect("127.0.0.1", port, timeout=10)
+        client.set("still", b"here")
+        assert client.get("still") == b"here"
+        addr = wait_key(client, Keyspace("s").pg_addr(0), 10).decode()
+        assert not _refused(addr)
+        client.set(Keyspace("s").exit, b"done")  # the job ends: the store process exits
+        deadline = time.monotonic() + 10
+        while _alive(store_pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _alive(store_pid)
+    finally:
+        if starter.is_alive():
+            starter.kill()
+            starter.join()
+
+
+def test_store_process_reports_a_taken_port() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = StoreProcess(
+            job="x",
+            call=0,
+            coord_host="127.0.0.1",
+            coord_port=port,
+            host_coord=True,
+            advertise_host="127.0.0.1",
+            world_size=1,
+            timeout=5,
+        )
+        with pytest.raises(CoordinationError, match="could not start"):
+            server.start()

@@ -1,0 +1,71 @@
+"""Bad Wrapper arguments fail when the Wrapper is built, with a message that names the fix."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+import trainguard.restart as tr
+from trainguard.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"barrier_timeout": 0}, "barrier_timeout=0: must be a positive"),
+        ({"completion_timeout": "60"}, "give seconds"),
+        ({"barrier_timeout": float("inf")}, "finite"),
+        ({"store_timeout": True}, "give seconds"),
+        ({"barrier_timeout": 10, "store_timeout": 30}, "lower store_timeout or raise"),
+        ({"max_rounds": 5, "retry": tr.RetryController(3)}, "not both"),
+        ({"abort_timeout": 120, "barrier_timeout": 60}, "abort_timeout=120 s must be shorter"),
+        ({"max_rounds": 0}, "max_rounds"),
+        ({"retry": 3}, "RetryController"),
+        ({"rank_filter": 3}, "rank_filter=3 is not callable"),
+        ({"health_check": "yes"}, "health_check='yes' is not callable"),
+        ({"store": "nohost"}, "host:port"),
+        ({"store": object()}, "TCPStore"),
+    ],
+)
+def test_bad_arguments(kwargs, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        tr.Wrapper(**kwargs)
+
+
+def test_arguments_are_keyword_only_and_timedelta_works() -> None:
+    with pytest.raises(TypeError):
+        tr.Wrapper(None)  # type: ignore[misc]
+    w = tr.Wrapper(barrier_timeout=timedelta(minutes=2), completion_timeout=5.5)
+    assert w.config.barrier_timeout == 120.0 and w.config.completion_timeout == 5.5
+
+
+def test_missing_launch_variables_name_the_fix(monkeypatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+
+    @tr.Wrapper()
+    def fn() -> None:
+        raise AssertionError("never runs")
+
+    with pytest.raises(ConfigError, match="set RANK and WORLD_SIZE"):
+        fn()
+
+
+def test_slurm_variables_are_mapped() -> None:
+    from trainguard.restart._launch import detect, first_host
+
+    assert first_host("node[03-05,9],gpu1") == "node03"
+    assert first_host("gpu1") == "gpu1"
+    launch = detect(
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "8",
+            "SLURM_LOCALID": "1",
+            "SLURM_JOB_NODELIST": "n[10-11]",
+            "SLURM_JOB_ID": "4242",
+        }
+    )
+    assert (launch.rank, launch.world_size, launch.local_rank) == (5, 8, 1)
+    assert launch.master_addr == "n10" and launch.master_port == 24242
+    assert launch.job == "4242"
