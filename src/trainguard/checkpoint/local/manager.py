@@ -1,0 +1,748 @@
+"""LocalCheckpointManager: checkpoints on node-local storage, replicated to peers.
+
+Every rank saves its *part* (its state) under a local root (typically ``/dev/shm`` or a local
+NVMe) and keeps copies of the parts of its clique's members (see :mod:`.replication`), so that
+the loss of a node loses no part. See :class:`LocalCheckpointManager` for the protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import mmap
+import os
+import queue
+import struct
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from trainguard import events
+from trainguard.checkpoint.fileformat import (
+    FileHeader,
+    PlacedEntry,
+    load_file,
+    place,
+    verify_entries,
+)
+from trainguard.checkpoint.layout import flatten, unflatten
+from trainguard.checkpoint.local import _inventory
+from trainguard.checkpoint.local._exchange import allgather
+from trainguard.checkpoint.local._transfer import Channel
+from trainguard.checkpoint.local.replication import CliqueReplication, no_replication
+from trainguard.checkpoint.staging import Stager, StagingBuffer
+from trainguard.checkpoint.writer import WriteJob, WriterDied, WriterProcess
+from trainguard.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointReplicationMismatchError,
+    CheckpointWriteError,
+    ConfigError,
+)
+
+__all__ = ["LocalCheckpointManager"]
+
+logger = logging.getLogger(__name__)
+
+
+def _seconds(value: float | timedelta, name: str) -> float:
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not seconds > 0:
+        raise ConfigError(f"{name} must be positive seconds (or a timedelta), not {value!r}")
+    return seconds
+
+
+@dataclasses.dataclass
+class _Job:
+    seq: int
+    iteration: int
+    skeleton: Any
+    placed: list[PlacedEntry]
+    nbytes: int
+    buffer: StagingBuffer
+    retired: StagingBuffer | None
+    requested: float
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: str | None = None
+
+
+class LocalCheckpointManager:
+    """Checkpoints on each rank's local storage, with copies on the other members of its clique.
+
+    Every rank of the job calls every method together, in the same order: the constructor,
+    :meth:`find_latest`, :meth:`load`, :meth:`save` (same iterations in the same order),
+    :meth:`wait` and :meth:`close`. ::
+
+        mgr = LocalCheckpointManager("/dev/shm/ckpt", replication=CliqueReplication(2), keep=2)
+        it = mgr.find_latest()          # newest iteration every rank can recover, or None
+        if it is not None:
+            state = mgr.load(it)        # this rank's part, wherever a good copy is
+        ...
+        mgr.save(state, iteration)      # returns once the state is copied to host memory
+        mgr.close()
+
+    - ``save`` copies the state into a reusable shared-memory buffer and returns; in the
+      background the writer process writes this rank's part while the part is sent, as one
+      message, to the other clique members, which write it too. :meth:`wait` blocks until the
+      iteration is durable with all its copies on every rank.
+    - Parts are named by iteration and *owner* (this rank's number at save time). After a
+      restart that renumbered the ranks, rank ``r`` loads owner ``r``'s part.
+    - Retention: once an iteration is complete on every rank, complete iterations beyond the
+      newest ``keep`` are removed (and incomplete ones older than those); an incomplete newer
+      iteration never causes a complete older one to be removed.
+
+    Args:
+        root: this rank's local directory (ranks of one node may share it).
+        replication: a :class:`CliqueReplication`, or None for one copy per part.
+        keep: complete iterations to keep (>= 1).
+        store: the torch.distributed Store (default: the default process group's).
+        backend: transport for copies: ``"gloo"`` (default) or ``"nccl"``; a dedicated group.
+        timeout: seconds (or a timedelta) a rank waits for the others (store and transfers).
+        staging_threads, pin_memory, fsync, writer_nice: as for ``AsyncCheckpointer``.
+        allow_replication_change: load iterations saved with another replication setting
+            instead of raising :class:`CheckpointReplicationMismatchError`.
+        key_prefix: prefix of this manager's store keys.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        replication: CliqueReplication | None = None,
+        keep: int = 2,
+        store: Any = None,
+        backend: str | None = None,
+        timeout: float | timedelta = 300.0,
+        staging_threads: int | None = None,
+        pin_memory: bool = True,
+        fsync: bool = True,
+        writer_nice: int = 10,
+        allow_replication_change: bool = False,
+        key_prefix: str = "trainguard/local",
+    ) -> None:
+        if replication is not None and not isinstance(replication, CliqueReplication):
+            raise ConfigError("replication must be a CliqueReplication(factor, jump) or None")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ConfigError(f"keep={keep!r}: keep at least 1 complete iteration")
+        if backend not in (None, "gloo", "nccl"):
+            raise ConfigError(f"backend={backend!r}; use 'gloo' (CPU) or 'nccl' (GPU)")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ConfigError("backend='nccl' needs CUDA; use backend='gloo'")
+        if staging_threads is not None and staging_threads < 1:
+            raise ConfigError("staging_threads must be >= 1 (or None for the default)")
+        if not 0 <= writer_nice <= 19:
+            raise ConfigError("writer_nice must be between 0 and 19")
+        self.timeout = _seconds(timeout, "timeout")
+        import torch.distributed as dist
+
+        initialized = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if initialized else 0
+        self.world_size = dist.get_world_size() if initialized else 1
+        if store is None and initialized:
+            store = dist.distributed_c10d._get_default_store()
+        if self.world_size > 1 and store is None:
+            raise ConfigError("several ranks need a store; initialize torch.distributed first")
+        self.replication = replication or no_replication()
+        self.setting = self.replication.describe()
+        self.clique = self.replication.clique_of(self.rank, self.world_size)
+        if len(self.clique) < self.replication.factor:
+            logger.warning(
+                "rank %d's clique %s has %d member(s) for factor %d (world size %d): its parts "
+                "have fewer copies",
+                self.rank,
+                self.clique,
+                len(self.clique),
+                self.replication.factor,
+                self.world_size,
+            )
+        self.root = os.path.abspath(os.fspath(root))
+        self.keep = keep
+        self.fsync = fsync
+        self.allow_replication_change = allow_replication_change
+        os.makedirs(self.root, exist_ok=True)
+        self._inventory = _inventory.Inventory(self.root)
+        self._closed = False
+        self._store = self._bg_store = None
+        self._key = key_prefix
+        if store is not None and self.world_size > 1:
+            generation = (store.add(f"{key_prefix}/instances", 1) - 1) // self.world_size
+            self._key = f"{key_prefix}/{generation}"
+            self._store = store.clone() if hasattr(store, "clone") else store
+            self._bg_store = store.clone() if hasattr(store, "clone") else store
+            self._store_origin = store  # keeps rank 0's store server alive while we need it
+        self._channel: Channel | None = None
+        if self.world_size > 1:
+            self._channel = Channel(backend or "gloo", self.timeout)
+        self._stager = Stager(
+            threads=staging_threads or min(4, os.cpu_count() or 1), pin=pin_memory
+        )
+        self._recv_buffers: dict[int, StagingBuffer] = {}
+        self._writer = WriterProcess(nice=writer_nice)
+        self._calls = 0
+        self._seq = 0
+        self._last: _Job | None = None
+        self._errors: list[str] = []
+        self._complete: set[int] = set()
+        self._unconfirmed: list[tuple[int, int]] = []  # (seq, iteration) not yet complete
+        self._lock = threading.Lock()
+        self._prune_lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        try:
+            self._writer.start()
+        except WriterDied as exc:
+            self._release()
+            raise CheckpointWriteError(str(exc)) from exc
+        self._thread = threading.Thread(target=self._run, name="trainguard-local", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ API
+
+    def save(self, state: Any, iteration: int, *, pickle: bool = False) -> None:
+        """Snapshot ``state`` as this rank's part of ``iteration``. All ranks call it together.
+
+        Returns once the state is copied into host memory (the state may change right after);
+        writing and replication run in the background. Waits first for the previous save's
+        background work (the buffers are reused). Raises the error of an earlier failed save.
+        """
+        self._check_open()
+        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+            raise ConfigError(f"iteration={iteration!r}: use an integer >= 0")
+        requested = time.monotonic()
+        if self._last is not None:
+            self._last.done.wait()
+        self._raise_errors()
+        flat = flatten(state, pickle=pickle)
+        placed, nbytes = place(flat.entries)
+        buffer, retired = self._stager.ensure(nbytes)
+        self._stager.stage(flat.entries, placed)
+        job = _Job(self._seq, iteration, flat.skeleton, placed, nbytes, buffer, retired, requested)
+        self._seq += 1
+        self._last = job
+        self._jobs.put(job)
+        events.emit(
+            "local_ckpt_save",
+            duration=time.monotonic() - requested,
+            bytes=nbytes,
+            iteration=iteration,
+            root=self.root,
+        )
+
+    def wait(self, timeout: float | timedelta | None = None) -> None:
+        """Block until the last saved iteration is durable with every copy on every rank.
+
+        Then applies retention. Raises :class:`CheckpointWriteError` naming the ranks whose
+        part or copies failed, or that did not finish within ``timeout`` (default: the
+        manager's). Every rank calls it (it reads the store only).
+        """
+        limit = self.timeout if timeout is None else _seconds(timeout, "timeout")
+        job = self._last
+        if job is None:
+            return
+        if not job.done.wait(limit):
+            raise CheckpointWriteError(f"iteration {job.iteration} not durable within {limit} s")
+        self._raise_errors()
+        deadline = time.monotonic() + limit
+        while True:
+            self._confirm(self._store)
+            with self._lock:
+                if all(seq != job.seq for seq, _ in self._unconfirmed):
+                    break
+            if time.monotonic() > deadline:
+                raise CheckpointWriteError(
+                    f"iteration {job.iteration} was not complete on every rank within {limit} s",
+                    causes=self._missing(self._store, job.seq),
+                )
+            time.sleep(0.005)
+        self._raise_errors()
+        self._prune()
+
+    def find_latest(self) -> int | None:
+        """The newest iteration every owner's part of which a live rank holds, verified.
+
+        Collective through the store: every rank reports the parts it holds and has verified;
+        all compute the same answer. None when no iteration is recoverable. Raises
+        :class:`CheckpointReplicationMismatchError` when that iteration was saved with another
+        replication setting (unless ``allow_replication_change``).
+        """
+        self._check_open()
+        started = time.monotonic()
+        self._drain()
+        parts = self._inventory.scan()
+        merged = self._gather("find", parts)
+        candidates = _inventory.complete(merged, self.world_size)
+        self._complete.update(candidates)
+        found = candidates[0] if candidates else None
+        if found is not None:
+            chosen = _inventory.choice(merged, found)
+            self._check_setting(chosen)
+            self._note_orphans(chosen)
+        events.emit(
+            "local_ckpt_find_latest",
+            duration=time.monotonic() - started,
+            iteration=found,
+            held=len(parts),
+            candidates=candidates[:5],
+        )
+        return found
+
+    def load(self, iteration: int, *, allow_pickle: bool = False) -> Any:
+        """This rank's part of ``iteration`` (owner = this rank's number). All ranks call it.
+
+        Each rank re-verifies its copies of ``iteration``; a rank without a good copy of its
+        part receives it from a holder (every rank computes the same transfer plan). When some
+        part has no good copy anywhere, the newest older complete iteration is loaded instead,
+        with a warning saying why; :class:`CheckpointNotFoundError` when none is. Returns None
+        on a rank whose number did not exist in the world that saved (the world grew).
+        Tensors are views of a private memory map (or of the received bytes).
+        """
+        self._check_open()
+        started = time.monotonic()
+        self._drain()
+        parts = self._inventory.scan(fresh=[iteration])
+        merged = self._gather("load", parts)
+        candidates = [it for it in _inventory.complete(merged, self.world_size) if it <= iteration]
+        if not candidates or candidates[0] != iteration:
+            reason = (
+                f"iteration {iteration} is not on any rank"
+                if iteration not in merged
+                else f"no rank holds a good copy of the part(s) of owner(s) "
+                f"{_inventory.missing_owners(merged[iteration], self.world_size)} of "
+                f"iteration {iteration}"
+            )
+            if not candidates:
+                raise CheckpointNotFoundError(
+                    f"nothing to load under {self.root} and its peers: {reason}, and no older "
+                    "iteration is complete"
+                )
+            logger.warning("%s; loading iteration %d instead", reason, candidates[0])
+            events.emit(
+                "local_ckpt_fallback", requested=iteration, loaded=candidates[0], reason=reason
+            )
+        chosen = _inventory.choice(merged, candidates[0])
+        self._check_setting(chosen)
+        self._note_orphans(chosen)
+        transfers = _inventory.plan(chosen, self.world_size)
+        mine = {p.owner: p for p in parts if p.iteration == chosen.iteration}
+        received = self._transfer(chosen, transfers, mine)
+        if self.rank >= chosen.saved_world:
+            logger.warning(
+                "rank %d has no part in iteration %d (saved by %d ranks): nothing to load",
+                self.rank,
+                chosen.iteration,
+                chosen.saved_world,
+            )
+            return None
+        if received is not None:
+            source, raw = received
+            state = _state_from_bytes(
+                raw, f"part of owner {self.rank} from rank {source}", allow_pickle
+            )
+            where, nbytes = f"rank {source}", len(raw)
+        else:
+            part = mine[self.rank]
+            state, _ = load_file(part.path, verify=False, allow_pickle=allow_pickle)
+            where, nbytes = f"local {part.path}", part.file_size
+        events.emit(
+            "local_ckpt_load",
+            duration=time.monotonic() - started,
+            iteration=chosen.iteration,
+            requested=iteration,
+            bytes=nbytes,
+            source=where,
+            transfers=len(transfers),
+        )
+        return state
+
+    def close(self) -> None:
+        """Finish pending saves, stop the writer and the thread, free buffers and the group.
+
+        Raises the error of a failed pending save after everything is freed. Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._thread.join()
+        with contextlib.suppress(Exception):
+            self._confirm(self._store)
+            self._prune()
+        self._release()
+        self._raise_errors()
+
+    def __enter__(self) -> LocalCheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as close_error:
+            logger.error("closing the local checkpoint manager after an error: %s", close_error)
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this LocalCheckpointManager is closed; create a new one")
+
+    def _raise_errors(self) -> None:
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise CheckpointWriteError(
+                "a local checkpoint failed; the previous complete iteration is still the latest",
+                causes={self.rank: "; ".join(errors)},
+            )
+
+    def _drain(self) -> None:
+        if self._last is not None:
+            self._last.done.wait()
+
+    def _release(self) -> None:
+        self._writer.stop()
+        self._stager.close()
+        for buffer in self._recv_buffers.values():
+            buffer.close()
+        self._recv_buffers.clear()
+        if self._last is not None and self._last.retired is not None:
+            self._last.retired.close()
+        self._last = None
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def _gather(self, what: str, parts: list[_inventory.Part]) -> dict[int, dict[str, Any]]:
+        self._calls += 1
+        reports = allgather(
+            self._store,
+            f"{self._key}/{what}/{self._calls}",
+            self.rank,
+            self.world_size,
+            [p.report() for p in parts],
+            timeout=self.timeout,
+        )
+        return _inventory.holdings(reports)
+
+    def _check_setting(self, chosen: _inventory.Choice) -> None:
+        if chosen.replication == self.setting or self.allow_replication_change:
+            return
+        raise CheckpointReplicationMismatchError(
+            f"iteration {chosen.iteration} under {self.root} was saved with "
+            f"{chosen.replication} but this manager uses {self.setting}. Create the manager with "
+            "the setting used at save time to resume, pass allow_replication_change=True to "
+            "load it anyway (its parts are complete), or start fresh in an empty root"
+        )
+
+    def _note_orphans(self, chosen: _inventory.Choice) -> None:
+        orphans = chosen.orphans(self.world_size)
+        if orphans and self.rank == 0:
+            logger.warning(
+                "iteration %d was saved by %d ranks, this world has %d: the parts of owner(s) "
+                "%s go to nobody",
+                chosen.iteration,
+                chosen.saved_world,
+                self.world_size,
+                orphans,
+            )
+        if orphans:
+            events.emit(
+                "local_ckpt_world_changed",
+                iteration=chosen.iteration,
+                saved_world=chosen.saved_world,
+                world_size=self.world_size,
+                unloaded_owners=orphans,
+            )
+
+    def _transfer(
+        self,
+        chosen: _inventory.Choice,
+        transfers: list[tuple[int, int, int]],
+        mine: dict[int, _inventory.Part],
+    ) -> tuple[int, bytearray | mmap.mmap] | None:
+        sends, recvs, maps = [], [], []
+        received = None
+        for owner, source, dest in transfers:
+            if source == self.rank:
+                with open(mine[owner].path, "rb") as f:
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                maps.append(mm)
+                sends.append((dest, torch.frombuffer(mm, dtype=torch.uint8)))
+            if dest == self.rank:
+                buf = mmap.mmap(-1, chosen.sizes[owner])
+                received = (source, buf)
+                recvs.append((source, torch.frombuffer(buf, dtype=torch.uint8)))
+        if sends or recvs:
+            assert self._channel is not None
+            started = time.monotonic()
+            self._channel.exchange(sends, recvs)
+            events.emit(
+                "local_ckpt_transfer",
+                duration=time.monotonic() - started,
+                iteration=chosen.iteration,
+                sent=[(d, int(t.numel())) for d, t in sends],
+                received=[(s, int(t.numel())) for s, t in recvs],
+            )
+        del sends
+        for mm in maps:
+            with contextlib.suppress(BufferError):
+                mm.close()
+        return received
+
+    # ------------------------------------------------------------------ background thread
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._process(job)
+            except Exception as exc:
+                logger.warning("local checkpoint of iteration %d failed: %s", job.iteration, exc)
+                job.error = f"{type(exc).__name__}: {exc}"
+                with self._lock:
+                    self._errors.append(job.error)
+            finally:
+                self._report(job)
+                job.done.set()
+
+    def _process(self, job: _Job) -> None:
+        if job.retired is not None:
+            self._writer.detach(job.retired.id)
+            job.retired.close()
+            job.retired = None
+        if not self._writer.alive():
+            if self._writer.pid is not None:
+                self._writer.kill()
+            self._writer.start()
+        os.makedirs(_inventory.iteration_dir(self.root, job.iteration), exist_ok=True)
+        meta = {
+            "rank": str(self.rank),
+            "owner": str(self.rank),
+            "iteration": str(job.iteration),
+            "world_size": str(self.world_size),
+            "replication": self.setting,
+            "skeleton": json.dumps(job.skeleton, separators=(",", ":")),
+        }
+        paths = [_inventory.part_path(self.root, job.iteration, self.rank, self.rank)]
+        self._submit(job, job.buffer, paths[0], job.placed, meta)
+        peers = [m for m in self.clique if m != self.rank]
+        failure: BaseException | None = None
+        if peers:
+            started = time.monotonic()
+            try:
+                got = self._replicate(job, peers, meta)
+            except Exception as exc:  # collect the writer's answer for our own part first
+                failure, got = exc, {}
+            received = 0
+            for peer, (buffer, placed, peer_meta) in got.items():
+                path = _inventory.part_path(self.root, job.iteration, peer, self.rank)
+                self._submit(job, buffer, path, placed, peer_meta)
+                paths.append(path)
+                received += placed[-1].offset + placed[-1].nbytes if placed else 0
+            if failure is None:
+                events.emit(
+                    "local_ckpt_replicate",
+                    duration=time.monotonic() - started,
+                    iteration=job.iteration,
+                    peers=peers,
+                    bytes_sent=job.nbytes * len(peers),
+                    bytes_received=received,
+                )
+        errors = []
+        for path in paths:
+            try:
+                result = self._writer.result()
+            except WriterDied:
+                with contextlib.suppress(OSError):
+                    os.unlink(path + ".tmp")
+                raise
+            assert result is not None
+            if not result.ok:
+                errors.append(result.error)
+            else:
+                self._inventory.trust(path)
+        if failure is not None:
+            raise CheckpointWriteError(f"replication to {peers} failed: {failure}") from failure
+        if errors:
+            raise CheckpointWriteError("; ".join(errors))
+        events.emit(
+            "local_ckpt_durable",
+            duration=time.monotonic() - job.requested,
+            iteration=job.iteration,
+            files=len(paths),
+        )
+
+    def _submit(
+        self,
+        job: _Job,
+        buffer: StagingBuffer,
+        path: str,
+        placed: list[PlacedEntry],
+        meta: dict[str, str],
+    ) -> None:
+        if not self._writer.is_attached(buffer.id):
+            self._writer.attach(buffer.id, buffer.fd, buffer.nbytes)
+        self._writer.submit(
+            WriteJob(
+                job_id=job.seq,
+                path=path,
+                buffer_id=buffer.id,
+                placed=placed,
+                metadata=meta,
+                fsync=self.fsync,
+            )
+        )
+
+    def _replicate(
+        self, job: _Job, peers: list[int], meta: dict[str, str]
+    ) -> dict[int, tuple[StagingBuffer, list[PlacedEntry], dict[str, str]]]:
+        """Send this rank's part to every peer and receive theirs: sizes, then header + data."""
+        assert self._channel is not None
+        header = json.dumps(
+            {"placed": [dataclasses.astuple(p) for p in job.placed], "meta": meta}
+        ).encode()
+        sizes_out = torch.tensor([len(header), job.nbytes], dtype=torch.int64)
+        sizes_in = {p: torch.zeros(2, dtype=torch.int64) for p in peers}
+        self._channel.exchange([(p, sizes_out) for p in peers], list(sizes_in.items()))
+        raw_in = {p: bytearray(int(sizes_in[p][0])) for p in peers}
+        headers_in = {p: torch.frombuffer(raw_in[p], dtype=torch.uint8) for p in peers}
+        buffers = {}
+        for p in peers:
+            buffers[p] = self._recv_buffer(p, int(sizes_in[p][1]))
+        header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        data_out = job.buffer.view(0, job.nbytes)
+        sends, recvs = [], []
+        for p in peers:
+            sends += [(p, header_t), (p, data_out)]
+            recvs += [(p, headers_in[p]), (p, buffers[p].view(0, int(sizes_in[p][1])))]
+        self._channel.exchange(sends, recvs)
+        out = {}
+        for p in peers:
+            doc = json.loads(bytes(raw_in[p]))
+            placed = [
+                PlacedEntry(name, dtype, tuple(shape), offset, nbytes)
+                for name, dtype, shape, offset, nbytes in doc["placed"]
+            ]
+            if doc["meta"].get("owner") != str(p) or doc["meta"].get("iteration") != str(
+                job.iteration
+            ):
+                raise CheckpointWriteError(
+                    f"rank {p} sent {doc['meta'].get('owner')}'s part of iteration "
+                    f"{doc['meta'].get('iteration')} while this rank saves {job.iteration}: the "
+                    "ranks do not call save() with the same iterations in the same order"
+                )
+            out[p] = (buffers[p], placed, doc["meta"])
+        return out
+
+    def _recv_buffer(self, peer: int, nbytes: int) -> StagingBuffer:
+        buffer = self._recv_buffers.get(peer)
+        if buffer is not None and buffer.nbytes >= nbytes:
+            return buffer
+        if buffer is not None:
+            self._writer.detach(buffer.id)
+            buffer.close()
+        grown = max(nbytes, int(buffer.nbytes * 1.5) if buffer is not None else 0)
+        self._recv_buffers[peer] = StagingBuffer(grown, pin=False)
+        return self._recv_buffers[peer]
+
+    # ------------------------------------------------------------------ completion, retention
+
+    def _done_key(self, seq: int) -> str:
+        return f"{self._key}/save/{seq}"
+
+    def _report(self, job: _Job) -> None:
+        with self._lock:
+            self._unconfirmed.append((job.seq, job.iteration))
+        if self._bg_store is None:
+            return
+        try:
+            if job.error is not None:
+                self._bg_store.set(f"{self._done_key(job.seq)}/err/{self.rank}", job.error)
+            self._bg_store.set(f"{self._done_key(job.seq)}/done/{self.rank}", "1")
+            self._bg_store.add(f"{self._done_key(job.seq)}/count", 1)
+        except Exception as exc:
+            logger.warning("reporting iteration %d to the store failed: %s", job.iteration, exc)
+        self._confirm(self._bg_store)
+        with contextlib.suppress(Exception):
+            self._prune()
+
+    def _confirm(self, store: Any) -> None:
+        """Move saves that every rank has finished from unconfirmed to complete (or failed)."""
+        with self._lock:
+            pending = list(self._unconfirmed)
+        for seq, iteration in pending:
+            key = self._done_key(seq)
+            failed: dict[int, str] = {}
+            if store is not None:
+                if store.add(f"{key}/count", 0) < self.world_size:
+                    continue
+                for r in range(self.world_size):
+                    if store.check([f"{key}/err/{r}"]):
+                        failed[r] = store.get(f"{key}/err/{r}").decode(errors="replace")
+            with self._lock:
+                with contextlib.suppress(ValueError):
+                    self._unconfirmed.remove((seq, iteration))
+                if not failed:
+                    self._complete.add(iteration)
+                elif all(r != self.rank for r in failed):
+                    self._errors.append(
+                        f"iteration {iteration} failed on rank(s) "
+                        + ", ".join(f"{r} ({why})" for r, why in sorted(failed.items()))
+                    )
+
+    def _missing(self, store: Any, seq: int) -> dict[int, str]:
+        key = self._done_key(seq)
+        if store is None:
+            return {}
+        return {
+            r: "did not finish its part and copies (dead or hung?)"
+            for r in range(self.world_size)
+            if not store.check([f"{key}/done/{r}"])
+        }
+
+    def _prune(self) -> None:
+        with self._prune_lock:
+            with self._lock:
+                complete = sorted(self._complete, reverse=True)
+            if len(complete) < self.keep:
+                return
+            keep_from = complete[self.keep - 1]
+            removed = self._inventory.remove_older(keep_from)
+            with self._lock:
+                self._complete.difference_update(removed)
+        if removed:
+            events.emit("local_ckpt_pruned", removed=removed, kept_from=keep_from)
+
+
+def _state_from_bytes(raw: Any, label: str, allow_pickle: bool) -> Any:
+    """Rebuild a state from a whole file received in memory, after checking every checksum."""
+    (n,) = struct.unpack("<Q", raw[:8])
+    try:
+        doc = json.loads(bytes(raw[8 : 8 + n]))
+        meta = doc.pop("__metadata__", {})
+        entries: dict[str, tuple[str, list[int], int, int]] = {}
+        for name, info in doc.items():
+            begin, end = (int(x) for x in info["data_offsets"])
+            entries[name] = (str(info["dtype"]), [int(x) for x in info["shape"]], begin, end)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointCorruptError(f"{label}: malformed header: {exc}") from exc
+    header = FileHeader(label, 8 + n, len(raw), entries, meta)
+    start = header.data_start
+    with memoryview(raw) as whole:
+        verify_entries(header, lambda b, e: whole[start + b : start + e])
+    data = {
+        name: torch.frombuffer(raw, dtype=torch.uint8, count=e - b, offset=start + b)
+        if e > b
+        else torch.empty(0, dtype=torch.uint8)
+        for name, (_, _, b, e) in entries.items()
+    }
+    return unflatten(json.loads(meta.get("skeleton", "null")), data, allow_pickle=allow_pickle)
