@@ -170,9 +170,7 @@ def _run_recover(roots, tmp_path, request=None, world=WORLD, **kw) -> list[dict]
 
 def _loads(tmp_path: Path) -> dict[int, dict]:
     return {
-        e["rank"]: e
-        for e in read_events(tmp_path / "events")
-        if e["kind"] == "local_ckpt_load"
+        e["rank"]: e for e in read_events(tmp_path / "events") if e["kind"] == "local_ckpt_load"
     }
 
 
@@ -261,7 +259,9 @@ def test_replication_setting_change_is_explained(saved: Path, tmp_path: Path) ->
     for o in out:
         name, text = o["latest_error"]
         assert name == "CheckpointReplicationMismatchError"
-        assert "factor=2, jump=2" in text and "factor=1" in text and "allow_replication_change" in text
+        assert (
+            "factor=2, jump=2" in text and "factor=1" in text and "allow_replication_change" in text
+        )
     out = _run_recover(
         roots, tmp_path, replication=CliqueReplication(factor=1), allow_replication_change=True
     )

@@ -86,7 +86,7 @@ class Inventory:
             directory = iteration_dir(self.root, iteration)
             try:
                 names = sorted(os.listdir(directory))
-            except FileNotFoundError:
+            except OSError:  # removed meanwhile, or not a directory
                 continue
             for name in names:
                 m = _FILE.match(name)

@@ -190,6 +190,7 @@ class LocalCheckpointManager:
         self._errors: list[str] = []
         self._complete: set[int] = set()
         self._unconfirmed: list[tuple[int, int]] = []  # (seq, iteration) not yet complete
+        self._failed: set[int] = set()  # seqs that failed on this rank
         self._lock = threading.Lock()
         self._prune_lock = threading.Lock()
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -510,6 +511,7 @@ class LocalCheckpointManager:
                 job.error = f"{type(exc).__name__}: {exc}"
                 with self._lock:
                     self._errors.append(job.error)
+                    self._failed.add(job.seq)
             finally:
                 self._report(job)
                 job.done.set()
@@ -662,18 +664,20 @@ class LocalCheckpointManager:
     def _report(self, job: _Job) -> None:
         with self._lock:
             self._unconfirmed.append((job.seq, job.iteration))
-        if self._bg_store is None:
-            return
+        if self._bg_store is not None:
+            key = self._done_key(job.seq)
+            try:
+                if job.error is not None:
+                    self._bg_store.set(f"{key}/err/{self.rank}", job.error)
+                self._bg_store.set(f"{key}/done/{self.rank}", "1")
+                self._bg_store.add(f"{key}/count", 1)
+            except Exception as exc:
+                logger.warning("reporting iteration %d to the store failed: %s", job.iteration, exc)
         try:
-            if job.error is not None:
-                self._bg_store.set(f"{self._done_key(job.seq)}/err/{self.rank}", job.error)
-            self._bg_store.set(f"{self._done_key(job.seq)}/done/{self.rank}", "1")
-            self._bg_store.add(f"{self._done_key(job.seq)}/count", 1)
-        except Exception as exc:
-            logger.warning("reporting iteration %d to the store failed: %s", job.iteration, exc)
-        self._confirm(self._bg_store)
-        with contextlib.suppress(Exception):
+            self._confirm(self._bg_store)
             self._prune()
+        except Exception as exc:  # retried by the next save, wait() and close()
+            logger.debug("retention after iteration %d: %s", job.iteration, exc)
 
     def _confirm(self, store: Any) -> None:
         """Move saves that every rank has finished from unconfirmed to complete (or failed)."""
@@ -688,9 +692,13 @@ class LocalCheckpointManager:
                 for r in range(self.world_size):
                     if store.check([f"{key}/err/{r}"]):
                         failed[r] = store.get(f"{key}/err/{r}").decode(errors="replace")
+            elif seq in self._failed:
+                failed[self.rank] = "failed here"
             with self._lock:
-                with contextlib.suppress(ValueError):
-                    self._unconfirmed.remove((seq, iteration))
+                if (seq, iteration) not in self._unconfirmed:
+                    continue  # the other thread got there first
+                self._unconfirmed.remove((seq, iteration))
+                self._failed.discard(seq)
                 if not failed:
                     self._complete.add(iteration)
                 elif all(r != self.rank for r in failed):
@@ -698,6 +706,12 @@ class LocalCheckpointManager:
                         f"iteration {iteration} failed on rank(s) "
                         + ", ".join(f"{r} ({why})" for r, why in sorted(failed.items()))
                     )
+            if store is not None and store.add(f"{key}/seen", 1) == self.world_size:
+                for name in ["count", "seen"] + [
+                    f"{kind}/{r}" for r in range(self.world_size) for kind in ("done", "err")
+                ]:
+                    with contextlib.suppress(Exception):
+                        store.delete_key(f"{key}/{name}")
 
     def _missing(self, store: Any, seq: int) -> dict[int, str]:
         key = self._done_key(seq)

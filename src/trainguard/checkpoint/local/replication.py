@@ -20,7 +20,7 @@ import os
 
 from trainguard.errors import ConfigError
 
-__all__ = ["CliqueReplication", "ranks_per_node"]
+__all__ = ["CliqueReplication", "no_replication", "ranks_per_node"]
 
 
 def ranks_per_node() -> int:
