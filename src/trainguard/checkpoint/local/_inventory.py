@@ -78,8 +78,13 @@ class Inventory:
             return []
         return sorted(int(m.group(1)) for n in names if (m := _DIR.match(n)))
 
-    def scan(self, *, fresh: Iterable[int] = ()) -> list[Part]:
-        """Every part under the root that verifies; ``fresh`` iterations are re-hashed."""
+    def distrust(self, path: str) -> None:
+        """Hash ``path`` again at the next scan."""
+        self._verified.pop(path, None)
+
+    def scan(self, *, fresh: Iterable[tuple[int, int]] = ()) -> list[Part]:
+        """Every part under the root that verifies; parts ``(iteration, owner)`` in ``fresh``
+        are hashed again even if unchanged since they were last verified."""
         fresh = set(fresh)
         parts: list[Part] = []
         for iteration in self.iterations():
@@ -93,7 +98,8 @@ class Inventory:
                 if not m:
                     continue
                 path = os.path.join(directory, name)
-                part = self._check(path, iteration, int(m.group(1)), iteration in fresh)
+                owner = int(m.group(1))
+                part = self._check(path, iteration, owner, (iteration, owner) in fresh)
                 if part is not None:
                     parts.append(part)
         return parts

@@ -50,6 +50,8 @@ __all__ = ["LocalCheckpointManager"]
 
 logger = logging.getLogger(__name__)
 
+_ATTEMPTS = 3  # loads in a row whose received copies fail their checksums before giving up
+
 
 def _seconds(value: float | timedelta, name: str) -> float:
     seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
@@ -305,8 +307,63 @@ class LocalCheckpointManager:
         self._check_open()
         started = time.monotonic()
         self._drain()
-        parts = self._inventory.scan(fresh=[iteration])
-        merged = self._gather("load", parts)
+        for attempt in range(_ATTEMPTS):
+            parts = self._inventory.scan(fresh=[(iteration, self.rank)])
+            merged = self._gather("load", parts)
+            chosen = self._pick(merged, iteration)
+            transfers = _inventory.plan(chosen, self.world_size)
+            mine = {p.owner: p for p in parts if p.iteration == chosen.iteration}
+            received = self._transfer(chosen, transfers, mine)
+            state, bad = None, None
+            if received is not None:
+                source, raw = received
+                try:
+                    state = _state_from_bytes(
+                        raw, f"part of owner {self.rank} from rank {source}", allow_pickle
+                    )
+                except CheckpointCorruptError as exc:  # the sender's copy went bad unseen
+                    logger.warning("%s", exc)
+                    bad = [self.rank, source]
+                where, nbytes = f"rank {source}", len(raw)
+            elif self.rank < chosen.saved_world:
+                part = mine[self.rank]
+                state, _ = load_file(part.path, verify=False, allow_pickle=allow_pickle)
+                where, nbytes = f"local {part.path}", part.file_size
+            outcome = self._gather_values("loaded", bad)
+            failed = [v for v in outcome.values() if v is not None]
+            if not failed:
+                break
+            for owner, source in failed:  # the sender re-verifies that copy next time
+                if source == self.rank and owner in mine:
+                    self._inventory.distrust(mine[owner].path)
+            logger.warning("load attempt %d: bad copies %s; trying again", attempt + 1, failed)
+        else:
+            raise CheckpointCorruptError(
+                f"load of iteration {iteration}: copies kept failing their checksums after "
+                f"transfer ({failed}) in {_ATTEMPTS} attempts"
+            )
+        if self.rank >= chosen.saved_world:
+            logger.warning(
+                "rank %d has no part in iteration %d (saved by %d ranks): nothing to load",
+                self.rank,
+                chosen.iteration,
+                chosen.saved_world,
+            )
+            return None
+        events.emit(
+            "local_ckpt_load",
+            duration=time.monotonic() - started,
+            iteration=chosen.iteration,
+            requested=iteration,
+            bytes=nbytes,
+            source=where,
+            transfers=len(transfers),
+            attempts=attempt + 1,
+        )
+        return state
+
+    def _pick(self, merged: dict[int, dict[str, Any]], iteration: int) -> _inventory.Choice:
+        """The iteration to load: ``iteration`` if complete, else the newest older complete."""
         candidates = [it for it in _inventory.complete(merged, self.world_size) if it <= iteration]
         if not candidates or candidates[0] != iteration:
             reason = (
@@ -328,37 +385,7 @@ class LocalCheckpointManager:
         chosen = _inventory.choice(merged, candidates[0])
         self._check_setting(chosen)
         self._note_orphans(chosen)
-        transfers = _inventory.plan(chosen, self.world_size)
-        mine = {p.owner: p for p in parts if p.iteration == chosen.iteration}
-        received = self._transfer(chosen, transfers, mine)
-        if self.rank >= chosen.saved_world:
-            logger.warning(
-                "rank %d has no part in iteration %d (saved by %d ranks): nothing to load",
-                self.rank,
-                chosen.iteration,
-                chosen.saved_world,
-            )
-            return None
-        if received is not None:
-            source, raw = received
-            state = _state_from_bytes(
-                raw, f"part of owner {self.rank} from rank {source}", allow_pickle
-            )
-            where, nbytes = f"rank {source}", len(raw)
-        else:
-            part = mine[self.rank]
-            state, _ = load_file(part.path, verify=False, allow_pickle=allow_pickle)
-            where, nbytes = f"local {part.path}", part.file_size
-        events.emit(
-            "local_ckpt_load",
-            duration=time.monotonic() - started,
-            iteration=chosen.iteration,
-            requested=iteration,
-            bytes=nbytes,
-            source=where,
-            transfers=len(transfers),
-        )
-        return state
+        return chosen
 
     def close(self) -> None:
         """Finish pending saves, stop the writer and the thread, free buffers and the group.
@@ -421,16 +448,12 @@ class LocalCheckpointManager:
             self._channel = None
 
     def _gather(self, what: str, parts: list[_inventory.Part]) -> dict[int, dict[str, Any]]:
+        return _inventory.holdings(self._gather_values(what, [p.report() for p in parts]))
+
+    def _gather_values(self, what: str, value: Any) -> dict[int, Any]:
         self._calls += 1
-        reports = allgather(
-            self._store,
-            f"{self._key}/{what}/{self._calls}",
-            self.rank,
-            self.world_size,
-            [p.report() for p in parts],
-            timeout=self.timeout,
-        )
-        return _inventory.holdings(reports)
+        key = f"{self._key}/{what}/{self._calls}"
+        return allgather(self._store, key, self.rank, self.world_size, value, timeout=self.timeout)
 
     def _check_setting(self, chosen: _inventory.Choice) -> None:
         if chosen.replication == self.setting or self.allow_replication_change:
