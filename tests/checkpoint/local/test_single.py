@@ -129,3 +129,24 @@ def test_retention_keeps_complete_iterations_and_never_grows(tmp_path: Path) -> 
         assert mgr.load(51)["it"] == 51
     assert not list(root.rglob("*.tmp"))
     assert os.listdir(root)
+
+
+def test_silently_corrupted_own_copy_is_caught_at_load(tmp_path: Path) -> None:
+    """A copy that changes without a new mtime (bit rot) is caught by load's own re-hash."""
+    from trainguard.checkpoint.fileformat import read_header
+
+    root = tmp_path / "root"
+    with LocalCheckpointManager(root, keep=3) as mgr:
+        for it in (1, 2):
+            mgr.save({"w": torch.full((1 << 16,), float(it)), "it": it}, it)
+        mgr.wait()
+        assert mgr.find_latest() == 2  # verified and remembered
+        (path,) = (root / f"iter_{2:012d}").iterdir()
+        st = path.stat()
+        start = read_header(path).data_start
+        with open(path, "r+b") as f:
+            f.seek(start + 100)
+            f.write(b"\x01")
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        back = mgr.load(2)
+        assert back["it"] == 1 and torch.equal(back["w"], torch.full((1 << 16,), 1.0))

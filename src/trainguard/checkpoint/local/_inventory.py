@@ -148,6 +148,11 @@ def _identity(path: str) -> tuple[int, int, int]:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
+def verify_path(path: str) -> None:
+    """Read ``path``'s header and check every tensor's checksum."""
+    verify_file(read_header(path))
+
+
 def verify_file(header: FileHeader) -> None:
     """Check every tensor's checksum of the file ``header`` describes."""
     if not header.is_trainguard:

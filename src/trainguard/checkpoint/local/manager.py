@@ -284,8 +284,9 @@ class LocalCheckpointManager(SavePipeline):
     def load(self, iteration: int, *, allow_pickle: bool = False) -> Any:
         """This rank's part of ``iteration`` (owner = this rank's number). All ranks call it.
 
-        Each rank re-verifies its copies of ``iteration``; a rank without a good copy of its
-        part receives it from a holder (every rank computes the same transfer plan). When some
+        Each rank hashes its own part again (while the transfers run; copies changed since
+        they were last verified are hashed before anything is reported); a rank without a good
+        copy of its part receives it from a holder (every rank computes the same transfer plan). When some
         part has no good copy anywhere, the newest older complete iteration is loaded instead,
         with a warning saying why; :class:`CheckpointNotFoundError` when none is. Returns None
         on a rank whose number did not exist in the world that saved (the world grew).
@@ -295,11 +296,14 @@ class LocalCheckpointManager(SavePipeline):
         started = time.monotonic()
         self._drain()
         for attempt in range(_ATTEMPTS):
-            parts = self._inventory.scan(fresh=[(iteration, self.rank)])
+            parts = self._inventory.scan()  # hashes only files changed since last verified
             merged = self._gather("load", parts)
             chosen = self._pick(merged, iteration)
             transfers = _inventory.plan(chosen, self.world_size)
             mine = {p.owner: p for p in parts if p.iteration == chosen.iteration}
+            own = mine.get(self.rank) if self.rank < chosen.saved_world else None
+            # this rank's own copy is hashed again while the transfers run
+            check = _Background(_inventory.verify_path, own.path) if own is not None else None
             received = self._transfer(chosen, transfers, mine)
             state, bad = None, None
             if received is not None:
@@ -312,15 +316,19 @@ class LocalCheckpointManager(SavePipeline):
                     logger.warning("%s", exc)
                     bad = [self.rank, source]
                 where, nbytes = f"rank {source}", len(raw)
-            elif self.rank < chosen.saved_world:
-                part = mine[self.rank]
-                state, _ = load_file(part.path, verify=False, allow_pickle=allow_pickle)
-                where, nbytes = f"local {part.path}", part.file_size
+            elif own is not None and check is not None:
+                error = check.result()
+                if error is None:
+                    state, _ = load_file(own.path, verify=False, allow_pickle=allow_pickle)
+                else:
+                    logger.warning("%s", error)
+                    bad = [self.rank, self.rank]
+                where, nbytes = f"local {own.path}", own.file_size
             outcome = self._gather_values("loaded", bad)
             failed = [v for v in outcome.values() if v is not None]
             if not failed:
                 break
-            for owner, source in failed:  # the sender re-verifies that copy next time
+            for owner, source in failed:  # the holder hashes that copy again next time
                 if source == self.rank and owner in mine:
                     self._inventory.distrust(mine[owner].path)
             logger.warning("load attempt %d: bad copies %s; trying again", attempt + 1, failed)
@@ -506,6 +514,26 @@ class LocalCheckpointManager(SavePipeline):
             with contextlib.suppress(BufferError):
                 mm.close()
         return received
+
+
+class _Background:
+    """Run ``fn(*args)`` in a thread; :meth:`result` returns the exception it raised, or None."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                fn(*args)
+            except BaseException as exc:
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="trainguard-verify", daemon=True)
+        self._thread.start()
+
+    def result(self) -> BaseException | None:
+        self._thread.join()
+        return self._error
 
 
 def _state_from_bytes(raw: Any, label: str, allow_pickle: bool) -> Any:
