@@ -24,6 +24,8 @@ Prints a table and writes bench/results/local_checkpoint.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import multiprocessing
 import os
 import shutil
@@ -37,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import print_table, write_results
+from bench._common import RESULTS, print_table, write_results
 
 WORLD = 4
 MiB = 1 << 20
@@ -70,10 +72,9 @@ def _raw_write(path: str, data: memoryview) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.unlink(path)
 
 
-def rank_main(rank: int, port: int, mib: int, repeat: int, base: str, conn: Any) -> None:
+def rank_main(rank: int, port: int, mib: int, repeat: int, base: str, nice: int, conn: Any) -> None:
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(WORLD),
@@ -101,7 +102,12 @@ def rank_main(rank: int, port: int, mib: int, repeat: int, base: str, conn: Any)
     for dst in copy_dst:
         dst.fill_(0)
     mgr = LocalCheckpointManager(
-        root, replication=CliqueReplication(factor=2), keep=2, timeout=600, staging_threads=1
+        root,
+        replication=CliqueReplication(factor=2),
+        keep=2,
+        timeout=600,
+        staging_threads=1,
+        writer_nice=nice,
     )
     try:
         for it in range(repeat + 1):  # the first round warms up (buffers, writer): not counted
@@ -109,6 +115,7 @@ def rank_main(rank: int, port: int, mib: int, repeat: int, base: str, conn: Any)
             out["raw"].append(
                 _timed(lambda: _raw_write(f"{base}/raw{rank}", memoryview(flat.numpy())))
             )
+            os.unlink(f"{base}/raw{rank}")
             dist.barrier()
 
             def transfer() -> None:
@@ -151,7 +158,11 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=256, help="state per rank (MiB)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", default="/dev/shm")
+    parser.add_argument(
+        "--writer-nice", type=int, default=10, help="nice increment of the writer processes"
+    )
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]  # the machine's 1-minute load when the run started
     base = Path(args.dir) / f"trainguard-bench-local-{os.getpid()}"
     base.mkdir(parents=True)
     with socket.socket() as s:
@@ -163,7 +174,8 @@ def main() -> None:
         for rank in range(WORLD):
             recv, send = ctx.Pipe(duplex=False)
             p = ctx.Process(
-                target=rank_main, args=(rank, port, args.mib, args.repeat, str(base), send)
+                target=rank_main,
+                args=(rank, port, args.mib, args.repeat, str(base), args.writer_nice, send),
             )
             p.start()
             pipes.append(recv)
@@ -185,6 +197,8 @@ def main() -> None:
     row = {
         "mib_per_rank": args.mib,
         "ranks": WORLD,
+        "writer_nice": args.writer_nice,
+        "load_average_before": load_before,
         "raw_write_s": med("raw"),
         "gloo_transfer_s": med("gloo"),
         "copy_s": med("copy"),
@@ -209,7 +223,11 @@ def main() -> None:
     )
     for name, ok in row["targets"].items():
         print(f"  {'PASS' if ok else 'MISS'}  {name}")
-    write_results("local_checkpoint", {f"{args.mib}MiB x {WORLD} ranks {args.dir}": row})
+    key = f"{args.mib}MiB x {WORLD} ranks {args.dir} nice {args.writer_nice}"
+    previous: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        previous = json.loads((RESULTS / "local_checkpoint.json").read_text())["results"]
+    write_results("local_checkpoint", {**previous, key: row})
 
 
 if __name__ == "__main__":

@@ -328,3 +328,9 @@ def test_rank_killed_during_save_leaves_previous_recoverable(tmp_path: Path) -> 
     assert [o["loaded"] for o in out] == [latest] * WORLD
     if not Path(roots[0], "iter_000000000002", "owner00002.h00000.safetensors").exists():
         assert latest == 1  # rank 2's part of 2 exists nowhere: the previous iteration
+
+
+@pytest.mark.skip(reason="needs the in-process restart wrapper (branch restart, not merged yet)")
+def test_resume_after_in_process_restart_is_bit_identical() -> None:
+    """A fault mid-training, the wrapper restarts, find_latest + load resume, and the run ends
+    bit-identical to a fault-free run (to be written once the wrapper is on this branch)."""
