@@ -137,6 +137,16 @@ class Inventory:
                 removed.append(iteration)
         return removed
 
+    def remove_newer(self, than: int | None) -> list[int]:
+        """Remove every iteration directory newer than ``than`` (all when None)."""
+        removed = []
+        for iteration in self.iterations():
+            if than is None or iteration > than:
+                shutil.rmtree(iteration_dir(self.root, iteration), ignore_errors=True)
+                self._forget(iteration)
+                removed.append(iteration)
+        return removed
+
     def _forget(self, iteration: int) -> None:
         prefix = iteration_dir(self.root, iteration) + os.sep
         for path in [p for p in self._verified if p.startswith(prefix)]:

@@ -256,7 +256,11 @@ class LocalCheckpointManager(SavePipeline):
         """The newest iteration every owner's part of which a live rank holds, verified.
 
         Collective through the store: every rank reports the parts it holds and has verified;
-        all compute the same answer. None when no iteration is recoverable. Raises
+        all compute the same answer. None when no iteration is recoverable (then nothing is
+        removed: missing parts might still be brought back by hand). Iterations newer than the
+        answer are incomplete and can never be completed: they are removed, so that a later
+        save of the same number meets no stale copy (``load`` does the same for the iteration
+        it loads). Raises
         :class:`CheckpointReplicationMismatchError` when that iteration was saved with another
         replication setting (unless ``allow_replication_change``).
         """
@@ -272,6 +276,7 @@ class LocalCheckpointManager(SavePipeline):
             chosen = _inventory.choice(merged, found)
             self._check_setting(chosen)
             self._note_orphans(chosen)
+            self._drop_newer(found)
         events.emit(
             "local_ckpt_find_latest",
             duration=time.monotonic() - started,
@@ -337,6 +342,7 @@ class LocalCheckpointManager(SavePipeline):
                 f"load of iteration {iteration}: copies kept failing their checksums after "
                 f"transfer ({failed}) in {_ATTEMPTS} attempts"
             )
+        self._drop_newer(chosen.iteration)
         if self.rank >= chosen.saved_world:
             logger.warning(
                 "rank %d has no part in iteration %d (saved by %d ranks): nothing to load",
@@ -356,6 +362,17 @@ class LocalCheckpointManager(SavePipeline):
             attempts=attempt + 1,
         )
         return state
+
+    def _drop_newer(self, iteration: int) -> None:
+        """Remove iterations newer than the one every rank resumes from: they are incomplete
+        everywhere (or abandoned), and a save of the same number must not meet stale copies."""
+        with self._prune_lock:
+            removed = self._inventory.remove_newer(iteration)
+            with self._lock:
+                self._complete.difference_update(removed)
+        if removed:
+            logger.info("removed iterations %s, newer than the one resumed from", removed)
+            events.emit("local_ckpt_pruned", removed=removed, newer_than=iteration)
 
     def _pick(self, merged: dict[int, dict[str, Any]], iteration: int) -> _inventory.Choice:
         """The iteration to load: ``iteration`` if complete, else the newest older complete."""
