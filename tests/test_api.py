@@ -20,6 +20,9 @@ PACKAGES = [
     "trainguard.checkpoint.async_save",
     "trainguard.checkpoint.fileformat",
     "trainguard.checkpoint.layout",
+    "trainguard.checkpoint.local",
+    "trainguard.checkpoint.local.manager",
+    "trainguard.checkpoint.local.replication",
     "trainguard.checkpoint.staging",
     "trainguard.checkpoint.writer",
     "trainguard.coord",
@@ -55,6 +58,8 @@ def test_import_has_no_side_effects() -> None:
         "import logging, sys, threading\n"
         "before = set(sys.modules)\n"
         "import trainguard, trainguard.events, trainguard.errors, trainguard.restart, trainguard.coord\n"
+        "import trainguard, trainguard.events, trainguard.errors\n"
+        "import trainguard.checkpoint, trainguard.checkpoint.local\n"
         "assert threading.active_count() == 1, threading.enumerate()\n"
         "assert not logging.getLogger().handlers\n"
         "assert 'torch' not in sys.modules, 'importing trainguard must not import torch'\n"

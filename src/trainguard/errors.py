@@ -14,7 +14,11 @@ Every error the library raises on purpose derives from :class:`TrainguardError`:
         │                                permission denied, writer killed, a rank failed)
         ├── CheckpointCorruptError       a file is truncated, malformed or fails its checksum
         ├── CheckpointUncommittedError   a multi-rank checkpoint has no commit marker
-        └── CheckpointPickleError        a leaf needs pickle and pickle was not allowed
+        ├── CheckpointPickleError        a leaf needs pickle and pickle was not allowed
+        ├── CheckpointNotFoundError      no complete local checkpoint can be recovered
+        └── CheckpointReplicationMismatchError
+                                         a local checkpoint was saved with another
+                                         replication setting
 
 Later modules add subclasses under these branches. A failure that one rank detects surfaces
 as the *same* type on every rank; ``causes`` maps each rank that reported a cause to a short
@@ -33,7 +37,9 @@ __all__ = [
     "BarrierTimeoutError",
     "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointNotFoundError",
     "CheckpointPickleError",
+    "CheckpointReplicationMismatchError",
     "CheckpointUncommittedError",
     "CheckpointWriteError",
     "ConfigError",
@@ -131,3 +137,14 @@ class CheckpointPickleError(CheckpointError):
     """A leaf of the state is neither a tensor nor JSON-representable, or a file holds pickled
     leaves, and pickle was not allowed (``pickle=True`` on save, ``allow_pickle=True`` on load).
     The message names the key."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """No complete checkpoint can be recovered: for every iteration found, the part of some
+    owner has no good copy on any live rank (the message names the missing parts)."""
+
+
+class CheckpointReplicationMismatchError(CheckpointError):
+    """A local checkpoint was saved with another replication setting than the manager's. The
+    message names both settings and the ways out (same setting, ``allow_replication_change``,
+    or a fresh root)."""

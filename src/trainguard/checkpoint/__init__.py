@@ -23,6 +23,9 @@ file's data section, ready to send in one message); a :class:`.writer.WriterProc
 any buffer holding a data section (a received copy too); :func:`.fileformat.read_header`,
 :func:`.fileformat.verify_entries` and :func:`.fileformat.load_file` check and read files.
 
+Local checkpoints with replication (:class:`LocalCheckpointManager`, :class:`CliqueReplication`)
+live in :mod:`.local`.
+
 Names are imported on first use, so that importing this package (as the writer process does)
 does not import torch.
 """
@@ -40,11 +43,24 @@ if TYPE_CHECKING:
         latest,
         load,
     )
+    from trainguard.checkpoint.local import CliqueReplication, LocalCheckpointManager
 
-__all__ = ["AsyncCheckpointer", "SaveHandle", "SaveInfo", "latest", "load"]
+__all__ = [
+    "AsyncCheckpointer",
+    "CliqueReplication",
+    "LocalCheckpointManager",
+    "SaveHandle",
+    "SaveInfo",
+    "latest",
+    "load",
+]
+
+_LOCAL = ("CliqueReplication", "LocalCheckpointManager")
 
 
 def __getattr__(name: str) -> Any:
+    if name in _LOCAL:
+        return getattr(importlib.import_module("trainguard.checkpoint.local"), name)
     if name in __all__:
         return getattr(importlib.import_module("trainguard.checkpoint.async_save"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,40 @@
+"""Local checkpoints with replication: lose a node, lose nothing.
+
+::
+
+    from trainguard.checkpoint import CliqueReplication, LocalCheckpointManager
+
+    mgr = LocalCheckpointManager("/dev/shm/ckpt", replication=CliqueReplication(2), keep=2)
+    it = mgr.find_latest()             # every rank, together
+    state = mgr.load(it) if it is not None else None
+    mgr.save(state, iteration)         # every rank, together; returns after the staging copy
+    mgr.close()
+
+Modules: :mod:`.replication` (who keeps which copies), :mod:`.manager` (the manager);
+private helpers ``_inventory`` (what a root holds, and the answers all ranks compute alike),
+``_exchange`` (all-gather through the store) and ``_transfer`` (the dedicated process group).
+Reuses the file format, staging buffers and writer process of :mod:`trainguard.checkpoint`.
+Names are imported on first use: importing this package does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainguard.checkpoint.local.manager import LocalCheckpointManager
+    from trainguard.checkpoint.local.replication import CliqueReplication
+
+__all__ = ["CliqueReplication", "LocalCheckpointManager"]
+
+_WHERE = {
+    "CliqueReplication": "trainguard.checkpoint.local.replication",
+    "LocalCheckpointManager": "trainguard.checkpoint.local.manager",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,254 @@
+"""What each rank holds under its local root, and the answers every rank computes alike.
+
+Layout of a local root (ranks of one node may share it)::
+
+    ROOT/iter_000000000120/owner00003.h00001.safetensors
+         iteration 120, the part of owner rank 3, the copy that holder rank 1 wrote
+
+A part is named by the iteration and its *owner*: the rank number that saved it. The holder
+number only keeps two copies in one shared root apart. ``.tmp`` files are never counted.
+
+:func:`scan` lists the parts of a root and verifies their checksums (remembering files it has
+already verified, by inode, size and modification time). :func:`agree` and :func:`plan` are pure
+functions of every rank's report: every rank computes the same result from the same reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import mmap
+import os
+import re
+import shutil
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from trainguard.checkpoint.fileformat import FileHeader, read_header, verify_entries
+from trainguard.errors import CheckpointCorruptError, CheckpointError
+
+logger = logging.getLogger(__name__)
+
+_DIR = re.compile(r"^iter_(\d{12})$")
+_FILE = re.compile(r"^owner(\d{5})\.h(\d{5})\.safetensors$")
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:012d}")
+
+
+def part_path(root: str, iteration: int, owner: int, holder: int) -> str:
+    return os.path.join(
+        iteration_dir(root, iteration), f"owner{owner:05d}.h{holder:05d}.safetensors"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One verified copy of a part on this rank's root."""
+
+    iteration: int
+    owner: int
+    world_size: int  # of the world that saved it
+    replication: str
+    path: str
+    file_size: int
+
+    def report(self) -> list[Any]:
+        return [self.iteration, self.owner, self.world_size, self.replication, self.file_size]
+
+
+class Inventory:
+    """Scans one root; remembers verified files so a second scan hashes only what changed."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._verified: dict[str, tuple[int, int, int]] = {}
+
+    def trust(self, path: str) -> None:
+        """Record a file this process has just written (its checksums came from the data)."""
+        with contextlib.suppress(OSError):
+            self._verified[path] = _identity(path)
+
+    def iterations(self) -> list[int]:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for n in names if (m := _DIR.match(n)))
+
+    def distrust(self, path: str) -> None:
+        """Hash ``path`` again at the next scan."""
+        self._verified.pop(path, None)
+
+    def scan(self, *, fresh: Iterable[tuple[int, int]] = ()) -> list[Part]:
+        """Every part under the root that verifies; parts ``(iteration, owner)`` in ``fresh``
+        are hashed again even if unchanged since they were last verified."""
+        fresh = set(fresh)
+        parts: list[Part] = []
+        for iteration in self.iterations():
+            directory = iteration_dir(self.root, iteration)
+            try:
+                names = sorted(os.listdir(directory))
+            except OSError:  # removed meanwhile, or not a directory
+                continue
+            for name in names:
+                m = _FILE.match(name)
+                if not m:
+                    continue
+                path = os.path.join(directory, name)
+                owner = int(m.group(1))
+                part = self._check(path, iteration, owner, (iteration, owner) in fresh)
+                if part is not None:
+                    parts.append(part)
+        return parts
+
+    def _check(self, path: str, iteration: int, owner: int, fresh: bool) -> Part | None:
+        try:
+            ident = _identity(path)
+            header = read_header(path)
+            meta = header.metadata
+            if int(meta.get("owner", -1)) != owner or int(meta.get("iteration", -1)) != iteration:
+                raise CheckpointCorruptError(f"{path}: its header names another part")
+            if fresh or self._verified.get(path) != ident:
+                verify_file(header)
+                self._verified[path] = ident
+        except (OSError, CheckpointError, ValueError) as exc:
+            self._verified.pop(path, None)
+            logger.warning("skipping the copy %s: %s", path, exc)
+            return None
+        return Part(
+            iteration,
+            owner,
+            int(meta.get("world_size", 0)),
+            meta.get("replication", ""),
+            path,
+            header.file_size,
+        )
+
+    def remove_older(self, keep_from: int) -> list[int]:
+        """Remove every iteration directory older than ``keep_from``; returns those removed."""
+        removed = []
+        for iteration in self.iterations():
+            if iteration < keep_from:
+                shutil.rmtree(iteration_dir(self.root, iteration), ignore_errors=True)
+                self._forget(iteration)
+                removed.append(iteration)
+        return removed
+
+    def remove_newer(self, than: int | None) -> list[int]:
+        """Remove every iteration directory newer than ``than`` (all when None)."""
+        removed = []
+        for iteration in self.iterations():
+            if than is None or iteration > than:
+                shutil.rmtree(iteration_dir(self.root, iteration), ignore_errors=True)
+                self._forget(iteration)
+                removed.append(iteration)
+        return removed
+
+    def _forget(self, iteration: int) -> None:
+        prefix = iteration_dir(self.root, iteration) + os.sep
+        for path in [p for p in self._verified if p.startswith(prefix)]:
+            del self._verified[path]
+
+
+def _identity(path: str) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def verify_path(path: str) -> None:
+    """Read ``path``'s header and check every tensor's checksum."""
+    verify_file(read_header(path))
+
+
+def verify_file(header: FileHeader) -> None:
+    """Check every tensor's checksum of the file ``header`` describes."""
+    if not header.is_trainguard:
+        raise CheckpointCorruptError(f"{header.path}: not a trainguard file")
+    with open(header.path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), header.file_size, access=mmap.ACCESS_READ)
+    try:
+        with memoryview(mm) as whole:
+            start = header.data_start
+            verify_entries(header, lambda b, e: whole[start + b : start + e])
+    finally:
+        mm.close()
+
+
+# --------------------------------------------------------------------------- agreement
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What every rank agrees on for one iteration."""
+
+    iteration: int
+    saved_world: int
+    replication: str
+    holders: dict[int, list[int]]  # owner -> ranks holding a verified copy, in rank order
+    sizes: dict[int, int]  # owner -> file size
+
+    def orphans(self, world_size: int) -> list[int]:
+        """Owners whose part nobody in a world of ``world_size`` loads (the world shrank)."""
+        return list(range(world_size, self.saved_world))
+
+
+def holdings(reports: Mapping[int, Sequence[Sequence[Any]]]) -> dict[int, dict[str, Any]]:
+    """Merge reports (rank -> parts) into iteration -> {holders, sizes, worlds, replications}."""
+    merged: dict[int, dict[str, Any]] = {}
+    for rank in sorted(reports):
+        for iteration, owner, world, replication, size in reports[rank]:
+            entry = merged.setdefault(
+                int(iteration), {"holders": {}, "sizes": {}, "worlds": set(), "repl": set()}
+            )
+            holders = entry["holders"].setdefault(int(owner), [])
+            if rank not in holders:
+                holders.append(rank)
+            entry["sizes"][int(owner)] = int(size)
+            entry["worlds"].add(int(world))
+            entry["repl"].add(str(replication))
+    return merged
+
+
+def missing_owners(entry: Mapping[str, Any], world_size: int) -> list[int]:
+    saved = max(entry["worlds"])
+    return [o for o in range(min(world_size, saved)) if o not in entry["holders"]]
+
+
+def complete(merged: Mapping[int, Mapping[str, Any]], world_size: int) -> list[int]:
+    """Iterations, newest first, of which every owner that a rank loads is held somewhere."""
+    return sorted(
+        (it for it, entry in merged.items() if not missing_owners(entry, world_size)),
+        reverse=True,
+    )
+
+
+def choice(merged: Mapping[int, Mapping[str, Any]], iteration: int) -> Choice:
+    entry = merged[iteration]
+    return Choice(
+        iteration,
+        max(entry["worlds"]),
+        sorted(entry["repl"])[0],
+        {o: sorted(h) for o, h in entry["holders"].items()},
+        dict(entry["sizes"]),
+    )
+
+
+def plan(chosen: Choice, world_size: int) -> list[tuple[int, int, int]]:
+    """Transfers ``(owner, source, destination)`` for the owners whose rank lacks its part.
+
+    Rank ``o`` loads owner ``o``'s part. A rank that holds it reads its own copy; otherwise the
+    holder with the fewest transfers so far sends it (ties: the lowest rank).
+    """
+    load: dict[int, int] = {}
+    out = []
+    for owner in range(min(world_size, chosen.saved_world)):
+        holders = chosen.holders[owner]
+        if owner in holders:
+            continue
+        source = min(holders, key=lambda r: (load.get(r, 0), r))
+        load[source] = load.get(source, 0) + 1
+        out.append((owner, source, owner))
+    return out

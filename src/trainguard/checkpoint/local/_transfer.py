@@ -1,0 +1,110 @@
+"""Moving parts between ranks: a dedicated process group and batched point-to-point messages.
+
+The group is created once per manager (a collective over the default group, so every rank
+creates it in the same order) and used only by the manager: replication in its background
+thread, transfers in ``load``. It never carries the training job's collectives.
+
+- ``gloo`` (CPU, and the default): host tensors are sent as they are; a part's data section is
+  one message, straight out of the shared-memory staging buffer or the memory-mapped file.
+- ``nccl`` (GPU): host bytes go through a device buffer of this channel (kept and reused; it
+  grows to the largest message), since NCCL moves device memory only.
+
+Each exchange posts all its sends and receives as one batch (``batch_isend_irecv``) and waits
+for all of them, so members of a clique exchanging with one another cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class Channel:
+    """A private process group over every rank of the default group.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"``.
+        timeout: seconds a message may take before the exchange fails (a dead peer).
+    """
+
+    def __init__(self, backend: str, timeout: float) -> None:
+        import torch.distributed as dist
+
+        self.backend = backend
+        self.group = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout))
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
+        self._bounce: torch.Tensor | None = None
+
+    def exchange(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+    ) -> None:
+        """Send each ``(peer, tensor)`` of ``sends`` and fill each of ``recvs``; blocks.
+
+        Tensors are contiguous host tensors. Messages between one pair of ranks are matched in
+        the order they are listed on both sides.
+        """
+        if not sends and not recvs:
+            return
+        if self.backend == "nccl":
+            with torch.cuda.device(self.device):  # the background thread has no device set
+                self._exchange_device(sends, recvs)
+            return
+        self._run(list(sends), list(recvs))
+
+    def _run(
+        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+    ) -> None:
+        import torch.distributed as dist
+
+        ops = [dist.P2POp(dist.isend, t, peer, self.group) for peer, t in sends if t.numel()]
+        ops += [dist.P2POp(dist.irecv, t, peer, self.group) for peer, t in recvs if t.numel()]
+        if not ops:
+            return
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    def _exchange_device(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+    ) -> None:
+        total = sum(t.numel() for _, t in sends) + sum(t.numel() for _, t in recvs)
+        if self._bounce is None or self._bounce.numel() < total:
+            self._bounce = None
+            self._bounce = torch.empty(total, dtype=torch.uint8, device=self.device)
+        offset = 0
+        dev_sends, dev_recvs = [], []
+        for peer, t in sends:
+            d = self._bounce[offset : offset + t.numel()]
+            d.copy_(t, non_blocking=True)
+            dev_sends.append((peer, d))
+            offset += t.numel()
+        for peer, t in recvs:
+            dev_recvs.append((peer, self._bounce[offset : offset + t.numel()]))
+            offset += t.numel()
+        self._run(dev_sends, dev_recvs)
+        for (_, host), (_, dev) in zip(recvs, dev_recvs, strict=True):
+            host.copy_(dev)
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def close(self) -> None:
+        """Destroy the group (local for gloo and nccl) and free the device buffer."""
+        import torch.distributed as dist
+
+        self._bounce = None
+        if self.group is not None and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self.group)
+        self.group = None
