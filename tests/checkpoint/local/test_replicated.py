@@ -336,7 +336,73 @@ def test_rank_killed_during_save_leaves_previous_recoverable(tmp_path: Path) -> 
         assert all(not Path(root, "iter_000000000002").exists() for root in roots)
 
 
-@pytest.mark.skip(reason="needs the in-process restart wrapper (branch restart, not merged yet)")
-def test_resume_after_in_process_restart_is_bit_identical() -> None:
-    """A fault mid-training, the wrapper restarts, find_latest + load resume, and the run ends
-    bit-identical to a fault-free run (to be written once the wrapper is on this branch)."""
+def _restart_job(roots: list[str], steps: int, fault_step: int | None, events_dir: str) -> dict:
+    """Train the tiny model of tests/restart with a local checkpoint every 3 steps under the
+    in-process restart wrapper. With ``fault_step``, rank 1 loses its whole local root and
+    raises at that step of round 0; the next round resumes from find_latest + load."""
+    import torch
+    import torch.distributed as dist
+
+    import trainguard.restart as tr
+    from tests.restart import _jobs
+    from trainguard import events
+
+    events.configure(events_dir, rank=int(os.environ["RANK"]))
+    resumed: list[tuple[int, int | None]] = []
+
+    @tr.Wrapper(barrier_timeout=60, completion_timeout=60)
+    def train(call: tr.CallWrapper) -> torch.Tensor:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+        with _manager(roots[call.rank], keep=2) as mgr:
+            it = mgr.find_latest()
+            if it is None:
+                w, start = torch.zeros(_jobs.DIM + 1, dtype=torch.float64), 0
+            else:
+                state = mgr.load(it)
+                w, start = state["w"].clone(), state["step"] + 1
+            resumed.append((call.round, it))
+            for step in range(start, steps):
+                if call.round == 0 and step == fault_step and call.rank == 1:
+                    mgr.wait()  # iteration fault_step-1 is complete everywhere: then lose it here
+                    shutil.rmtree(roots[call.rank])
+                    raise ValueError(f"injected fault at step {step}")
+                g = _jobs._grad(w, *_jobs.batch(step, call.rank, call.world_size))
+                dist.all_reduce(g)
+                w = w - 0.1 * g / call.world_size
+                if step % 3 == 2:
+                    mgr.save({"w": w, "step": step}, step)
+            mgr.wait()
+        dist.destroy_process_group()
+        return w
+
+    w = train()
+    return {"w": w.numpy().tobytes().hex(), "resumed": resumed}
+
+
+def test_resume_after_in_process_restart_is_bit_identical(tmp_path) -> None:
+    """A fault mid-training, the wrapper restarts, find_latest + load resume (rank 1's part
+    from its peer, its own root being gone), and the run ends bit-identical to a fault-free
+    run of the same code."""
+    steps, fault_step = 16, 12
+    out = {}
+    for name, fault in (("clean", None), ("faulted", fault_step)):
+        roots = [str(tmp_path / name / f"node{r}") for r in range(WORLD)]
+        results = run_ranks(
+            _restart_job,
+            WORLD,
+            args=(roots, steps, fault, str(tmp_path / name / "events")),
+            env=ENV,
+            timeout=150,
+        )
+        out[name] = [r.get() for r in results]
+    clean, faulted = out["clean"], out["faulted"]
+    assert len({o["w"] for o in clean}) == 1  # every rank holds the same weights
+    assert [o["w"] for o in faulted] == [o["w"] for o in clean]  # bit-identical
+    assert all(o["resumed"] == [(0, None)] for o in clean)
+    assert all(o["resumed"] == [(0, None), (1, fault_step - 1)] for o in faulted)
+    loads = [
+        e
+        for e in read_events(tmp_path / "faulted" / "events")
+        if e["kind"] == "local_ckpt_load" and e["rank"] == 1
+    ]
+    assert len(loads) == 1 and "rank" in str(loads[0]["source"])  # fetched from a peer
