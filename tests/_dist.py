@@ -110,21 +110,28 @@ def _child_main(
     conn.close()
 
 
+def proc_stat(pid: int | str) -> list[str] | None:
+    """Fields of ``/proc/PID/stat`` after the command name (state, ppid, pgrp, ...), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2 :].split()
+
+
+def live_processes() -> dict[int, list[str]]:
+    """pid -> stat fields (see :func:`proc_stat`) of every process that is not a zombie."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := proc_stat(entry)) is not None and fields[0] != "Z":
+            out[int(entry)] = fields
+    return out
+
+
 def _group_members(pgid: int) -> list[int]:
     """Live (non-zombie) pids whose process group is ``pgid``."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry))
-    return members
+    return [pid for pid, fields in live_processes().items() if int(fields[2]) == pgid]
 
 
 class RankGroup:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import trainguard.restart as tr
+from tests._dist import live_processes
 
 DIM = 4
 
@@ -146,18 +147,7 @@ def _is_socket(fd: str) -> bool:
 
 def _children() -> list[int]:
     me = os.getpid()
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            fields = stat[stat.rfind(")") + 2 :].split()
-            if int(fields[1]) == me and fields[0] != "Z":
-                kids.append(int(entry))
-    return kids
+    return [pid for pid, fields in live_processes().items() if int(fields[1]) == me]
 
 
 def _os_threads() -> int:

@@ -479,17 +479,8 @@ class AsyncCheckpointer:
         os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
         if self.distributed:
             _commit.remove_marker(job.handle.path)
-        if job.retired is not None:  # the writer is done with it: unmap on both sides
-            self._writer.detach(job.retired.id)
-            job.retired.close()
-            job.retired = None
-        if not self._writer.alive():
-            if self._writer.pid is not None:
-                self._writer.kill()
-            logger.info("starting a new checkpoint writer process")
-            self._writer.start()
-        if not self._writer.is_attached(job.buffer.id):
-            self._writer.attach(job.buffer.id, job.buffer.fd, job.buffer.nbytes)
+        retired, job.retired = job.retired, None
+        self._writer.prepare(job.buffer, retired=retired)
         meta = {"rank": str(self.rank), "world_size": str(self.world_size)}
         meta["skeleton"] = json.dumps(job.flat.skeleton, separators=(",", ":"))
         self._writer.submit(

@@ -274,6 +274,21 @@ class WriterProcess:
         self._attached = set()
         logger.debug("checkpoint writer started, pid %d", proc.pid)
 
+    def prepare(self, buffer: Any = None, *, retired: Any = None) -> None:
+        """Get ready for the next job: release ``retired`` (a StagingBuffer that a larger one
+        replaced; closed here), start a new writer if the last one died, and attach ``buffer``
+        (a StagingBuffer) if it is not attached yet. Called by the checkpointer's own thread."""
+        if retired is not None:  # the writer is done with it: unmap on both sides
+            self.detach(retired.id)
+            retired.close()
+        if not self.alive():
+            if self.pid is not None:
+                self.kill()
+            logger.info("starting a new checkpoint writer process")
+            self.start()
+        if buffer is not None and not self.is_attached(buffer.id):
+            self.attach(buffer.id, buffer.fd, buffer.nbytes)
+
     def attach(self, buffer_id: int, fd: int, nbytes: int) -> None:
         assert self._conn is not None and self._proc is not None
         self._conn.send(("attach", buffer_id, nbytes))

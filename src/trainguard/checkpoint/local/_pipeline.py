@@ -99,14 +99,8 @@ class SavePipeline:
                 job.done.set()
 
     def _process(self, job: StagedSave) -> None:
-        if job.retired is not None:
-            self._writer.detach(job.retired.id)
-            job.retired.close()
-            job.retired = None
-        if not self._writer.alive():
-            if self._writer.pid is not None:
-                self._writer.kill()
-            self._writer.start()
+        retired, job.retired = job.retired, None
+        self._writer.prepare(retired=retired)
         os.makedirs(_inventory.iteration_dir(self.root, job.iteration), exist_ok=True)
         meta = {
             "rank": str(self.rank),
