@@ -3,6 +3,7 @@
 Subcommands:
 
 - ``trainguard events RUN_DIR``: merge a run's event logs and print them in time order.
+- ``trainguard ckpt ls ROOT | verify PATH | show PATH``: inspect checkpoints on disk.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from trainguard import __version__, events
+from trainguard import __version__, _ckpt_cli, events
 
 
 def _cmd_events(args: argparse.Namespace) -> int:
@@ -62,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", action="append", help="only events of this kind (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object per line")
     p.set_defaults(func=_cmd_events)
+
+    _ckpt_cli.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,205 @@
+"""``trainguard ckpt``: list, verify and show checkpoints on disk.
+
+Understands the three layouts trainguard writes:
+
+- a single-process checkpoint file (safetensors-compatible, or ``format="torch"``);
+- a multi-rank checkpoint directory (``rankNNNNN.*`` parts and a ``COMMITTED`` marker);
+- a local-checkpoint root (``iter_NNNNNNNNNNNN/ownerNNNNN.hNNNNN.safetensors`` parts and replicas).
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import re
+import sys
+from pathlib import Path
+
+_ZIP_MAGIC = b"PK\x03\x04"
+_MARKER = "COMMITTED"  # checkpoint._commit.MARKER, kept here so `ls` does not import torch
+_ITER = re.compile(r"^iter_(\d{12})$")
+_PART = re.compile(r"^(rank\d{5}|owner\d{5}\.h\d{5})\.(safetensors|pt)$")
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _parts(path: Path) -> list[Path]:
+    """Every checkpoint file at or under ``path`` (never ``.tmp`` files), sorted."""
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".safetensors", ".pt"))
+
+
+def _describe(entry: Path) -> tuple[str, str, int] | None:
+    """(kind, status, number of parts) of one entry of a root, or None if it is no checkpoint."""
+    if entry.is_file():
+        if entry.name.endswith(".tmp"):
+            return "file", "incomplete (.tmp)", 0
+        if entry.suffix not in (".safetensors", ".pt") and not _looks_like_checkpoint(entry):
+            return None
+        return "file", "complete" if _check(entry) is None else "corrupt", 1
+    if entry.is_dir() and _ITER.match(entry.name):
+        parts = _parts(entry)
+        owners = {p.name[5:10] for p in parts}
+        return "local", f"{len(owners)} owners, {len(parts)} copies", len(parts)
+    if entry.is_dir():
+        parts = [p for p in _parts(entry) if p.parent == entry]
+        if not parts:
+            return None
+        status = "committed" if (entry / _MARKER).exists() else "uncommitted"
+        return "ranks", status, len(parts)
+    return None
+
+
+def _looks_like_checkpoint(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError:
+        return False
+    return head.startswith(_ZIP_MAGIC) or (len(head) > 9 and head[8:9] == b"{")
+
+
+def _check(path: Path) -> str | None:
+    """None if the file is complete and every checksum matches, else what is wrong."""
+    from trainguard.checkpoint.fileformat import read_header, verify_entries
+    from trainguard.errors import CheckpointError
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) == _ZIP_MAGIC:
+                import torch
+
+                torch.load(path, weights_only=True, mmap=True)
+                return None
+        header = read_header(path)
+        if not header.is_trainguard:
+            return "a safetensors file without trainguard metadata (no checksums to verify)"
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            start = header.data_start
+            with memoryview(mm) as whole:
+                verify_entries(header, lambda b, e: whole[start + b : start + e])
+        return None
+    except CheckpointError as exc:
+        return str(exc).removeprefix(f"{path}: ")
+    except Exception as exc:  # torch.load of a damaged zip, an unreadable file
+        return f"{type(exc).__name__}: {exc}"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    root = Path(args.root)
+    if not root.exists():
+        print(f"no such directory: {root}", file=sys.stderr)
+        return 1
+    entries = [root] if root.is_file() or _ITER.match(root.name) else sorted(root.iterdir())
+    rows = []
+    for entry in entries:
+        described = _describe(entry)
+        if described is not None:
+            kind, status, parts = described
+            rows.append((entry.name, kind, status, str(parts), _human(_size(entry))))
+    if not rows:
+        print(f"no checkpoints under {root}", file=sys.stderr)
+        return 1
+    headers = ("NAME", "KIND", "STATUS", "PARTS", "SIZE")
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    for row in (headers, *rows):
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def _is_rank_dir(directory: Path) -> bool:
+    return any(p.name.startswith("rank") and _PART.match(p.name) for p in directory.iterdir())
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    parts = _parts(path) if path.exists() else []
+    if not parts:
+        print(f"no checkpoint files at {path}", file=sys.stderr)
+        return 1
+    bad = 0
+    for part in parts:
+        problem = _check(part)
+        bad += problem is not None
+        print(
+            f"{'OK  ' if problem is None else 'FAIL'} {part}" + (f": {problem}" if problem else "")
+        )
+    for directory in sorted({p.parent for p in parts if _PART.match(p.name)}):
+        if _is_rank_dir(directory) and not (directory / _MARKER).exists():
+            print(f"FAIL {directory}: no {_MARKER} marker (not every rank's part became durable)")
+            bad += 1
+    print(f"{bad} problem(s) in {len(parts)} file(s)" if bad else f"{len(parts)} file(s) verified")
+    return 1 if bad else 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from trainguard.checkpoint.fileformat import read_header
+    from trainguard.errors import CheckpointError
+
+    parts = _parts(Path(args.path)) if Path(args.path).exists() else []
+    if not parts:
+        print(f"no checkpoint files at {args.path}", file=sys.stderr)
+        return 1
+    part = parts[0]
+    print(f"{part}  ({_human(part.stat().st_size)})")
+    try:
+        with open(part, "rb") as f:
+            if f.read(4) == _ZIP_MAGIC:
+                import torch
+
+                state = torch.load(part, weights_only=True, mmap=True)
+                for key, value in _walk(state):
+                    print(f"  {key:<40} {value}")
+                return 0
+        header = read_header(part)
+    except CheckpointError as exc:
+        print(f"cannot read {part}: {exc}", file=sys.stderr)
+        return 1
+    meta = {k: v for k, v in header.metadata.items() if k not in ("skeleton", "checksums")}
+    if meta:
+        print("  " + ", ".join(f"{k}={v}" for k, v in sorted(meta.items())))
+    for name, (dtype, shape, begin, end) in header.entries.items():
+        print(f"  {name:<40} {dtype:<6} {list(shape)!s:<20} {_human(end - begin)}")
+    return 0
+
+
+def _walk(node: object, prefix: str = "") -> list[tuple[str, str]]:
+    import torch
+
+    if isinstance(node, dict):
+        return [kv for k, v in node.items() for kv in _walk(v, f"{prefix}{k}.")]
+    if isinstance(node, (list, tuple)):
+        return [kv for i, v in enumerate(node) for kv in _walk(v, f"{prefix}{i}.")]
+    if isinstance(node, torch.Tensor):
+        return [(prefix[:-1], f"{node.dtype} {list(node.shape)}")]
+    return [(prefix[:-1], repr(node)[:60])]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``trainguard ckpt ls|verify|show``."""
+    p = sub.add_parser("ckpt", help="list, verify and show checkpoints", description=__doc__)
+    cmds = p.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
+    ls = cmds.add_parser("ls", help="checkpoints under ROOT: kind, committed or not, parts, size")
+    ls.add_argument("root", metavar="ROOT")
+    ls.set_defaults(func=cmd_ls)
+    verify = cmds.add_parser(
+        "verify", help="check every part and replica at PATH; exit status 1 on any problem"
+    )
+    verify.add_argument("path", metavar="PATH")
+    verify.set_defaults(func=cmd_verify)
+    show = cmds.add_parser("show", help="the structure of a checkpoint: keys, dtypes, shapes")
+    show.add_argument("path", metavar="PATH")
+    show.set_defaults(func=cmd_show)
