@@ -26,6 +26,7 @@ PACKAGES = [
     "trainguard.checkpoint.staging",
     "trainguard.checkpoint.writer",
     "trainguard.coord",
+    "trainguard.demo",
     "trainguard.errors",
     "trainguard.events",
     "trainguard.restart",
