@@ -79,3 +79,34 @@ def test_lost_node_is_declared_gone_after_heartbeat_timeout(tmp_path) -> None:
     results, fault_time = _run(3, "node", tmp_path, overrides)
     assert results[3].exitcode == -9
     _check_shrunk(results, 3, fault_time, within=2.0 + 2.0)
+
+
+def test_spare_takes_the_dead_ranks_number_and_training_is_unchanged(tmp_path) -> None:
+    import trainguard.restart as tr
+
+    overrides = {"rank_filter": tr.MaxActiveWorldSize(4), "rank_assignment": tr.FillGaps()}
+    results = run_ranks(
+        _faults.fault_job,
+        5,
+        args=(STEPS, 1, FAULT_STEP, "sigkill", str(tmp_path), overrides),
+        timeout=120,
+    )
+    assert results[1].exitcode == -9
+    expected = _faults.reference(STEPS, FAULT_STEP, 4, 4)
+    for rank in (0, 2, 3, 4):
+        value = results[rank].get()
+        assert value["weights"] == expected  # bit for bit: every rank number reads its shard
+        seen = [(x["round"], x["rank"], x["world"]) for x in value["rounds"]]
+        assert seen == ([(0, rank, 4)] if rank != 4 else []) + [(1, rank if rank != 4 else 1, 4)]
+
+
+def test_too_few_survivors_end_with_an_error_naming_them(tmp_path) -> None:
+    import trainguard.restart as tr
+
+    overrides = {"retry": tr.RetryController(min_active_world_size=4)}
+    results, _ = _run(2, "sigkill", tmp_path, overrides)
+    for rank in (0, 1, 3):
+        r = results[rank]
+        assert r.exc_type == "trainguard.errors.RetryLimitError", r.traceback
+        assert "min_active_world_size=4" in (r.error or "")
+        assert "rank 2: process died" in (r.error or ""), r.error

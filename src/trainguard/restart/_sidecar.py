@@ -150,6 +150,8 @@ class _Watch:
         # heartbeats of the others: rank -> (counter, when it last moved by our clock)
         self.seen: dict[int, tuple[int, float]] = {}
         self.declared: set[int] = set()
+        for r in range(self.world):  # so that reading them never blocks on a missing key
+            self.coord.add(self.hb_key(r), 0)
 
     def hb_key(self, r: int) -> str:
         return f"{self.keys.prefix}hb/{r}"
@@ -249,10 +251,15 @@ class _Watch:
         others = [r for r in self.roster if r != self.rank and r not in self.declared]
         if not others:
             return
-        values = self.coord.multi_get([self.hb_key(r) for r in others]) if others else []
+        values = self.coord.multi_get([self.hb_key(r) for r in others])
         timeout = float(self.cfg["heartbeat_timeout"])
         for r, raw in zip(others, values, strict=True):
+            if bytes(raw) == b"bye":  # that rank finished normally
+                self.declared.add(r)
+                continue
             counter = int(raw) if raw else 0
+            if counter == 0 or self.round < 0:
+                continue  # judged only once it beat and every rank passed the first barrier
             previous = self.seen.get(r)
             if previous is None or previous[0] != counter:
                 self.seen[r] = (counter, now)
@@ -286,6 +293,8 @@ class _Watch:
                         self.handle(line)
                 if self.bye:
                     logger.info("the training process said goodbye")
+                    with contextlib.suppress(Exception):
+                        self.coord.set(self.hb_key(self.rank), b"bye")
                     return 0
             if pidfd in ready:
                 status = _exit_status(self.parent)

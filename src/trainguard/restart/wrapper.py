@@ -370,7 +370,11 @@ class _Run:
                 self.sidecar.send({"round": n, "roster": list(self.session.roster)})
             events.set_context(round=n)
             if ready["end"]:
-                raise RetryLimitError(ready["end"], causes={**self.state.gone, **self.state.faults})
+                causes = {**self.state.gone, **self.state.faults}
+                lost = "; ".join(f"rank {r}: {why}" for r, why in sorted(self.state.gone.items()))
+                raise RetryLimitError(
+                    ready["end"] + (f"; ranks lost: {lost}" if lost else ""), causes=causes
+                )
             events.emit(
                 "round_start",
                 active=list(self.state.active_ranks),
