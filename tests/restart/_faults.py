@@ -52,7 +52,25 @@ def _fault(kind: str, marker: Path) -> None:
             pass
     elif kind == "gil":  # a hang that holds the GIL (catastrophic regex backtracking)
         re.match(r"(a+)+$", "a" * 64 + "b")
+    elif kind == "sidecar":  # this rank's sidecar dies; the rank must not go on unwatched
+        os.kill(_sidecar_pid(), signal.SIGKILL)
+        time.sleep(120)
     raise AssertionError(f"fault {kind!r} returned")
+
+
+def _sidecar_pid() -> int:
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and b"trainguard.restart._sidecar" in cmdline:
+            return int(entry)
+    raise AssertionError("no sidecar process found")
 
 
 def fault_job(

@@ -110,3 +110,18 @@ def test_too_few_survivors_end_with_an_error_naming_them(tmp_path) -> None:
         assert r.exc_type == "trainguard.errors.RetryLimitError", r.traceback
         assert "min_active_world_size=4" in (r.error or "")
         assert "rank 2: process died" in (r.error or ""), r.error
+
+
+def test_dead_sidecar_takes_its_rank_out_with_a_clear_error(tmp_path) -> None:
+    results, _ = _run(2, "sidecar", tmp_path)
+    r2 = results[2]
+    assert r2.exc_type == "trainguard.errors.SidecarLostError", r2.traceback
+    assert "sidecar process died" in (r2.error or "")
+    expected = _faults.reference(STEPS, FAULT_STEP, 4, 3)
+    for new_rank, rank in enumerate((0, 1, 3)):
+        value = results[rank].get()
+        assert value["weights"] == pytest.approx(expected, rel=1e-12, abs=1e-12)
+        assert [(x["round"], x["rank"], x["world"]) for x in value["rounds"]] == [
+            (0, rank, 4),
+            (1, new_rank, 3),
+        ]

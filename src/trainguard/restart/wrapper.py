@@ -483,7 +483,7 @@ class _Run:
             return None
         return SidecarLostError(
             f"rank {self.launch.rank}: {lost}; it left the job rather than run without "
-            f"protection (see {self.cfg.sidecar and 'the sidecar log'})",
+            "protection (see its sidecar-<rank>.log in the events directory or tmp)",
             causes={self.launch.rank: lost},
         )
 
