@@ -125,3 +125,48 @@ def fault_job(
 
     result = train()
     return {"weights": result, "rounds": rounds}
+
+
+def mixed_rounds_job(faulted: int) -> dict[str, Any]:
+    """``faulted`` rounds in a row end with a fault of a changing kind (an exception, a
+    GIL-released hang, a hang in Python code) on a changing rank; then one round completes.
+    Records this process's resources at every round."""
+    from tests.restart._jobs import _os_threads, resources
+
+    per_round: list[dict[str, Any]] = []
+
+    @tr.Wrapper(**{**TIMEOUTS, "max_rounds": faulted + 10})
+    def train(call: tr.CallWrapper) -> int:
+        dist.init_process_group("gloo")
+        t = torch.ones(8)
+        dist.all_reduce(t)
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        per_round.append(
+            {
+                "round": call.round,
+                "os_threads": _os_threads(),
+                "fds": len(os.listdir("/proc/self/fd")),
+                "rss": rss,
+                **resources(),
+            }
+        )
+        done = sum(1 for x in per_round if x.get("faulted"))
+        if done < faulted:
+            per_round[-1]["faulted"] = True
+            if call.rank == done % call.world_size:
+                kind = ("raise", "sleep", "spin")[done % 3]
+                if kind == "raise":
+                    raise ValueError(f"fault {done}")
+                if kind == "sleep":
+                    time.sleep(120)
+                call.ping()
+                while True:
+                    pass
+            dist.all_reduce(t)  # blocks until the abort releases it
+            raise AssertionError("the collective was not aborted")
+        dist.destroy_process_group()
+        return done
+
+    result = train()
+    return {"result": result, "rounds": per_round, "after": resources()}

@@ -49,6 +49,10 @@ def test_dead_process_survivors_restart_without_it_at_once(
     _check_shrunk(results, victim, fault_time, within=2.0)
     log = (tmp_path / f"sidecar-{victim}.log").read_text()
     assert "notice written" in log, log
+    from trainguard.events import read_events
+
+    gone = [e for e in read_events(tmp_path) if e["kind"] == "rank_gone"]
+    assert [(e["rank"], e["gone_rank"], e["counted"]) for e in gone] == [(victim, victim, True)]
 
 
 @pytest.mark.parametrize("kind", ["sleep", "spin"])
@@ -72,6 +76,10 @@ def test_gil_held_hang_is_killed_by_the_sidecar(tmp_path) -> None:
     # hard_timeout 3 s (+ up to 1 s grace); the others' soft timeouts fired first
     _check_shrunk(results, 2, fault_time, within=3.0 + 1.0 + 2.0)
     assert "hard timeout" in (tmp_path / "sidecar-2.log").read_text()
+    from trainguard.events import read_events
+
+    kinds = [(e["kind"], e["rank"]) for e in read_events(tmp_path)]
+    assert ("hard_timeout", 2) in kinds and ("hang", 2) not in kinds
 
 
 def test_lost_node_is_declared_gone_after_heartbeat_timeout(tmp_path) -> None:
@@ -125,3 +133,21 @@ def test_dead_sidecar_takes_its_rank_out_with_a_clear_error(tmp_path) -> None:
             (0, rank, 4),
             (1, new_rank, 3),
         ]
+
+
+def test_fifty_mixed_faulted_rounds_stay_flat() -> None:
+    faulted = 50
+    results = run_ranks(_faults.mixed_rounds_job, 4, args=(faulted,), timeout=300)
+    for r in results:
+        value = r.get()
+        assert value["result"] == faulted
+        rounds = value["rounds"][3:]
+        for name in ("sockets", "os_threads", "handlers"):
+            values = [x[name] for x in rounds]
+            assert max(values) == min(values), (name, values)
+        fds = [x["fds"] for x in rounds]
+        assert max(fds) - min(fds) <= 2, fds
+        assert len({tuple(x["children"]) for x in value["rounds"]}) == 1  # the same sidecar
+        growth = rounds[-1]["rss"] - rounds[0]["rss"]
+        assert growth < 20 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB"
+        assert value["after"]["children"] == []

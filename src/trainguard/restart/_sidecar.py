@@ -19,7 +19,8 @@ training process). Protocol:
 5. Heartbeats: it adds 1 to its rank's counter in the store every ``heartbeat_interval``; it
    reads the counters of the round's other ranks and declares a rank whose counter did not move
    for ``heartbeat_timeout`` (by this process's own clock) gone, with the same notice.
-6. It logs to ``<events dir or tmp>/sidecar-<rank>.log`` and exits after ``bye`` or a notice.
+6. It logs to ``<events dir or tmp>/sidecar-<rank>.log`` (and records ``rank_gone`` and
+   ``hard_timeout`` events in the events directory) and exits after ``bye`` or a notice.
 
 :class:`Sidecar` is the training process's handle.
 """
@@ -37,6 +38,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -150,6 +152,7 @@ class _Watch:
         # heartbeats of the others: rank -> (counter, when it last moved by our clock)
         self.seen: dict[int, tuple[int, float]] = {}
         self.declared: set[int] = set()
+        self.lock = threading.Lock()  # one notice at a time on self.coord
         for r in range(self.world):  # so that reading them never blocks on a missing key
             self.coord.add(self.hb_key(r), 0)
 
@@ -208,6 +211,16 @@ class _Watch:
         counted = self.session(roster).depart(n + 1, r, cause)
         if counted and int(self.coord.add(self.keys.left, 1)) >= self.world:
             self.coord.set(self.keys.exit, b"done")
+        from trainguard import events
+
+        events.emit(
+            "rank_gone",
+            duration=time.monotonic() - start,
+            gone_rank=r,
+            gone_round=n,
+            cause=cause,
+            counted=counted,
+        )
         logger.warning(
             "rank %d gone in round %d (%s); notice written in %.1f ms (counted: %s)",
             r,
@@ -234,6 +247,9 @@ class _Watch:
 
     def kill_parent(self, why: str, pidfd: int) -> str:
         grace = float(self.cfg["termination_grace_time"])
+        from trainguard import events
+
+        events.emit("hard_timeout", reason=why, pid=self.parent)
         logger.error("hard timeout: %s; SIGTERM to %d", why, self.parent)
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.parent, signal.SIGTERM)
@@ -245,13 +261,23 @@ class _Watch:
             select.select([pidfd], [], [], 30.0)
         return f"killed by its sidecar at the hard timeout ({why})"
 
-    def beat(self) -> None:
+    def beats(self, interval: float, stop: threading.Event) -> None:
+        """Thread: heartbeats and verdicts on their own connection, so that a slow store
+        operation never delays the hard timeout or a death notice."""
+        store = self.coord.clone()
+        while not stop.wait(interval):
+            try:
+                self.beat(store)
+            except Exception as exc:
+                logger.warning("heartbeat failed: %s", exc)
+
+    def beat(self, store: Any) -> None:
         now = time.monotonic()
-        self.coord.add(self.hb_key(self.rank), 1)
+        store.add(self.hb_key(self.rank), 1)
         others = [r for r in self.roster if r != self.rank and r not in self.declared]
         if not others:
             return
-        values = self.coord.multi_get([self.hb_key(r) for r in others])
+        values = store.multi_get([self.hb_key(r) for r in others])
         timeout = float(self.cfg["heartbeat_timeout"])
         for r, raw in zip(others, values, strict=True):
             if bytes(raw) == b"bye":  # that rank finished normally
@@ -266,22 +292,35 @@ class _Watch:
             elif now - previous[1] >= timeout:
                 self.declared.add(r)
                 cause = f"silent: no heartbeat for {now - previous[1]:.1f} s (heartbeat_timeout)"
-                self.notice(r, self.round, self.roster, cause)
+                with self.lock:
+                    self.notice(r, self.round, self.roster, cause)
 
     def run(self) -> int:
         pidfd = os.pidfd_open(self.parent)
         stdin = sys.stdin.buffer
         os.set_blocking(stdin.fileno(), False)
-        buf = b""
         interval = float(self.cfg["heartbeat_interval"])
         hard = float(self.cfg["hard_timeout"])
-        next_beat = time.monotonic()
-        cause: str | None = None
+        stop = threading.Event()
+        threading.Thread(
+            target=self.beats, args=(interval, stop), name="tg-beats", daemon=True
+        ).start()
+        try:
+            cause = self.loop(pidfd, stdin, interval, hard)
+        finally:
+            stop.set()
+        if cause is not None:
+            with self.lock:
+                self.notice(self.rank, self.round, self.roster, cause)
+        return 0
+
+    def loop(self, pidfd: int, stdin: Any, interval: float, hard: float) -> str | None:
+        """Until goodbye (None) or the training process's end (its cause)."""
+        buf = b""
         eof = False
         while True:
-            wait = max(0.0, next_beat - time.monotonic())
             fds = [pidfd] if eof else [pidfd, stdin.fileno()]
-            ready, _, _ = select.select(fds, [], [], min(wait, interval))
+            ready, _, _ = select.select(fds, [], [], min(0.05, interval))
             if stdin.fileno() in ready:
                 chunk = os.read(stdin.fileno(), 65536)
                 if not chunk:
@@ -293,32 +332,20 @@ class _Watch:
                         self.handle(line)
                 if self.bye:
                     logger.info("the training process said goodbye")
-                    with contextlib.suppress(Exception):
+                    with contextlib.suppress(Exception), self.lock:
                         self.coord.set(self.hb_key(self.rank), b"bye")
-                    return 0
+                    return None
             if pidfd in ready:
-                status = _exit_status(self.parent)
-                cause = f"process died ({status})"
-                break
+                return f"process died ({_exit_status(self.parent)})"
             now = time.monotonic()
             if self.watchdog_started:
                 silent = now - self.last_line
                 if silent >= hard:
-                    cause = self.kill_parent(f"no progress of any thread for {silent:.1f} s", pidfd)
-                    break
+                    return self.kill_parent(f"no progress of any thread for {silent:.1f} s", pidfd)
                 if self.in_fn and self.stall + silent >= hard:
-                    cause = self.kill_parent(
+                    return self.kill_parent(
                         f"the function made no progress for {self.stall + silent:.1f} s", pidfd
                     )
-                    break
-            if now >= next_beat:
-                next_beat = now + interval
-                try:
-                    self.beat()
-                except Exception as exc:
-                    logger.warning("heartbeat failed: %s", exc)
-        self.notice(self.rank, self.round, self.roster, cause)
-        return 0
 
 
 def _exit_status(pid: int) -> str:
@@ -341,6 +368,10 @@ def main(argv: list[str]) -> int:
         logger.exception("could not start")
         print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
         return 1
+    if cfg["log_dir"]:  # the events directory: the sidecar's detections are events too
+        from trainguard import events
+
+        events.configure(cfg["log_dir"], rank=cfg["rank"])
     logger.info("watching pid %d", cfg["parent"])
     print(json.dumps({"ok": True, "pid": os.getpid()}), flush=True)
     sys.stdout.close()
