@@ -261,16 +261,6 @@ class _Watch:
             select.select([pidfd], [], [], 30.0)
         return f"killed by its sidecar at the hard timeout ({why})"
 
-    def beats(self, interval: float, stop: threading.Event) -> None:
-        """Thread: heartbeats and verdicts on their own connection, so that a slow store
-        operation never delays the hard timeout or a death notice."""
-        store = self.coord.clone()
-        while not stop.wait(interval):
-            try:
-                self.beat(store)
-            except Exception as exc:
-                logger.warning("heartbeat failed: %s", exc)
-
     def beat(self, store: Any) -> None:
         now = time.monotonic()
         store.add(self.hb_key(self.rank), 1)
@@ -301,14 +291,7 @@ class _Watch:
         os.set_blocking(stdin.fileno(), False)
         interval = float(self.cfg["heartbeat_interval"])
         hard = float(self.cfg["hard_timeout"])
-        stop = threading.Event()
-        threading.Thread(
-            target=self.beats, args=(interval, stop), name="tg-beats", daemon=True
-        ).start()
-        try:
-            cause = self.loop(pidfd, stdin, interval, hard)
-        finally:
-            stop.set()
+        cause = self.loop(pidfd, stdin, interval, hard)
         if cause is not None:
             with self.lock:
                 self.notice(self.rank, self.round, self.roster, cause)
@@ -316,11 +299,13 @@ class _Watch:
 
     def loop(self, pidfd: int, stdin: Any, interval: float, hard: float) -> str | None:
         """Until goodbye (None) or the training process's end (its cause)."""
+        next_beat = time.monotonic()
         buf = b""
         eof = False
         while True:
             fds = [pidfd] if eof else [pidfd, stdin.fileno()]
-            ready, _, _ = select.select(fds, [], [], min(0.05, interval))
+            wait = max(0.0, next_beat - time.monotonic())
+            ready, _, _ = select.select(fds, [], [], min(wait, interval))
             if stdin.fileno() in ready:
                 chunk = os.read(stdin.fileno(), 65536)
                 if not chunk:
@@ -346,6 +331,12 @@ class _Watch:
                     return self.kill_parent(
                         f"the function made no progress for {self.stall + silent:.1f} s", pidfd
                     )
+            if now >= next_beat:
+                next_beat = now + interval
+                try:
+                    self.beat(self.coord)
+                except Exception as exc:
+                    logger.warning("heartbeat failed: %s", exc)
 
 
 def _exit_status(pid: int) -> str:
