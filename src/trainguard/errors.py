@@ -8,7 +8,8 @@ Every error the library raises on purpose derives from :class:`TrainguardError`:
     │   └── BarrierTimeoutError  a barrier did not complete within its timeout
     ├── RestartError             in-process restart could not continue (too few ranks, ...)
     │   ├── JobEndedError        another rank ended the job (KeyboardInterrupt, SystemExit)
-    │   └── RetryLimitError      max_rounds or min_active_world_size of RetryController hit
+    │   ├── RetryLimitError      max_rounds or min_active_world_size of RetryController hit
+    │   └── SidecarLostError     this rank's sidecar process died; the rank left the job
     └── CheckpointError          a checkpoint could not be written, committed or loaded
         ├── CheckpointWriteError         staging, writing or committing failed (disk full,
         │                                permission denied, writer killed, a rank failed)
@@ -47,6 +48,7 @@ __all__ = [
     "JobEndedError",
     "RestartError",
     "RetryLimitError",
+    "SidecarLostError",
     "TrainguardError",
 ]
 
@@ -111,6 +113,10 @@ class JobEndedError(RestartError):
 
 class RetryLimitError(RestartError):
     """The retry controller stopped the job: too many rounds, or too few active ranks left."""
+
+
+class SidecarLostError(RestartError):
+    """This rank's sidecar process died: the rank left the job rather than run unwatched."""
 
 
 class CheckpointError(TrainguardError):

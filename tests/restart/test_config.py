@@ -26,6 +26,11 @@ from trainguard.errors import ConfigError
         ({"health_check": "yes"}, "health_check='yes' is not callable"),
         ({"store": "nohost"}, "host:port"),
         ({"store": object()}, "TCPStore"),
+        ({"soft_timeout": 10, "hard_timeout": 5}, "soft_timeout=10 s must be shorter than hard"),
+        ({"heartbeat_interval": 5, "heartbeat_timeout": 2}, "raise heartbeat_timeout or lower"),
+        ({"heartbeat_interval": 2, "soft_timeout": 1}, "lower heartbeat_interval"),
+        ({"termination_grace_time": -1}, "termination_grace_time=-1: must be a positive"),
+        ({"sidecar": "yes"}, "pass True or False"),
     ],
 )
 def test_bad_arguments(kwargs, match) -> None:
@@ -38,6 +43,8 @@ def test_arguments_are_keyword_only_and_timedelta_works() -> None:
         tr.Wrapper(None)  # type: ignore[misc]
     w = tr.Wrapper(barrier_timeout=timedelta(minutes=2), completion_timeout=5.5)
     assert w.config.barrier_timeout == 120.0 and w.config.completion_timeout == 5.5
+    w = tr.Wrapper(soft_timeout=timedelta(seconds=2), hard_timeout=timedelta(seconds=3))
+    assert (w.config.soft_timeout, w.config.hard_timeout) == (2.0, 3.0)
 
 
 def test_missing_launch_variables_name_the_fix(monkeypatch) -> None:

@@ -46,6 +46,12 @@ class Config:
     completion_timeout: float
     store_timeout: float
     abort_timeout: float
+    soft_timeout: float
+    hard_timeout: float
+    termination_grace_time: float
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    sidecar: bool
 
 
 def build(**kw: Any) -> Config:
@@ -68,6 +74,35 @@ def build(**kw: Any) -> Config:
             f"{barrier_timeout:g} s: the others wait at the next barrier for a rank that is "
             "still being aborted; lower abort_timeout or raise barrier_timeout"
         )
+    soft, hard, grace, interval, hb_timeout = (
+        seconds(name, kw[name])
+        for name in (
+            "soft_timeout",
+            "hard_timeout",
+            "termination_grace_time",
+            "heartbeat_interval",
+            "heartbeat_timeout",
+        )
+    )
+    if soft >= hard:
+        raise ConfigError(
+            f"soft_timeout={soft:g} s must be shorter than hard_timeout={hard:g} s: the soft "
+            "timeout restarts a hung rank in-process, the hard timeout kills it when that "
+            "failed; lower soft_timeout or raise hard_timeout"
+        )
+    if interval >= hb_timeout:
+        raise ConfigError(
+            f"heartbeat_timeout={hb_timeout:g} s must be longer than heartbeat_interval="
+            f"{interval:g} s (several intervals, so one late beat is not a verdict); raise "
+            "heartbeat_timeout or lower heartbeat_interval"
+        )
+    if interval >= soft:
+        raise ConfigError(
+            f"heartbeat_interval={interval:g} s must be shorter than soft_timeout={soft:g} s; "
+            "lower heartbeat_interval"
+        )
+    if not isinstance(kw["sidecar"], bool):
+        raise ConfigError(f"sidecar={kw['sidecar']!r}: pass True or False")
     retry = kw["retry"]
     max_rounds = kw["max_rounds"]
     if retry is not None and not isinstance(retry, RetryController):
@@ -92,4 +127,10 @@ def build(**kw: Any) -> Config:
         completion_timeout=completion_timeout,
         store_timeout=store_timeout,
         abort_timeout=abort_timeout,
+        soft_timeout=soft,
+        hard_timeout=hard,
+        termination_grace_time=grace,
+        heartbeat_interval=interval,
+        heartbeat_timeout=hb_timeout,
+        sidecar=kw["sidecar"],
     )

@@ -12,7 +12,7 @@ from trainguard import _env, events
 from trainguard.coord import barrier
 from trainguard.coord.keys import Keyspace, decode, encode
 from trainguard.coord.store import StoreProcess, connect, parse_addr
-from trainguard.errors import ConfigError, RetryLimitError
+from trainguard.errors import ConfigError, RestartError, RetryLimitError
 from trainguard.restart._launch import Launch, is_local_address
 from trainguard.restart.policy.layout import Layout
 
@@ -39,6 +39,19 @@ class Session:
         self.previous_roster: tuple[int, ...] = self.roster
         self.gone: dict[int, str] = {}
         self.left = False
+        self.coord_addr: tuple[str, int] | None = None
+
+    @classmethod
+    def detached(
+        cls, *, keys: Keyspace, world: int, coord: Any, cfg: Any, roster: tuple[int, ...]
+    ) -> Session:
+        """A session that only writes notices for others (used by the sidecar process)."""
+        self = cls.__new__(cls)
+        self.keys, self.world, self.coord, self.cfg = keys, world, coord, cfg
+        self.irank, self.host, self.launch = -1, "", None  # type: ignore[assignment]
+        self.roster = self.order = self.previous_roster = roster
+        self.gone, self.left, self.server, self.watch_store = {}, False, None, None
+        return self
 
     # setup --------------------------------------------------------------------------------
     def open(self) -> None:
@@ -57,6 +70,7 @@ class Session:
             host, port, own = given.host, given.port, False
         else:
             host, port, own = launch.master_addr, launch.master_port, True
+        self.coord_addr = (host, port)
         if self.irank == 0:
             # The round stores live on this machine; ranks reach it by MASTER_ADDR when that
             # names it (always so when we host the coordination store there), else by name.
@@ -88,7 +102,14 @@ class Session:
             "leave": leaving,
             "fault": fault,
         }
-        self.coord.set(self.keys.member(n, self.irank), encode(record))
+        value = encode(record)
+        current = bytes(self.coord.compare_set(self.keys.member(n, self.irank), "", value))
+        if current != value:  # another process declared this rank gone meanwhile
+            why = decode(current).get("leave") or "declared gone"
+            raise RestartError(
+                f"rank {self.irank} was declared gone at round {n}'s barrier ({why}); it "
+                "cannot rejoin: raise heartbeat_timeout if it was only slow"
+            )
         start = time.monotonic()
         count = int(self.coord.add(self.keys.arrive(n), 1))
         if count == len(self.roster):
@@ -177,6 +198,18 @@ class Session:
         for key in self.keys.round_keys(n, self.previous_roster):
             with contextlib.suppress(Exception):
                 self.coord.delete_key(key)
+
+    def depart(self, n: int, r: int, cause: str) -> bool:
+        """Arrive at round ``n``'s barrier on behalf of rank ``r``, which is gone (a death
+        notice). False when ``r`` (or another notice) was counted there already."""
+        record = {"r": r, "host": "", "local_rank": -1, "leave": cause, "fault": None}
+        value = encode(record)
+        if bytes(self.coord.compare_set(self.keys.member(n, r), "", value)) != value:
+            return False
+        if int(self.coord.add(self.keys.arrive(n), 1)) == len(self.roster):
+            self.coord.set(self.keys.ready(n), self._lay_out(n))
+            self._delete_round(n - 1)
+        return True
 
     # round outcome -------------------------------------------------------------------------
     def complete(self, n: int, active: int) -> None:

@@ -64,7 +64,9 @@ class Monitor:
         on_abort: Callable[[int, dict[str, Any]], None] | None = None,
         abort_timeout: float = 5.0,
         on_stuck: Callable[[int], None] | None = None,
+        kick: Callable[[int], None] | None = None,
     ) -> None:
+        self._kick = kick
         self._store = store
         self._keys = keys
         self._tid = thread_id
@@ -161,6 +163,14 @@ class Monitor:
         the job instead.
         """
         deadline = time.monotonic() + self._abort_timeout
+        if self._kick is not None:
+            # A blocking call (time.sleep, a wait on a lock) holds the interrupt back until it
+            # returns; a signal makes it run Python code in the main thread, which raises it.
+            with self._cond:
+                self._cond.wait_for(lambda: not (self._in_fn and self._injected), 0.05)
+                if self._in_fn and self._injected:
+                    with contextlib.suppress(Exception):
+                        self._kick(self._tid)
         with self._cond:
             while self._in_fn and self._injected:
                 remaining = deadline - time.monotonic()

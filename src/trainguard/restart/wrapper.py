@@ -39,13 +39,21 @@ from typing import Any
 
 from trainguard import events
 from trainguard.coord.store import connect, parse_addr
-from trainguard.errors import BarrierTimeoutError, ConfigError, JobEndedError, RetryLimitError
+from trainguard.errors import (
+    BarrierTimeoutError,
+    ConfigError,
+    JobEndedError,
+    RetryLimitError,
+    SidecarLostError,
+)
 from trainguard.restart import _config, _launch
 from trainguard.restart._session import Session
+from trainguard.restart._sidecar import Sidecar
 from trainguard.restart.abort import GroupSockets, destroy_groups
 from trainguard.restart.monitor import Monitor
 from trainguard.restart.policy.retry import RetryController
 from trainguard.restart.state import RestartInterrupt, RoundState, describe
+from trainguard.restart.watchdog import Watchdog
 
 __all__ = ["CallWrapper", "Wrapper"]
 
@@ -121,6 +129,29 @@ class CallWrapper:
         self._store = None
 
 
+_NO_KICK: Any = object()
+
+
+def _noop(signum: int, frame: Any) -> None:
+    """Runs Python code in the main thread so that a pending restart interrupt is raised."""
+
+
+def _install_kick() -> Any:
+    """SIGUSR2 wakes the main thread from a blocking call (``time.sleep``...)."""
+    if threading.current_thread() is not threading.main_thread():
+        return _NO_KICK
+    return signal.signal(signal.SIGUSR2, _noop)
+
+
+def _restore_kick(old: Any) -> None:
+    if old is not _NO_KICK:
+        signal.signal(signal.SIGUSR2, old if old is not None else signal.SIG_DFL)
+
+
+def _kick(thread_id: int) -> None:
+    signal.pthread_kill(thread_id, signal.SIGUSR2)
+
+
 def _call_param(fn: Callable[..., Any]) -> str | None:
     try:
         hints = typing.get_type_hints(fn)
@@ -156,6 +187,17 @@ class Wrapper:
         abort_timeout: how long a rank's function may stay blocked after its round was
             aborted; past it the rank leaves the job and its process ends (shorter than
             ``barrier_timeout``, so the others are not held at the next barrier).
+        soft_timeout: no progress inside the function for this long (the main thread's
+            position did not move, or no ``call.ping()`` once the function pinged) is a hang:
+            the round is aborted and restarted, this rank included.
+        hard_timeout: no progress for this long (or a thread holding the GIL so that no
+            other thread runs): the sidecar kills the process (SIGTERM, then SIGKILL after
+            ``termination_grace_time``) and the others go on without it.
+        heartbeat_interval, heartbeat_timeout: each rank's sidecar beats in the store every
+            interval; a rank whose beats stop for ``heartbeat_timeout`` (a lost node) is
+            declared gone by the others' sidecars.
+        sidecar: start the sidecar process (default True; False only for debugging: then
+            deaths, hard hangs and lost nodes are not detected).
     """
 
     def __init__(
@@ -174,6 +216,12 @@ class Wrapper:
         completion_timeout: float | timedelta = 120,
         store_timeout: float | timedelta = 60,
         abort_timeout: float | timedelta = 5,
+        soft_timeout: float | timedelta = 60,
+        hard_timeout: float | timedelta = 90,
+        termination_grace_time: float | timedelta = 5,
+        heartbeat_interval: float | timedelta = 1,
+        heartbeat_timeout: float | timedelta = 10,
+        sidecar: bool = True,
     ) -> None:
         self.config = _config.build(
             store=store,
@@ -189,6 +237,12 @@ class Wrapper:
             completion_timeout=completion_timeout,
             store_timeout=store_timeout,
             abort_timeout=abort_timeout,
+            soft_timeout=soft_timeout,
+            hard_timeout=hard_timeout,
+            termination_grace_time=termination_grace_time,
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=heartbeat_timeout,
+            sidecar=sidecar,
         )
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -222,6 +276,9 @@ class _Run:
         self.launch = _launch.detect()
         self.session = Session(self.launch, next(_call_counter), cfg)
         self.monitor: Monitor | None = None
+        self.sidecar: Sidecar | None = None
+        self.watchdog: Watchdog | None = None
+        self.call: CallWrapper | None = None
         self.left_early = False
         self.state = RoundState(
             round=0, initial_rank=self.launch.rank, initial_world_size=self.launch.world_size
@@ -235,8 +292,11 @@ class _Run:
         events.set_context(rank=self.launch.rank, round=0)
         GroupSockets.install()
         finished = False
+        old_handler = _install_kick()
         try:
             self.session.open()
+            if self.cfg.sidecar:
+                self.sidecar = self._start_sidecar(log.directory)
             self.monitor = Monitor(
                 self.session.watch_store,
                 self.session.keys,
@@ -244,6 +304,18 @@ class _Run:
                 on_abort=self._abort_hook,
                 abort_timeout=self.cfg.abort_timeout,
                 on_stuck=self._stuck,
+                kick=_kick if old_handler is not _NO_KICK else None,
+            )
+            if self.sidecar is not None:
+                self.sidecar.handshake(self.cfg.store_timeout)
+            hang_store = self.session.coord.clone()
+            self.watchdog = Watchdog(
+                thread_id=threading.get_ident(),
+                state=self._progress_state,
+                on_hang=lambda n, why: self._hang(hang_store, n, why),
+                soft_timeout=self.cfg.soft_timeout,
+                interval=min(0.1, self.cfg.soft_timeout / 10),
+                sidecar=self.sidecar,
             )
             value = self._rounds()
             finished = True
@@ -259,11 +331,18 @@ class _Run:
                     )
             raise
         finally:
+            if self.watchdog is not None:
+                self.watchdog.close()
+                self.watchdog = None
             if self.monitor is not None:
                 self.monitor.close()
             destroy_groups()
             GroupSockets.uninstall()
             self.session.leave()
+            if self.sidecar is not None:
+                self.sidecar.stop()
+                self.sidecar = None
+            _restore_kick(old_handler)
             self.session.close(
                 early=self.left_early,
                 timeout=self.cfg.barrier_timeout
@@ -287,9 +366,15 @@ class _Run:
                 self.left_early = True
                 raise leaving
             self.state = self._state(n, ready)
+            if self.sidecar is not None:
+                self.sidecar.send({"round": n, "roster": list(self.session.roster)})
             events.set_context(round=n)
             if ready["end"]:
-                raise RetryLimitError(ready["end"], causes={**self.state.gone, **self.state.faults})
+                causes = {**self.state.gone, **self.state.faults}
+                lost = "; ".join(f"rank {r}: {why}" for r, why in sorted(self.state.gone.items()))
+                raise RetryLimitError(
+                    ready["end"] + (f"; ranks lost: {lost}" if lost else ""), causes=causes
+                )
             events.emit(
                 "round_start",
                 active=list(self.state.active_ranks),
@@ -316,7 +401,11 @@ class _Run:
             self.state = self.state.replace(
                 faults={int(outcome.get("rank", -1)): str(outcome.get("error", ""))}
             )
-            leaving = self._hook("finalize", self.state) or self._hook("health_check", self.state)
+            leaving = (
+                self._hook("finalize", self.state)
+                or self._hook("health_check", self.state)
+                or self._sidecar_lost()
+            )
             n += 1
 
     def _state(self, n: int, ready: dict[str, Any]) -> RoundState:
@@ -346,6 +435,58 @@ class _Run:
             return exc
         return None
 
+    def _start_sidecar(self, log_dir: Any) -> Sidecar:
+        cfg, session = self.cfg, self.session
+        assert session.coord_addr is not None
+        return Sidecar(
+            {
+                "rank": self.launch.rank,
+                "world": self.launch.world_size,
+                "job": session.keys.job,
+                "call": session.keys.call,
+                "host": session.coord_addr[0],
+                "port": session.coord_addr[1],
+                "log_dir": str(log_dir) if log_dir is not None else None,
+                "store_timeout": cfg.store_timeout,
+                "barrier_timeout": cfg.barrier_timeout,
+                "hard_timeout": cfg.hard_timeout,
+                "termination_grace_time": cfg.termination_grace_time,
+                "heartbeat_interval": cfg.heartbeat_interval,
+                "heartbeat_timeout": cfg.heartbeat_timeout,
+            },
+            (cfg.rank_assignment, cfg.rank_filter, cfg.retry),
+        ).start()
+
+    def _progress_state(self) -> tuple[int, bool, Any]:
+        monitor = self.monitor
+        return self.state.round, bool(monitor is not None and monitor._in_fn), self.call
+
+    def _hang(self, store: Any, n: int, why: str) -> None:
+        """Watchdog thread: record a hang (or the sidecar's loss) as round ``n``'s fault."""
+        outcome = {
+            "why": "fault",
+            "rank": self.launch.rank,
+            "error": why,
+            "type": "Hang" if why.startswith("hang") else "SidecarLost",
+            "time": time.time(),
+        }
+        from trainguard.coord.keys import encode
+
+        try:
+            store.compare_set(self.session.keys.stop(n), "", encode(outcome))
+        except Exception as exc:
+            logger.error("could not record the fault %r: %s", why, exc)
+
+    def _sidecar_lost(self) -> BaseException | None:
+        lost = self.watchdog.lost if self.watchdog is not None else None
+        if lost is None:
+            return None
+        return SidecarLostError(
+            f"rank {self.launch.rank}: {lost}; it left the job rather than run without "
+            "protection (see its sidecar-<rank>.log in the events directory or tmp)",
+            causes={self.launch.rank: lost},
+        )
+
     def _stuck(self, n: int) -> None:
         """Monitor thread: the main thread did not leave the function after the abort.
 
@@ -363,6 +504,8 @@ class _Run:
         with contextlib.suppress(Exception):
             self.session.barrier(n + 1, leaving=reason, fault=None)
             self.session.leave()
+        if self.sidecar is not None:
+            self.sidecar.send({"bye": 1})
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _abort_hook(self, n: int, outcome: dict[str, Any]) -> None:
@@ -387,6 +530,7 @@ class _Run:
             "TORCHELASTIC_USE_AGENT_STORE": "True",
         }
         call = CallWrapper(state, monitor, ready["pg"], self.cfg.store_timeout)
+        self.call = call
         kwargs = dict(self.kwargs)
         if self.param is not None:
             kwargs[self.param] = call
@@ -423,6 +567,7 @@ class _Run:
                     events.emit("end", error=describe(exc))
                     raise
         finally:
+            self.call = None
             call._close()
         self._check_swallowed(returned)
         if returned:

@@ -1,0 +1,124 @@
+"""Fault detection latency, and the cost of progress tracking on a tight Python loop.
+
+For each fault kind, ``--faults`` jobs of ``--ranks`` ranks (4 by default; one fault per job):
+time from the fault to the last survivor re-entering the function, minus the timeout that
+applies (soft_timeout for a GIL-released hang, hard_timeout for a GIL-held one,
+heartbeat_timeout for a lost node, nothing for a death). Progress tracking: a tight Python
+loop timed with and without the watchdog thread sampling it (best of ``--repeats``).
+Run: ``.venv/bin/python bench/detection_latency.py [--ranks 4] [--faults 10]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests._dist import run_ranks
+from tests.restart import _faults
+
+from bench._common import print_table, summarize, write_results
+
+STEPS, FAULT_STEP = 8, 3
+KINDS = {  # kind -> (victim, the timeout subtracted, overrides)
+    "death": ("sigkill", 0.0, {}),
+    "soft_hang": ("sleep", 1.0, {}),
+    "gil_hang": ("gil", 3.0, {}),
+    "lost_node": (
+        "node",
+        2.0,
+        {"heartbeat_timeout": 2.0, "soft_timeout": 10.0, "hard_timeout": 20.0},
+    ),
+}
+
+
+def one_fault(kind: str, world: int, victim: int) -> float | None:
+    fault, timeout, overrides = KINDS[kind]
+    with tempfile.TemporaryDirectory() as out:
+        results = run_ranks(
+            _faults.fault_job,
+            world,
+            args=(STEPS, victim, FAULT_STEP, fault, out, overrides),
+            timeout=300,
+            allow_leftovers=True,
+        )
+        t_fault = float(Path(out, f"fault-{victim}").read_text())
+    entered = [
+        r.value["rounds"][-1]["entered"] for r in results if r.ok and len(r.value["rounds"]) > 1
+    ]
+    if len(entered) < world - 1:
+        return None
+    return max(entered) - t_fault - timeout
+
+
+def tracking_cost(repeats: int, n: int = 3_000_000) -> dict[str, float]:
+    import threading
+
+    from trainguard.restart.watchdog import Watchdog
+
+    def loop() -> float:
+        start = time.perf_counter()
+        x = 0
+        for i in range(n):
+            x += i
+        return time.perf_counter() - start
+
+    off, on = [], []
+    for _ in range(repeats):
+        off.append(loop())
+        dog = Watchdog(
+            thread_id=threading.get_ident(),
+            state=lambda: (0, True, None),
+            on_hang=lambda n, why: None,
+            soft_timeout=60.0,
+            interval=0.1,
+        )
+        try:
+            on.append(loop())
+        finally:
+            dog.close()
+    return {"without_s": min(off), "with_s": min(on), "slowdown": min(on) / min(off) - 1}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", type=int, nargs="+", default=[4])
+    parser.add_argument("--faults", type=int, default=10)
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS))
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    cost = tracking_cost(args.repeats)
+    print_table(
+        "progress tracking on a tight loop",
+        ["without s", "with s", "slowdown"],
+        [[cost["without_s"], cost["with_s"], f"{100 * cost['slowdown']:.2f} %"]],
+    )
+    rows, out = [], {"tracking": cost, "latency": {}}
+    for world in args.ranks:
+        for kind in args.kinds:
+            values = []
+            for i in range(args.faults):
+                # not rank 0: its process group holds the store process, which a lost node takes along
+                victim = 1 + i % (world - 1)
+                value = one_fault(kind, world, victim)
+                if value is not None:
+                    values.append(value)
+            s = summarize(values)
+            out["latency"][f"{kind}/{world}"] = {**s, "values": values}
+            rows.append([kind, world, s["n"], s["p50"], s["p95"], s["max"]])
+    print_table(
+        "fault -> every survivor back in the function, minus the timeout (s)",
+        ["kind", "ranks", "n", "p50", "p95", "max"],
+        rows,
+    )
+    path = write_results("detection_latency", out)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

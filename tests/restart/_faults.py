@@ -1,0 +1,172 @@
+"""Rank functions for the fault tests (deaths, hangs, lost nodes); module level for spawn."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import trainguard.restart as tr
+from tests.restart._jobs import DIM, _grad, batch
+
+TIMEOUTS = {
+    "barrier_timeout": 60,
+    "completion_timeout": 60,
+    "soft_timeout": 1.0,
+    "hard_timeout": 3.0,
+    "termination_grace_time": 1.0,
+    "heartbeat_interval": 0.2,
+    "heartbeat_timeout": 30.0,
+}
+
+
+def reference(steps: int, switch: int, before: int, after: int, lr: float = 0.1) -> list[float]:
+    """Fault-free weights when steps ``< switch`` run on ``before`` ranks and the rest on
+    ``after`` ranks (each step: the mean of the ranks' gradients)."""
+    w = torch.zeros(DIM + 1, dtype=torch.float64)
+    for step in range(steps):
+        world = before if step < switch else after
+        grads = [_grad(w, *batch(step, rank, world)) for rank in range(world)]
+        w = w - lr * torch.stack(grads).sum(0) / world
+    return w.tolist()
+
+
+def _fault(kind: str, marker: Path) -> None:
+    marker.write_text(repr(time.time()))
+    if kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "exit":
+        os._exit(1)
+    elif kind == "node":  # the training process and its sidecar go together
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    elif kind == "sleep":  # a hang that releases the GIL
+        time.sleep(120)
+    elif kind == "spin":  # a hang in Python code: only the missing pings show it
+        while True:
+            pass
+    elif kind == "gil":  # a hang that holds the GIL (catastrophic regex backtracking)
+        re.match(r"(a+)+$", "a" * 64 + "b")
+    elif kind == "sidecar":  # this rank's sidecar dies; the rank must not go on unwatched
+        os.kill(_sidecar_pid(), signal.SIGKILL)
+        time.sleep(120)
+    raise AssertionError(f"fault {kind!r} returned")
+
+
+def _sidecar_pid() -> int:
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and b"trainguard.restart._sidecar" in cmdline:
+            return int(entry)
+    raise AssertionError("no sidecar process found")
+
+
+def fault_job(
+    steps: int,
+    victim: int,
+    fault_step: int,
+    kind: str,
+    out_dir: str,
+    overrides: dict[str, Any] | None = None,
+    lr: float = 0.1,
+) -> dict[str, Any]:
+    """One all_reduce per step; ``victim`` suffers fault ``kind`` at ``fault_step`` of round 0.
+
+    In-memory checkpoints of the last steps; after a restart the ranks resume from the newest
+    step they all have. Records each round's (round, rank, world) and when the function was
+    entered."""
+    from trainguard import events
+
+    events.configure(out_dir)
+    history: dict[int, torch.Tensor] = {}
+    rounds: list[dict[str, Any]] = []
+    marker = Path(out_dir, f"fault-{victim}")
+
+    @tr.Wrapper(**{**TIMEOUTS, **(overrides or {})})
+    def train(call: tr.CallWrapper) -> list[float]:
+        rounds.append(
+            {
+                "round": call.round,
+                "rank": call.rank,
+                "world": call.world_size,
+                "entered": time.time(),
+            }
+        )
+        dist.init_process_group("gloo")
+        latest = torch.tensor([max(history) if history else -1], dtype=torch.int64)
+        dist.all_reduce(latest, op=dist.ReduceOp.MIN)
+        start = int(latest.item())
+        w = history[start].clone() if start >= 0 else torch.zeros(DIM + 1, dtype=torch.float64)
+        for step in range(start + 1, steps):
+            if call.initial_rank == victim and step == fault_step and call.round == 0:
+                _fault(kind, marker)
+            g = _grad(w, *batch(step, call.rank, call.world_size))
+            dist.all_reduce(g)
+            with call.atomic():
+                w = w - lr * g / call.world_size
+                history[step] = w.clone()
+                for old in [s for s in history if s < step - 3]:
+                    del history[old]
+            call.ping()
+        dist.destroy_process_group()
+        return w.tolist()
+
+    result = train()
+    return {"weights": result, "rounds": rounds}
+
+
+def mixed_rounds_job(faulted: int) -> dict[str, Any]:
+    """``faulted`` rounds in a row end with a fault of a changing kind (an exception, a
+    GIL-released hang, a hang in Python code) on a changing rank; then one round completes.
+    Records this process's resources at every round."""
+    from tests.restart._jobs import _os_threads, resources
+
+    per_round: list[dict[str, Any]] = []
+
+    @tr.Wrapper(**{**TIMEOUTS, "max_rounds": faulted + 10})
+    def train(call: tr.CallWrapper) -> int:
+        dist.init_process_group("gloo")
+        t = torch.ones(8)
+        dist.all_reduce(t)
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        per_round.append(
+            {
+                "round": call.round,
+                "os_threads": _os_threads(),
+                "fds": len(os.listdir("/proc/self/fd")),
+                "rss": rss,
+                **resources(),
+            }
+        )
+        done = sum(1 for x in per_round if x.get("faulted"))
+        if done < faulted:
+            per_round[-1]["faulted"] = True
+            if call.rank == done % call.world_size:
+                kind = ("raise", "sleep", "spin")[done % 3]
+                if kind == "raise":
+                    raise ValueError(f"fault {done}")
+                if kind == "sleep":
+                    time.sleep(120)
+                call.ping()
+                while True:
+                    pass
+            dist.all_reduce(t)  # blocks until the abort releases it
+            raise AssertionError("the collective was not aborted")
+        dist.destroy_process_group()
+        return done
+
+    result = train()
+    return {"result": result, "rounds": per_round, "after": resources()}

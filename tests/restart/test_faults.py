@@ -1,0 +1,153 @@
+"""Deaths, hangs and lost nodes with real processes, a real store and real gloo (4 ranks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._dist import run_ranks
+from tests.restart import _faults
+
+STEPS = 10
+FAULT_STEP = 4
+
+
+def _run(victim: int, kind: str, tmp_path, overrides=None):
+    results = run_ranks(
+        _faults.fault_job,
+        4,
+        args=(STEPS, victim, FAULT_STEP, kind, str(tmp_path), overrides),
+        timeout=120,
+    )
+    fault_time = float((tmp_path / f"fault-{victim}").read_text())
+    return results, fault_time
+
+
+def _check_shrunk(results, victim: int, fault_time: float, *, within: float) -> None:
+    """The survivors restarted without ``victim`` (ShiftRanks: world 3) and finished right."""
+    expected = _faults.reference(STEPS, FAULT_STEP, 4, 3)
+    survivors = [r for r in range(4) if r != victim]
+    for new_rank, rank in enumerate(survivors):
+        value = results[rank].get()
+        assert value["weights"] == pytest.approx(expected, rel=1e-12, abs=1e-12)
+        assert [(x["round"], x["rank"], x["world"]) for x in value["rounds"]] == [
+            (0, rank, 4),
+            (1, new_rank, 3),
+        ]
+        latency = value["rounds"][1]["entered"] - fault_time
+        assert 0 < latency < within, f"rank {rank} re-entered {latency:.3f} s after the fault"
+
+
+@pytest.mark.parametrize(
+    ("victim", "kind", "exitcode"), [(2, "sigkill", -9), (0, "sigkill", -9), (1, "exit", 1)]
+)
+def test_dead_process_survivors_restart_without_it_at_once(
+    victim: int, kind: str, exitcode: int, tmp_path
+) -> None:
+    # heartbeat_timeout is 30 s: a restart within 2 s came from the death notice
+    results, fault_time = _run(victim, kind, tmp_path)
+    assert results[victim].exitcode == exitcode
+    _check_shrunk(results, victim, fault_time, within=2.0)
+    log = (tmp_path / f"sidecar-{victim}.log").read_text()
+    assert "notice written" in log, log
+    from trainguard.events import read_events
+
+    gone = [e for e in read_events(tmp_path) if e["kind"] == "rank_gone"]
+    assert [(e["rank"], e["gone_rank"], e["counted"]) for e in gone] == [(victim, victim, True)]
+
+
+@pytest.mark.parametrize("kind", ["sleep", "spin"])
+def test_soft_hang_aborts_and_restarts_every_rank(kind: str, tmp_path) -> None:
+    results, fault_time = _run(2, kind, tmp_path)
+    expected = _faults.reference(STEPS, FAULT_STEP, 4, 4)
+    for rank, r in enumerate(results):
+        value = r.get()
+        assert value["weights"] == pytest.approx(expected, rel=1e-12, abs=1e-12)
+        assert [(x["round"], x["rank"], x["world"]) for x in value["rounds"]] == [
+            (0, rank, 4),
+            (1, rank, 4),
+        ]
+        latency = value["rounds"][1]["entered"] - fault_time
+        assert 1.0 <= latency < 1.0 + 2.0, f"rank {rank}: {latency:.3f} s"
+
+
+def test_gil_held_hang_is_killed_by_the_sidecar(tmp_path) -> None:
+    results, fault_time = _run(2, "gil", tmp_path)
+    assert results[2].exitcode in (-15, -9)
+    # hard_timeout 3 s (+ up to 1 s grace); the others' soft timeouts fired first
+    _check_shrunk(results, 2, fault_time, within=3.0 + 1.0 + 2.0)
+    assert "hard timeout" in (tmp_path / "sidecar-2.log").read_text()
+    from trainguard.events import read_events
+
+    kinds = [(e["kind"], e["rank"]) for e in read_events(tmp_path)]
+    assert ("hard_timeout", 2) in kinds and ("hang", 2) not in kinds
+
+
+def test_lost_node_is_declared_gone_after_heartbeat_timeout(tmp_path) -> None:
+    overrides = {"heartbeat_timeout": 2.0, "soft_timeout": 10.0, "hard_timeout": 20.0}
+    results, fault_time = _run(3, "node", tmp_path, overrides)
+    assert results[3].exitcode == -9
+    _check_shrunk(results, 3, fault_time, within=2.0 + 2.0)
+
+
+def test_spare_takes_the_dead_ranks_number_and_training_is_unchanged(tmp_path) -> None:
+    import trainguard.restart as tr
+
+    overrides = {"rank_filter": tr.MaxActiveWorldSize(4), "rank_assignment": tr.FillGaps()}
+    results = run_ranks(
+        _faults.fault_job,
+        5,
+        args=(STEPS, 1, FAULT_STEP, "sigkill", str(tmp_path), overrides),
+        timeout=120,
+    )
+    assert results[1].exitcode == -9
+    expected = _faults.reference(STEPS, FAULT_STEP, 4, 4)
+    for rank in (0, 2, 3, 4):
+        value = results[rank].get()
+        assert value["weights"] == expected  # bit for bit: every rank number reads its shard
+        seen = [(x["round"], x["rank"], x["world"]) for x in value["rounds"]]
+        assert seen == ([(0, rank, 4)] if rank != 4 else []) + [(1, rank if rank != 4 else 1, 4)]
+
+
+def test_too_few_survivors_end_with_an_error_naming_them(tmp_path) -> None:
+    import trainguard.restart as tr
+
+    overrides = {"retry": tr.RetryController(min_active_world_size=4)}
+    results, _ = _run(2, "sigkill", tmp_path, overrides)
+    for rank in (0, 1, 3):
+        r = results[rank]
+        assert r.exc_type == "trainguard.errors.RetryLimitError", r.traceback
+        assert "min_active_world_size=4" in (r.error or "")
+        assert "rank 2: process died" in (r.error or ""), r.error
+
+
+def test_dead_sidecar_takes_its_rank_out_with_a_clear_error(tmp_path) -> None:
+    results, _ = _run(2, "sidecar", tmp_path)
+    r2 = results[2]
+    assert r2.exc_type == "trainguard.errors.SidecarLostError", r2.traceback
+    assert "sidecar process died" in (r2.error or "")
+    expected = _faults.reference(STEPS, FAULT_STEP, 4, 3)
+    for new_rank, rank in enumerate((0, 1, 3)):
+        value = results[rank].get()
+        assert value["weights"] == pytest.approx(expected, rel=1e-12, abs=1e-12)
+        assert [(x["round"], x["rank"], x["world"]) for x in value["rounds"]] == [
+            (0, rank, 4),
+            (1, new_rank, 3),
+        ]
+
+
+def test_fifty_mixed_faulted_rounds_stay_flat() -> None:
+    faulted = 50
+    results = run_ranks(_faults.mixed_rounds_job, 4, args=(faulted,), timeout=300)
+    for r in results:
+        value = r.get()
+        assert value["result"] == faulted
+        rounds = value["rounds"][3:]
+        for name in ("sockets", "os_threads", "handlers"):
+            values = [x[name] for x in rounds]
+            assert max(values) == min(values), (name, values)
+        fds = [x["fds"] for x in rounds]
+        assert max(fds) - min(fds) <= 2, fds
+        assert len({tuple(x["children"]) for x in value["rounds"]}) == 1  # the same sidecar
+        growth = rounds[-1]["rss"] - rounds[0]["rss"]
+        assert growth < 20 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB"
+        assert value["after"]["children"] == []
