@@ -13,12 +13,11 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
+from trainguard import _subproc
 from trainguard.errors import CoordinationError
 
 __all__ = ["StoreProcess", "connect", "parse_addr"]
@@ -93,16 +92,8 @@ class StoreProcess:
 
     def start(self) -> StoreProcess:
         """Start the process and wait for its handshake (it binds its ports first)."""
-        # The child must import this very trainguard, even when it is not installed.
-        root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainguard.coord._server", json.dumps(self.config)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            close_fds=True,
-            env=env,
+        self.proc = _subproc.start_module(
+            "trainguard.coord._server", self.config, stdin=subprocess.DEVNULL
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()

@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from trainguard import _subproc
 from trainguard.errors import CoordinationError
 
 logger = logging.getLogger(__name__)
@@ -67,15 +68,8 @@ class Sidecar:
         self.error: str | None = None
 
     def start(self) -> Sidecar:
-        root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainguard.restart._sidecar", json.dumps(self.config)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            close_fds=True,
-            env=env,
+        self.proc = _subproc.start_module(
+            "trainguard.restart._sidecar", self.config, stdin=subprocess.PIPE
         )
         self._stdin = self.proc.stdin
         return self
