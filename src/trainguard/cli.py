@@ -4,6 +4,7 @@ Subcommands:
 
 - ``trainguard events RUN_DIR``: merge a run's event logs and print them in time order.
 - ``trainguard ckpt ls ROOT | verify PATH | show PATH``: inspect checkpoints on disk.
+- ``trainguard demo``: train a small model through injected faults; check nothing was lost.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_events)
 
     _ckpt_cli.add_parser(sub)
+    from trainguard.demo import runner as demo_runner
+
+    demo_runner.add_parser(sub)
     return parser
 
 

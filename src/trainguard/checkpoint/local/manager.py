@@ -155,6 +155,9 @@ class LocalCheckpointManager(SavePipeline):
         os.makedirs(self.root, exist_ok=True)
         self._inventory = _inventory.Inventory(self.root)
         self._closed = False
+        #: After :meth:`load`: ``{"iteration", "source", "bytes"}``, where ``source`` is
+        #: ``"local PATH"`` or ``"rank N"`` (the peer that sent this rank's part).
+        self.last_load: dict[str, Any] | None = None
         self._store = self._bg_store = None
         self._key = key_prefix
         if store is not None and self.world_size > 1:
@@ -296,6 +299,7 @@ class LocalCheckpointManager(SavePipeline):
         with a warning saying why; :class:`CheckpointNotFoundError` when none is. Returns None
         on a rank whose number did not exist in the world that saved (the world grew).
         Tensors are views of a private memory map (or of the received bytes).
+        :attr:`last_load` says which copy was used.
         """
         self._check_open()
         started = time.monotonic()
@@ -351,6 +355,7 @@ class LocalCheckpointManager(SavePipeline):
                 chosen.saved_world,
             )
             return None
+        self.last_load = {"iteration": chosen.iteration, "source": where, "bytes": nbytes}
         events.emit(
             "local_ckpt_load",
             duration=time.monotonic() - started,

@@ -1,0 +1,125 @@
+"""The demo's fault schedule: parsing ``--faults`` and injecting each fault once.
+
+A schedule is a comma-separated list of ``KIND@STEP:RANK``: fault ``KIND`` is injected on the
+rank that holds number ``RANK`` when it is about to run step ``STEP``. Kinds:
+
+``exception``
+    the rank raises an ordinary ``Exception`` (detected by the raise);
+``hang``
+    the rank sleeps in a blocking C call that releases the GIL (detected after the
+    wrapper's ``soft_timeout``; the restart interrupt wakes it);
+``kill``
+    the rank's process sends itself SIGKILL (its sidecar reports the death at once; a spare
+    takes the rank's number);
+``lostdir``
+    the rank's node-local checkpoint directory is deleted and the rank raises, so the next
+    round must recover that rank's part from a replica on a peer.
+
+Each fault fires once: the injecting process first creates a marker file named after the
+fault in the run directory (so a process that replaces the rank, or the same process after a
+restart, does not fire it again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+from trainguard.errors import ConfigError
+
+KINDS = ("exception", "hang", "kill", "lostdir")
+DEFAULT_SCHEDULE = "exception@45:1,hang@95:2,kill@150:3,lostdir@215:0"
+
+_ITEM = re.compile(r"^\s*([a-z]+)\s*@\s*(\d+)\s*:\s*(\d+)\s*$")
+
+
+class InjectedFault(Exception):
+    """Raised by the demo's ``exception`` and ``lostdir`` faults."""
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Fault:
+    """One scheduled fault: ``kind`` on rank number ``rank`` before step ``step``."""
+
+    step: int
+    rank: int
+    kind: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}@{self.step}:{self.rank}"
+
+
+def parse(text: str, *, ranks: int, spares: int, steps: int) -> tuple[Fault, ...]:
+    """Parse and check a schedule against the run's shape; ConfigError names the fix."""
+    faults: list[Fault] = []
+    for item in (s for s in text.split(",") if s.strip()):
+        m = _ITEM.match(item)
+        if not m:
+            raise ConfigError(
+                f"--faults item {item.strip()!r} is not KIND@STEP:RANK; "
+                f"write e.g. 'exception@40:1' (kinds: {', '.join(KINDS)})"
+            )
+        kind, step, rank = m.group(1), int(m.group(2)), int(m.group(3))
+        if kind not in KINDS:
+            raise ConfigError(f"--faults: unknown kind {kind!r}; use one of {', '.join(KINDS)}")
+        if not 0 < step < steps:
+            raise ConfigError(
+                f"--faults {item.strip()!r}: step {step} must be between 1 and {steps - 1} "
+                f"(--steps {steps})"
+            )
+        if rank >= ranks:
+            raise ConfigError(
+                f"--faults {item.strip()!r}: rank {rank} does not exist with --ranks {ranks}"
+            )
+        faults.append(Fault(step, rank, kind))
+    faults.sort()
+    steps_seen = [f.step for f in faults]
+    if len(set(steps_seen)) != len(steps_seen):
+        raise ConfigError("--faults: two faults at the same step; give each its own step")
+    kills = sum(f.kind == "kill" for f in faults)
+    if kills > spares:
+        raise ConfigError(
+            f"--faults kills {kills} rank(s) but --spares is {spares}: the world would shrink "
+            f"and the data shards with it; use --spares {kills} or fewer kills"
+        )
+    return tuple(faults)
+
+
+def marker(run_dir: str | os.PathLike[str], fault: Fault) -> Path:
+    return Path(run_dir) / "faults" / f"{fault.step:06d}-{fault.kind}-r{fault.rank}.fired"
+
+
+def claim(run_dir: str | os.PathLike[str], fault: Fault) -> bool:
+    """True exactly once per fault and run directory (the marker is created atomically)."""
+    path = marker(run_dir, fault)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    os.write(fd, f"{os.getpid()} {time.time():.6f}\n".encode())
+    os.fsync(fd)
+    os.close(fd)
+    return True
+
+
+def inject(fault: Fault) -> None:
+    """Carry out ``fault`` in this process (``lostdir``'s deletion is the caller's part)."""
+    if fault.kind == "exception":
+        raise InjectedFault(f"injected exception on rank {fault.rank} at step {fault.step}")
+    if fault.kind == "hang":
+        time.sleep(24 * 3600)  # releases the GIL; the restart interrupt ends it
+        raise AssertionError("the hang ended without a restart interrupt")
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)  # the signal is delivered before this returns
+    if fault.kind == "lostdir":
+        raise InjectedFault(
+            f"injected: rank {fault.rank} lost its local checkpoint directory at step {fault.step}"
+        )
+    raise ConfigError(f"unknown fault kind {fault.kind!r}")

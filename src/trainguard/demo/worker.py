@@ -1,0 +1,273 @@
+"""One process of the demo: a fault-free reference run, then the guarded run.
+
+Started by :mod:`trainguard.demo.runner` (spawn context), one per rank and spare. Process ``i``
+of ``ranks + spares``:
+
+1. If ``i < ranks``: trains ``steps`` steps with plain ``torch.distributed`` (gloo, its own
+   port), no checkpoints, no faults, and reports the parameters' digest: the reference.
+2. Every process then calls the training function under :class:`trainguard.restart.Wrapper`
+   (``FillGaps``, ``MaxActiveWorldSize(ranks)``, so process ``ranks..`` wait as spares). Each
+   round the function initializes gloo, opens a :class:`LocalCheckpointManager` (replicated to
+   a peer) and an :class:`AsyncCheckpointer`, resumes from the newest checkpoint of either kind,
+   trains, injects the scheduled faults, and closes both on the way out.
+
+Every message to the parent is a tuple sent on this process's own pipe (a killed process
+can never break another's channel): ``("step", ...)`` from rank 0 every few steps, ``("fault",
+...)`` at an injection, ``("resumed", ...)`` after each round's restore, ``("done", ...)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainguard.demo import faults as _faults
+
+if TYPE_CHECKING:
+    from trainguard.restart import CallWrapper
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """Everything a demo process needs (picklable)."""
+
+    out: str
+    ranks: int = 4
+    spares: int = 1
+    steps: int = 300
+    faults: tuple[_faults.Fault, ...] = ()
+    local_every: int = 10
+    disk_every: int = 50
+    report_every: int = 5
+    soft_timeout: float = 3.0
+    hard_timeout: float = 10.0
+    heartbeat_timeout: float = 5.0
+    perturb: bool = False  # test hook: flip one bit of one parameter after the first restore
+
+    @property
+    def world(self) -> int:
+        return self.ranks + self.spares
+
+    def local_root(self, process: int) -> Path:
+        return Path(self.out) / "local" / f"node{process}"
+
+
+def _state(model: Any, optimizer: Any, next_step: int) -> dict[str, Any]:
+    import torch
+
+    return {
+        "model": model.state_dict(),
+        "optim": optimizer.state_dict(),
+        "step": next_step,
+        "rng": torch.get_rng_state(),
+    }
+
+
+def reference(cfg: DemoConfig, process: int, port: int) -> str:
+    """The fault-free run on ``cfg.ranks`` processes; returns the parameters' digest."""
+    import torch.distributed as dist
+
+    from trainguard.demo import model as m
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=process,
+        world_size=cfg.ranks,
+        timeout=timedelta(seconds=120),
+    )
+    try:
+        task = m.TaskConfig()
+        teacher, net = m.make_teacher(task), m.make_model(task)
+        opt = m.make_optimizer(net, task)
+        for step in range(cfg.steps):
+            x, y = m.batch(task, teacher, step, process)
+            m.train_step(net, opt, x, y, cfg.ranks)
+        return m.parameters_digest(net)
+    finally:
+        dist.destroy_process_group()
+
+
+class _Guarded:
+    """The training function run under the wrapper, with this process's state across rounds."""
+
+    def __init__(self, cfg: DemoConfig, process: int, conn: Any) -> None:
+        self.cfg = cfg
+        self.process = process
+        self.conn = conn
+        self.lose_root = False  # set by a `lostdir` fault, carried out before the next round
+        self.perturbed = False
+
+    def send(self, *msg: Any) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send(msg)
+
+    def __call__(self, call: CallWrapper) -> str:
+        import torch
+        import torch.distributed as dist
+
+        from trainguard import events
+        from trainguard.checkpoint import (
+            AsyncCheckpointer,
+            CliqueReplication,
+            LocalCheckpointManager,
+            latest,
+            load,
+        )
+        from trainguard.demo import model as m
+
+        cfg, root = self.cfg, self.cfg.local_root(self.process)
+        if self.lose_root:
+            shutil.rmtree(root, ignore_errors=True)
+            self.lose_root = False
+        started = time.time()
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+        local: Any = None
+        disk: Any = None
+        try:
+            local = LocalCheckpointManager(
+                root, replication=CliqueReplication(factor=2, jump=1), keep=2, timeout=30
+            )
+            disk = AsyncCheckpointer(commit_timeout=30)
+            task = m.TaskConfig()
+            teacher, net = m.make_teacher(task), m.make_model(task)
+            opt = m.make_optimizer(net, task)
+            first, source = 0, "fresh start"
+            it = local.find_latest()
+            on_disk = latest(Path(cfg.out) / "ckpt")
+            disk_step = int(on_disk.name.split("_")[-1]) if on_disk is not None else -1
+            state: Any = None
+            if it is not None and it >= disk_step:
+                state = local.load(it)
+                source = f"local checkpoint {it}"
+            elif on_disk is not None:
+                state = load(on_disk)
+                source = f"disk checkpoint {on_disk.name}"
+            if state is not None:
+                net.load_state_dict(state["model"])
+                opt.load_state_dict(state["optim"])
+                torch.set_rng_state(state["rng"])
+                first = int(state["step"])
+                if cfg.perturb and not self.perturbed and call.rank == 0:
+                    with torch.no_grad():
+                        w = next(net.parameters()).view(-1)
+                        w[:1].view(torch.int32).bitwise_xor_(1)  # one bit of one parameter
+                    self.perturbed = True
+            self.send(
+                "resumed",
+                call.round,
+                call.rank,
+                self.process,
+                first,
+                source,
+                local.last_load["source"] if source.startswith("local") else None,
+                call.world_size,
+                time.time(),
+                time.time() - started,
+            )
+            for step in range(first, cfg.steps):
+                self._maybe_inject(call, step)
+                t0 = time.monotonic()
+                x, y = m.batch(task, teacher, step, call.rank)
+                loss = m.train_step(net, opt, x, y, call.world_size)
+                events.emit("train_step", step=step, loss=loss, duration=time.monotonic() - t0)
+                if call.rank == 0 and (step % cfg.report_every == 0 or step == cfg.steps - 1):
+                    self.send("step", step, loss, call.round, call.world_size, time.time())
+                done = step + 1
+                if done % cfg.local_every == 0 and done < cfg.steps:
+                    with events.span("ckpt_stall", what="local", step=step):
+                        local.save(_state(net, opt, done), done)
+                if done % cfg.disk_every == 0 and done < cfg.steps:
+                    with events.span("ckpt_stall", what="disk", step=step):
+                        disk.save(_state(net, opt, done), Path(cfg.out) / "ckpt" / f"step_{done:06d}")
+            local.wait()
+            disk.wait()
+            digest = m.parameters_digest(net)
+            self.send("done", call.rank, self.process, digest, call.round, time.time())
+            return digest
+        finally:
+            for closer in (local, disk):
+                if closer is not None:
+                    with contextlib.suppress(Exception):
+                        closer.close()
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+    def _maybe_inject(self, call: Any, step: int) -> None:
+        for fault in self.cfg.faults:
+            if fault.step != step or fault.rank != call.rank:
+                continue
+            if not _faults.claim(self.cfg.out, fault):
+                continue
+            from trainguard import events
+
+            events.emit("demo_fault", fault=fault.kind, step=step, target=call.rank)
+            self.send("fault", fault.kind, step, call.rank, self.process, call.round, time.time())
+            if fault.kind == "lostdir":
+                self.lose_root = True
+            _faults.inject(fault)
+
+
+def main(cfg: DemoConfig, process: int, job_port: int, ref_port: int, conn: Any) -> None:
+    """Entry point of demo process ``process`` (spawn target)."""
+    os.environ.update(
+        RANK=str(process),
+        WORLD_SIZE=str(cfg.world),
+        LOCAL_RANK=str(process),
+        LOCAL_WORLD_SIZE=str(cfg.world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(job_port),
+    )
+    logs = Path(cfg.out) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    fd = os.open(logs / f"process-{process}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for target in (1, 2):  # torch's C++ warnings too: the parent shows a curated view
+        os.dup2(fd, target)
+    os.close(fd)
+    import logging
+
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s process {process} %(name)s: %(message)s"
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    from trainguard import events
+    from trainguard import restart as tr
+
+    try:
+        if process < cfg.ranks:
+            t0 = time.time()
+            digest = reference(cfg, process, ref_port)
+            conn.send(("reference", process, digest, time.time() - t0))
+        events.configure(Path(cfg.out) / "events")
+        wrapper = tr.Wrapper(
+            rank_assignment=tr.FillGaps(),
+            rank_filter=tr.MaxActiveWorldSize(cfg.ranks),
+            retry=tr.RetryController(
+                max_rounds=len(cfg.faults) + 4, min_active_world_size=cfg.ranks
+            ),
+            barrier_timeout=120,
+            soft_timeout=cfg.soft_timeout,
+            hard_timeout=cfg.hard_timeout,
+            termination_grace_time=2,
+            heartbeat_interval=0.5,
+            heartbeat_timeout=cfg.heartbeat_timeout,
+        )
+        guarded = _Guarded(cfg, process, conn)
+        result = wrapper(guarded)()
+        if result is None:
+            conn.send(("idle", process, time.time()))
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            conn.send(("error", process, f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            conn.close()
