@@ -148,7 +148,7 @@ def _start(event: dict[str, Any]) -> float:
 
 
 # the timeline -------------------------------------------------------------------------------
-class Timeline:
+class _Timeline:
     """The events of one run sorted and grouped by round (shared with the plot)."""
 
     def __init__(self, events: list[dict[str, Any]]) -> None:
@@ -223,7 +223,7 @@ def _describe(e: dict[str, Any] | None) -> tuple[str, int | None, str]:
     return what, e.get("rank"), str(e.get("reason", e.get("exitcode", "")))
 
 
-def _fault(tl: Timeline, n: int, nxt: int | None, lo: float, hi: float) -> Fault:
+def _fault(tl: _Timeline, n: int, nxt: int | None, lo: float, hi: float) -> Fault:
     mine = [key for key in tl.steps if key[0] == n]
     kept = [key for key in mine if tl.kept[key]]
     if kept:
@@ -277,7 +277,7 @@ def _fault(tl: Timeline, n: int, nxt: int | None, lo: float, hi: float) -> Fault
 
 def analyze(events: list[dict[str, Any]]) -> Report:
     """The goodput report of one run's merged events (see the module docstring)."""
-    tl = Timeline(events)
+    tl = _Timeline(events)
     t0, t1 = tl.wall()
     faults: list[Fault] = []
     lo = t0
@@ -345,6 +345,10 @@ def load(run_dir: str | Path) -> Report:
     return analyze(merged)
 
 
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def format_table(report: Report) -> str:
     """A plain-text table whose rows add up to the wall time."""
     wall = report.wall
@@ -355,9 +359,9 @@ def format_table(report: Report) -> str:
 
     stall_what = ", ".join(f"{int(v['count'])} {what}" for what, v in report.ckpt_stalls.items())
     lines = [
-        f"trainguard report: {len(report.ranks)} ranks, {report.rounds} rounds, "
-        f"{report.steps_kept} steps kept, {report.recomputed_steps} recomputed, "
-        f"{len(report.faults)} faults",
+        f"trainguard report: {_n(len(report.ranks), 'rank')}, {_n(report.rounds, 'round')}, "
+        f"{_n(report.steps_kept, 'step')} kept, {report.recomputed_steps} recomputed, "
+        f"{_n(len(report.faults), 'fault')}",
         row("wall", wall, 0),
         row("productive (kept steps)", report.productive),
         row(f"checkpoint stalls ({stall_what or 'none'})", report.ckpt_stall),
