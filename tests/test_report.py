@@ -248,3 +248,21 @@ def test_torn_lines_and_a_rank_served_by_two_processes(tmp_path: Path) -> None:
     assert rep.wall == 2.0 and rep.productive == pytest.approx(1.0)
     assert [f.kind for f in rep.faults] == ["unknown"]  # a new round with no fault recorded
     _rows_add_up(rep)
+
+
+def test_many_faults_are_summed_up_in_the_table() -> None:
+    events: list[dict] = []
+    for n in range(25):  # every round but the last ends with rank 0 raising
+        events += [ev(10.0 * n, "round_start", r, n) for r in range(2)]
+        events += steps(2, n, n, n, 10.0 * n + 1.0)
+        if n < 24:
+            events.append(ev(10.0 * n + 5.0, "fault", 0, n, error="ValueError: x", type="E"))
+    events += [ev(245.0, "complete", r, 24) for r in range(2)]
+    rep = report.analyze(events)
+    assert len(rep.faults) == 24 and rep.productive == pytest.approx(25.0)
+    _rows_add_up(rep)
+    table = report.format_table(rep)
+    assert "fault 20: round 19" in table and "fault 21:" not in table
+    rest = sum(f.total for f in rep.faults[20:])
+    line = next(x for x in table.splitlines() if "faults 21-24 (see --json)" in x)
+    assert f" {rest:.3f} s" in line

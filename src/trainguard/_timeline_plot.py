@@ -100,10 +100,13 @@ def plot_timeline(
         ys = [lane[fault.rank]] if fault.rank in lane else list(lane.values())
         ax.plot([fault.time] * len(ys), ys, "X", color="black", markersize=11, zorder=5)
     top = -0.6
+    labelled = -float("inf")
     for n, times in sorted(tl.round_start.items()):
         x = min(times) - t0
         ax.axvline(x, color="#333333", linestyle="--", linewidth=0.8)
-        ax.text(x, top, f" round {n}", va="bottom", ha="left", fontsize=8)
+        if x - labelled >= report.wall / 16:  # labels of rounds close together would overlap
+            ax.text(x, top, f" round {n}", va="bottom", ha="left", fontsize=8)
+            labelled = x
     ax.set_yticks(list(lane.values()), [f"rank {r}" for r in ranks])
     ax.set_ylim(len(ranks) - 0.4, top - 0.3)
     ax.set_xlim(0, max(report.wall, 1e-6) * 1.02)

@@ -58,6 +58,7 @@ _PHASE_NAMES = {
     "reinit": "re-initialization",
 }
 
+MAX_FAULT_ROWS = 20  # the table details this many faults and sums up the others in one row
 Span = tuple[float, float]
 
 
@@ -178,6 +179,16 @@ class _Timeline:
             latest[s] = max(latest.get(s, n), n)
         self.kept = {key: latest[key[1]] == key[0] for key in self.steps}
         self.rounds = sorted(set(self.round_start) | {n for n, _ in self.steps})
+        # per round: its step keys, its stalls, and its fault-related events by kind
+        self.round_steps: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for key in self.steps:
+            self.round_steps[key[0]].append(key)
+        self.round_stalls: dict[int, list[tuple[Any, float]]] = defaultdict(list)
+        for (n, step, _), (_, end) in self.stalls.items():
+            self.round_stalls[n].append((step, end))
+        self.in_round: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
+        for e in self.of("demo_fault", "abort", *DETECTION_KINDS):
+            self.in_round[self.round_of(e), e["kind"]].append(e)
 
     @staticmethod
     def _grow(groups: dict[Any, list[float]], key: Any, e: dict[str, Any]) -> None:
@@ -187,6 +198,11 @@ class _Timeline:
 
     def of(self, *kinds: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e.get("kind") in kinds]
+
+    def found(self, n: int, *kinds: str) -> list[dict[str, Any]]:
+        """Round ``n``'s events of these kinds (among demo_fault, abort, detections), by time."""
+        out = [e for kind in kinds for e in self.in_round.get((n, kind), ())]
+        return sorted(out, key=lambda e: float(e["time"]))
 
     def round_of(self, e: dict[str, Any]) -> int:
         """The event's round stamp; a sidecar's events (no stamp) go by ``gone_round`` or time."""
@@ -224,24 +240,21 @@ def _describe(e: dict[str, Any] | None) -> tuple[str, int | None, str]:
 
 
 def _fault(tl: _Timeline, n: int, nxt: int | None, lo: float, hi: float) -> Fault:
-    mine = [key for key in tl.steps if key[0] == n]
+    mine = tl.round_steps.get(n, [])
     kept = [key for key in mine if tl.kept[key]]
     if kept:
         last = max(s for _, s in kept)
         p0 = max(tl.steps[key][1] for key in kept)
-        p0 = max(
-            [p0]
-            + [e for (r, s, _), (_, e) in tl.stalls.items() if r == n and s in (last, last + 1)]
-        )
+        p0 = max([p0] + [end for s, end in tl.round_stalls.get(n, []) if s in (last, last + 1)])
     elif mine:
         p0 = min(tl.steps[key][0] for key in mine)
     else:
         p0 = min(tl.round_start.get(n, [lo]))
-    detections = [e for e in tl.of(*DETECTION_KINDS) if tl.round_of(e) == n]
-    aborts = [e for e in tl.of("abort") if tl.round_of(e) == n]
+    detections = tl.found(n, *DETECTION_KINDS)
+    aborts = tl.found(n, "abort")
     seen = [_start(e) for e in detections] + [_start(e) for e in aborts]
     detected = min(seen) if seen else None
-    injected = [e for e in tl.of("demo_fault") if tl.round_of(e) == n]
+    injected = tl.found(n, "demo_fault")
     before = [e for e in injected if detected is None or float(e["time"]) <= detected]
     chosen = before[-1] if before else (injected[0] if injected else None)
     first = min(detections, key=_start) if detections else None
@@ -283,7 +296,7 @@ def analyze(events: list[dict[str, Any]]) -> Report:
     lo = t0
     for i, n in enumerate(tl.rounds):
         nxt = tl.rounds[i + 1] if i + 1 < len(tl.rounds) else None
-        if nxt is None and not any(tl.round_of(e) == n for e in tl.of(*DETECTION_KINDS)):
+        if nxt is None and not tl.found(n, *DETECTION_KINDS):
             continue
         fault = _fault(tl, n, nxt, lo, t1)
         faults.append(fault)
@@ -366,7 +379,8 @@ def format_table(report: Report) -> str:
         row("productive (kept steps)", report.productive),
         row(f"checkpoint stalls ({stall_what or 'none'})", report.ckpt_stall),
     ]
-    for i, f in enumerate(report.faults, 1):
+    shown = report.faults[:MAX_FAULT_ROWS]
+    for i, f in enumerate(shown, 1):
         where = f"rank {f.rank}" if f.rank is not None else "rank ?"
         at = f" at step {f.step}" if f.step is not None else ""
         lines.append(row(f"fault {i}: round {f.round}, {f.kind} on {where}{at}", f.total))
@@ -377,6 +391,10 @@ def format_table(report: Report) -> str:
             lines.append(row(label, f.phases[name], 6))
         if f.cause:
             lines.append(f"      cause: {f.cause[:90]}")
+    rest = report.faults[len(shown) :]
+    if rest:
+        label = f"faults {len(shown) + 1}-{len(report.faults)} (see --json)"
+        lines.append(row(label, sum(f.total for f in rest)))
     lines.append(row("other (startup, between steps, shutdown)", report.other))
     if report.goodput is None:
         lines.append("goodput: unknown")
