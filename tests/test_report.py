@@ -266,3 +266,22 @@ def test_many_faults_are_summed_up_in_the_table() -> None:
     rest = sum(f.total for f in rep.faults[20:])
     line = next(x for x in table.splitlines() if "faults 21-24 (see --json)" in x)
     assert f" {rest:.3f} s" in line
+
+
+def test_lost_directory_injection_is_listed_but_not_the_fault_moment() -> None:
+    events = [ev(0.0, "round_start", r) for r in range(2)]
+    events += steps(2, 0, 0, 3, 0.0)
+    events.append(ev(4.0, "demo_fault", 0, fault="kill", step=4, target=1))
+    events.append(ev(4.1, "demo_fault", 0, fault="lostdir", step=4, target=0))
+    events.append(ev(4.5, "rank_gone", 1, None, gone_rank=1, gone_round=0, cause="SIGKILL"))
+    events += [ev(5.0, "round_start", 0, 1), ev(6.0, "train_step", 0, 1, step=4, duration=0.5)]
+    fault = report.analyze(events).faults[0]
+    assert (fault.kind, fault.rank, fault.injected) == ("kill", 1, ["kill", "lostdir"])
+    assert fault.phases["detection"] == pytest.approx(0.5)
+
+
+def test_steps_without_duration_are_noted() -> None:
+    events = [ev(0.0, "round_start"), ev(1.0, "train_step", step=0), ev(2.0, "complete")]
+    rep = report.analyze(events)
+    assert rep.productive == 0 and rep.goodput == 0
+    assert any("1 train_step events have no duration" in note for note in rep.notes)

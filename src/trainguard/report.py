@@ -17,6 +17,8 @@ training loop emits:
 - ``demo_fault`` (optional), by a fault injector at the moment it injects: ``fault`` (a kind
   such as ``"exception"``, ``"hang"``, ``"kill"``, ``"lostdir"``), ``step``, ``target`` (rank).
   Without it, a fault's time is its first detection event and its detection time is unknown (0).
+  When a round holds several, its fault's moment is the last one at or before the first
+  detection; ``"lostdir"`` (noticed only at the next load) is never taken as that moment.
 
 How the timeline is cut (job level, across ranks):
 
@@ -58,6 +60,9 @@ _PHASE_NAMES = {
     "reinit": "re-initialization",
 }
 
+# injections that do not end a round by themselves (a deleted local checkpoint directory is only
+# noticed at the next load): never taken as the moment of the round's fault
+PASSIVE_INJECTIONS = frozenset({"lostdir"})
 MAX_FAULT_ROWS = 20  # the table details this many faults and sums up the others in one row
 Span = tuple[float, float]
 
@@ -74,6 +79,7 @@ class Fault:
     time: float  # the fault's moment
     recomputed_steps: int
     restarted: bool  # a next round started
+    injected: list[str]  # the ``fault`` of every demo_fault of the round, in time order
     phases: dict[str, float]  # PHASES -> seconds, consecutive, adding up to ``total``
     bounds: list[float]  # the six boundaries of the five phases
 
@@ -255,15 +261,17 @@ def _fault(tl: _Timeline, n: int, nxt: int | None, lo: float, hi: float) -> Faul
     seen = [_start(e) for e in detections] + [_start(e) for e in aborts]
     detected = min(seen) if seen else None
     injected = tl.found(n, "demo_fault")
-    before = [e for e in injected if detected is None or float(e["time"]) <= detected]
-    chosen = before[-1] if before else (injected[0] if injected else None)
+    ending = [e for e in injected if e.get("fault") not in PASSIVE_INJECTIONS] or injected
+    before = [e for e in ending if detected is None or float(e["time"]) <= detected]
+    chosen = before[-1] if before else (ending[0] if ending else None)
     first = min(detections, key=_start) if detections else None
     kind, rank, cause = _describe(first)
     if first is None and aborts:
         rank, cause = aborts[0].get("fault_rank"), str(aborts[0].get("cause", ""))
     if chosen is not None:
         p1 = float(chosen["time"])
-        kind, rank = str(chosen.get("fault", kind)), chosen.get("target", rank)
+        kind = str(chosen.get("fault", kind))
+        rank = chosen["target"] if isinstance(chosen.get("target"), int) else rank
     else:
         p1 = _start(first) if first is not None else detected if detected is not None else p0
     p2 = detected if detected is not None else p1
@@ -280,6 +288,7 @@ def _fault(tl: _Timeline, n: int, nxt: int | None, lo: float, hi: float) -> Faul
         rank=rank if isinstance(rank, int) else None,
         cause=cause,
         step=chosen.get("step") if chosen is not None else None,
+        injected=[str(e.get("fault")) for e in injected],
         time=bounds[1],
         recomputed_steps=len(mine) - len(kept),
         restarted=nxt is not None,
@@ -318,6 +327,14 @@ def analyze(events: list[dict[str, Any]]) -> Report:
         notes.append(
             "no train_step events: productive time and goodput are unknown (emit train_step "
             "at the end of every step; see trainguard.report)"
+        )
+    timeless = sum(
+        1 for e in tl.of("train_step") if not isinstance(e.get("duration"), (int, float))
+    )
+    if timeless:
+        notes.append(
+            f"{timeless} train_step events have no duration: those steps count as 0 s of "
+            "productive time"
         )
     if not tl.round_start:
         notes.append("no round_start events: the run did not use trainguard.restart")
