@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from trainguard.report import Report, _n, _start, _Timeline
+from trainguard._timeline import Timeline, start_of
+from trainguard.report import Report, _n
 
 __all__ = ["plot_timeline"]
 
@@ -52,7 +53,7 @@ def plot_timeline(
     except ImportError as exc:
         raise ImportError(f"--plot needs matplotlib, which is not installed; {_HINT}") from exc
 
-    tl = _Timeline(events)
+    tl = Timeline(events)
     t0 = report.start
     ranks = sorted({e["rank"] for e in tl.events if isinstance(e.get("rank"), int)})
     lane = {r: i for i, r in enumerate(ranks)}
@@ -60,7 +61,7 @@ def plot_timeline(
 
     def add(e: dict[str, Any], what: str) -> None:
         if e.get("rank") in lane:
-            start = _start(e) - t0
+            start = start_of(e) - t0
             bars.setdefault((lane[e["rank"]], what), []).append(
                 (start, float(e["time"]) - t0 - start)
             )

@@ -41,16 +41,23 @@ How the timeline is cut (job level, across ranks):
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from trainguard._timeline import (
+    DETECTION_KINDS,
+    Span,
+    Timeline,
+    measure,
+    start_of,
+    subtract,
+)
+
 __all__ = ["Fault", "Report", "analyze", "format_table", "load"]
 
-DETECTION_KINDS = ("fault", "hang", "rank_gone", "hard_timeout", "sidecar_lost")
 PHASES = ("recomputed", "detection", "abort", "barrier", "reinit")
 _PHASE_NAMES = {
     "recomputed": "recomputed",
@@ -64,7 +71,6 @@ _PHASE_NAMES = {
 # noticed at the next load): never taken as the moment of the round's fault
 PASSIVE_INJECTIONS = frozenset({"lostdir"})
 MAX_FAULT_ROWS = 20  # the table details this many faults and sums up the others in one row
-Span = tuple[float, float]
 
 
 @dataclasses.dataclass
@@ -115,123 +121,6 @@ class Report:
         return out
 
 
-# interval arithmetic ------------------------------------------------------------------------
-def _union(spans: list[Span]) -> list[Span]:
-    out: list[Span] = []
-    for a, b in sorted(s for s in spans if s[1] > s[0]):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def _subtract(spans: list[Span], cuts: list[Span]) -> list[Span]:
-    out: list[Span] = []
-    cuts = _union(cuts)
-    for a, b in _union(spans):
-        for c, d in cuts:
-            if d <= a or c >= b:
-                continue
-            if c > a:
-                out.append((a, c))
-            a = max(a, d)
-            if a >= b:
-                break
-        if a < b:
-            out.append((a, b))
-    return out
-
-
-def _measure(spans: list[Span]) -> float:
-    return sum(b - a for a, b in _union(spans))
-
-
-def _start(event: dict[str, Any]) -> float:
-    duration = event.get("duration")
-    if isinstance(duration, (int, float)) and math.isfinite(duration):
-        return float(event["time"]) - float(duration)
-    return float(event["time"])
-
-
-# the timeline -------------------------------------------------------------------------------
-class _Timeline:
-    """The events of one run sorted and grouped by round (shared with the plot)."""
-
-    def __init__(self, events: list[dict[str, Any]]) -> None:
-        self.events = sorted(
-            (e for e in events if isinstance(e.get("time"), (int, float))),
-            key=lambda e: float(e["time"]),
-        )
-        if not self.events:
-            raise ValueError("no events to report on")
-        self.round_start: dict[int, list[float]] = defaultdict(list)
-        for e in self.of("round_start"):
-            if isinstance(e.get("round"), int):
-                self.round_start[e["round"]].append(float(e["time"]))
-        starts = sorted((min(t), n) for n, t in self.round_start.items())
-        self._bounds = [t for t, _ in starts]
-        self._rounds = [n for _, n in starts]
-        # (round, step) -> [earliest start, latest end] over ranks
-        self.steps: dict[tuple[int, int], list[float]] = {}
-        for e in self.of("train_step"):
-            if isinstance(e.get("step"), int):
-                self._grow(self.steps, (self.round_of(e), e["step"]), e)
-        self.stalls: dict[tuple[int, Any, str], list[float]] = {}
-        for e in self.of("ckpt_stall"):
-            self._grow(self.stalls, (self.round_of(e), e.get("step"), str(e.get("what"))), e)
-        latest: dict[int, int] = {}
-        for n, s in self.steps:
-            latest[s] = max(latest.get(s, n), n)
-        self.kept = {key: latest[key[1]] == key[0] for key in self.steps}
-        self.rounds = sorted(set(self.round_start) | {n for n, _ in self.steps})
-        # per round: its step keys, its stalls, and its fault-related events by kind
-        self.round_steps: dict[int, list[tuple[int, int]]] = defaultdict(list)
-        for key in self.steps:
-            self.round_steps[key[0]].append(key)
-        self.round_stalls: dict[int, list[tuple[Any, float]]] = defaultdict(list)
-        for (n, step, _), (_, end) in self.stalls.items():
-            self.round_stalls[n].append((step, end))
-        self.in_round: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
-        for e in self.of("demo_fault", "abort", *DETECTION_KINDS):
-            self.in_round[self.round_of(e), e["kind"]].append(e)
-
-    @staticmethod
-    def _grow(groups: dict[Any, list[float]], key: Any, e: dict[str, Any]) -> None:
-        span = groups.setdefault(key, [math.inf, -math.inf])
-        span[0] = min(span[0], _start(e))
-        span[1] = max(span[1], float(e["time"]))
-
-    def of(self, *kinds: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e.get("kind") in kinds]
-
-    def found(self, n: int, *kinds: str) -> list[dict[str, Any]]:
-        """Round ``n``'s events of these kinds (among demo_fault, abort, detections), by time."""
-        out = [e for kind in kinds for e in self.in_round.get((n, kind), ())]
-        return sorted(out, key=lambda e: float(e["time"]))
-
-    def round_of(self, e: dict[str, Any]) -> int:
-        """The event's round stamp; a sidecar's events (no stamp) go by ``gone_round`` or time."""
-        if isinstance(e.get("round"), int):
-            return int(e["round"])
-        if isinstance(e.get("gone_round"), int):
-            return int(e["gone_round"])
-        i = bisect.bisect_right(self._bounds, float(e["time"])) - 1
-        return self._rounds[i] if i >= 0 else (self._rounds[0] if self._rounds else 0)
-
-    def wall(self) -> Span:
-        firsts = [min(t) for t in self.round_start.values()]
-        firsts += [s for s, _ in self.steps.values()] + [s for s, _ in self.stalls.values()]
-        t0 = min(firsts) if firsts else float(self.events[0]["time"])
-        ends = [float(e["time"]) for e in self.of("complete", "end", "train_step")]
-        t1 = max(ends) if ends else float(self.events[-1]["time"])
-        return t0, max(t0, t1)
-
-    def first_step(self, n: int) -> float | None:
-        starts = [s for (r, _), (s, _) in self.steps.items() if r == n]
-        return min(starts) if starts else None
-
-
 def _describe(e: dict[str, Any] | None) -> tuple[str, int | None, str]:
     """(kind, faulted rank, cause) from a detection event."""
     if e is None:
@@ -245,7 +134,7 @@ def _describe(e: dict[str, Any] | None) -> tuple[str, int | None, str]:
     return what, e.get("rank"), str(e.get("reason", e.get("exitcode", "")))
 
 
-def _fault(tl: _Timeline, n: int, nxt: int | None, lo: float, hi: float) -> Fault:
+def _fault(tl: Timeline, n: int, nxt: int | None, lo: float, hi: float) -> Fault:
     mine = tl.round_steps.get(n, [])
     kept = [key for key in mine if tl.kept[key]]
     if kept:
@@ -258,13 +147,13 @@ def _fault(tl: _Timeline, n: int, nxt: int | None, lo: float, hi: float) -> Faul
         p0 = min(tl.round_start.get(n, [lo]))
     detections = tl.found(n, *DETECTION_KINDS)
     aborts = tl.found(n, "abort")
-    seen = [_start(e) for e in detections] + [_start(e) for e in aborts]
+    seen = [start_of(e) for e in detections] + [start_of(e) for e in aborts]
     detected = min(seen) if seen else None
     injected = tl.found(n, "demo_fault")
     ending = [e for e in injected if e.get("fault") not in PASSIVE_INJECTIONS] or injected
     before = [e for e in ending if detected is None or float(e["time"]) <= detected]
     chosen = before[-1] if before else (ending[0] if ending else None)
-    first = min(detections, key=_start) if detections else None
+    first = min(detections, key=start_of) if detections else None
     kind, rank, cause = _describe(first)
     if first is None and aborts:
         rank, cause = aborts[0].get("fault_rank"), str(aborts[0].get("cause", ""))
@@ -273,7 +162,7 @@ def _fault(tl: _Timeline, n: int, nxt: int | None, lo: float, hi: float) -> Faul
         kind = str(chosen.get("fault", kind))
         rank = chosen["target"] if isinstance(chosen.get("target"), int) else rank
     else:
-        p1 = _start(first) if first is not None else detected if detected is not None else p0
+        p1 = start_of(first) if first is not None else detected if detected is not None else p0
     p2 = detected if detected is not None else p1
     p3 = max((float(e["time"]) for e in aborts), default=p2)
     p4 = max(tl.round_start[nxt]) if nxt is not None and tl.round_start.get(nxt) else p3
@@ -299,7 +188,7 @@ def _fault(tl: _Timeline, n: int, nxt: int | None, lo: float, hi: float) -> Faul
 
 def analyze(events: list[dict[str, Any]]) -> Report:
     """The goodput report of one run's merged events (see the module docstring)."""
-    tl = _Timeline(events)
+    tl = Timeline(events)
     t0, t1 = tl.wall()
     faults: list[Fault] = []
     lo = t0
@@ -312,15 +201,15 @@ def analyze(events: list[dict[str, Any]]) -> Report:
         lo = fault.bounds[-1]
     cuts = [(-math.inf, t0), (t1, math.inf)] + [(f.bounds[0], f.bounds[-1]) for f in faults]
     kept_spans = [(s, e) for key, (s, e) in tl.steps.items() if tl.kept[key]]
-    productive = _subtract(kept_spans, cuts)
+    productive = subtract(kept_spans, cuts)
     stall_spans: dict[str, list[Span]] = defaultdict(list)
     for (_, _, what), (s, e) in tl.stalls.items():
         stall_spans[what].append((s, e))
-    stalls = _subtract([s for v in stall_spans.values() for s in v], cuts + kept_spans)
+    stalls = subtract([s for v in stall_spans.values() for s in v], cuts + kept_spans)
     faults = [_shifted(f, t0) for f in faults]
     wall = t1 - t0
     fault_total = sum((f.total for f in faults), 0.0)
-    p, st = _measure(productive), _measure(stalls)
+    p, st = measure(productive), measure(stalls)
     other = wall - p - st - fault_total
     notes: list[str] = []
     if not tl.steps:
@@ -353,7 +242,7 @@ def analyze(events: list[dict[str, Any]]) -> Report:
         step_executions=len(tl.steps),
         recomputed_steps=sum(1 for k in tl.kept.values() if not k),
         ckpt_stalls={
-            what: {"count": len(spans), "seconds": _measure(_subtract(spans, cuts + kept_spans))}
+            what: {"count": len(spans), "seconds": measure(subtract(spans, cuts + kept_spans))}
             for what, spans in sorted(stall_spans.items())
         },
         faults=faults,
