@@ -29,6 +29,7 @@ PACKAGES = [
     "trainguard.demo",
     "trainguard.errors",
     "trainguard.events",
+    "trainguard.report",
     "trainguard.restart",
     "trainguard.restart.policy",
 ]
@@ -60,10 +61,11 @@ def test_import_has_no_side_effects() -> None:
         "before = set(sys.modules)\n"
         "import trainguard, trainguard.events, trainguard.errors, trainguard.restart, trainguard.coord\n"
         "import trainguard, trainguard.events, trainguard.errors\n"
-        "import trainguard.checkpoint, trainguard.checkpoint.local\n"
+        "import trainguard.checkpoint, trainguard.checkpoint.local, trainguard.report\n"
         "assert threading.active_count() == 1, threading.enumerate()\n"
         "assert not logging.getLogger().handlers\n"
         "assert 'torch' not in sys.modules, 'importing trainguard must not import torch'\n"
+        "assert 'matplotlib' not in sys.modules, 'only --plot imports matplotlib'\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -104,6 +106,7 @@ def test_cli_version_and_help() -> None:
     assert out.returncode == 0 and out.stdout.strip() == f"trainguard {trainguard.__version__}"
     out = _cli("--help")
     assert out.returncode == 0 and "events" in out.stdout and "usage: trainguard" in out.stdout
+    assert "report" in out.stdout
 
 
 def test_cli_events_merges_a_run(tmp_path) -> None:

@@ -4,6 +4,7 @@ Subcommands:
 
 - ``trainguard events RUN_DIR``: merge a run's event logs and print them in time order.
 - ``trainguard ckpt ls ROOT | verify PATH | show PATH``: inspect checkpoints on disk.
+- ``trainguard report RUN_DIR [--json] [--plot FILE.png]``: goodput table and timeline.
 - ``trainguard demo``: train a small model through injected faults; check nothing was lost.
 """
 
@@ -43,6 +44,31 @@ def _cmd_events(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from trainguard import report
+
+    merged = events.read_events(args.run_dir)
+    if not merged:
+        print(f"no events under {args.run_dir} (expected events-*.jsonl files)", file=sys.stderr)
+        return 1
+    result = report.analyze(merged)
+    if args.plot:
+        from trainguard._timeline_plot import plot_timeline
+
+        try:
+            plot_timeline(merged, result, args.plot)
+        except ImportError as exc:
+            print(f"trainguard report: {exc}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(report.format_table(result))
+        if args.plot:
+            print(f"timeline written to {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainguard",
@@ -64,6 +90,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", action="append", help="only events of this kind (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object per line")
     p.set_defaults(func=_cmd_events)
+
+    p = sub.add_parser(
+        "report",
+        help="goodput of a run: productive time, checkpoint stalls, the cost of each fault",
+        description=(
+            "Merge RUN_DIR's event logs and print how the wall time splits into kept training "
+            "steps, checkpoint stalls, each fault's phases (recomputed steps, detection, abort, "
+            "restart barrier, re-initialization) and the rest; the rows add up to the wall time."
+        ),
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="directory given as TRAINGUARD_EVENTS_DIR")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw a timeline, one lane per rank (needs: pip install 'trainguard[report]')",
+    )
+    p.set_defaults(func=_cmd_report)
 
     _ckpt_cli.add_parser(sub)
     from trainguard.demo import runner as demo_runner

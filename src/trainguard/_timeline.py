@@ -1,0 +1,127 @@
+"""A run's events laid out on one timeline: steps and stalls grouped by round, fault events by
+round, and the interval arithmetic of :mod:`trainguard.report` (shared with the plot)."""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+from typing import Any
+
+DETECTION_KINDS = ("fault", "hang", "rank_gone", "hard_timeout", "sidecar_lost")
+Span = tuple[float, float]
+
+
+def union(spans: list[Span]) -> list[Span]:
+    out: list[Span] = []
+    for a, b in sorted(s for s in spans if s[1] > s[0]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def subtract(spans: list[Span], cuts: list[Span]) -> list[Span]:
+    out: list[Span] = []
+    cuts = union(cuts)
+    for a, b in union(spans):
+        for c, d in cuts:
+            if d <= a or c >= b:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+            if a >= b:
+                break
+        if a < b:
+            out.append((a, b))
+    return out
+
+
+def measure(spans: list[Span]) -> float:
+    return sum(b - a for a, b in union(spans))
+
+
+def start_of(event: dict[str, Any]) -> float:
+    duration = event.get("duration")
+    if isinstance(duration, (int, float)) and math.isfinite(duration):
+        return float(event["time"]) - float(duration)
+    return float(event["time"])
+
+
+class Timeline:
+    """The events of one run sorted and grouped by round (shared with the plot)."""
+
+    def __init__(self, events: list[dict[str, Any]]) -> None:
+        self.events = sorted(
+            (e for e in events if isinstance(e.get("time"), (int, float))),
+            key=lambda e: float(e["time"]),
+        )
+        if not self.events:
+            raise ValueError("no events to report on")
+        self.round_start: dict[int, list[float]] = defaultdict(list)
+        for e in self.of("round_start"):
+            if isinstance(e.get("round"), int):
+                self.round_start[e["round"]].append(float(e["time"]))
+        starts = sorted((min(t), n) for n, t in self.round_start.items())
+        self._bounds = [t for t, _ in starts]
+        self._rounds = [n for _, n in starts]
+        # (round, step) -> [earliest start, latest end] over ranks
+        self.steps: dict[tuple[int, int], list[float]] = {}
+        for e in self.of("train_step"):
+            if isinstance(e.get("step"), int):
+                self._grow(self.steps, (self.round_of(e), e["step"]), e)
+        self.stalls: dict[tuple[int, Any, str], list[float]] = {}
+        for e in self.of("ckpt_stall"):
+            self._grow(self.stalls, (self.round_of(e), e.get("step"), str(e.get("what"))), e)
+        latest: dict[int, int] = {}
+        for n, s in self.steps:
+            latest[s] = max(latest.get(s, n), n)
+        self.kept = {key: latest[key[1]] == key[0] for key in self.steps}
+        self.rounds = sorted(set(self.round_start) | {n for n, _ in self.steps})
+        # per round: its step keys, its stalls, and its fault-related events by kind
+        self.round_steps: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for key in self.steps:
+            self.round_steps[key[0]].append(key)
+        self.round_stalls: dict[int, list[tuple[Any, float]]] = defaultdict(list)
+        for (n, step, _), (_, end) in self.stalls.items():
+            self.round_stalls[n].append((step, end))
+        self.in_round: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
+        for e in self.of("demo_fault", "abort", *DETECTION_KINDS):
+            self.in_round[self.round_of(e), e["kind"]].append(e)
+
+    @staticmethod
+    def _grow(groups: dict[Any, list[float]], key: Any, e: dict[str, Any]) -> None:
+        span = groups.setdefault(key, [math.inf, -math.inf])
+        span[0] = min(span[0], start_of(e))
+        span[1] = max(span[1], float(e["time"]))
+
+    def of(self, *kinds: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e.get("kind") in kinds]
+
+    def found(self, n: int, *kinds: str) -> list[dict[str, Any]]:
+        """Round ``n``'s events of these kinds (among demo_fault, abort, detections), by time."""
+        out = [e for kind in kinds for e in self.in_round.get((n, kind), ())]
+        return sorted(out, key=lambda e: float(e["time"]))
+
+    def round_of(self, e: dict[str, Any]) -> int:
+        """The event's round stamp; a sidecar's events (no stamp) go by ``gone_round`` or time."""
+        if isinstance(e.get("round"), int):
+            return int(e["round"])
+        if isinstance(e.get("gone_round"), int):
+            return int(e["gone_round"])
+        i = bisect.bisect_right(self._bounds, float(e["time"])) - 1
+        return self._rounds[i] if i >= 0 else (self._rounds[0] if self._rounds else 0)
+
+    def wall(self) -> Span:
+        firsts = [min(t) for t in self.round_start.values()]
+        firsts += [s for s, _ in self.steps.values()] + [s for s, _ in self.stalls.values()]
+        t0 = min(firsts) if firsts else float(self.events[0]["time"])
+        ends = [float(e["time"]) for e in self.of("complete", "end", "train_step")]
+        t1 = max(ends) if ends else float(self.events[-1]["time"])
+        return t0, max(t0, t1)
+
+    def first_step(self, n: int) -> float | None:
+        starts = [s for (r, _), (s, _) in self.steps.items() if r == n]
+        return min(starts) if starts else None

@@ -1,0 +1,132 @@
+"""The timeline picture of ``trainguard report RUN_DIR --plot FILE.png``.
+
+One lane per rank (the rank stamped on the events, which is a process's launch rank: a spare
+keeps its own lane). On each lane: training steps (kept, recomputed), checkpoint stalls and
+aborts of that rank, and a marker at a fault on its target rank. Across all lanes: each fault's
+detection, restart barrier and re-initialization phases, and a dashed line where each round
+began. The x axis is seconds from the report's start.
+
+matplotlib is optional (``pip install 'trainguard[report]'``) and imported only here, with the
+Agg canvas and no pyplot, so no global backend or figure state is touched.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from trainguard._timeline import Timeline, start_of
+from trainguard.report import Report, _n
+
+__all__ = ["plot_timeline"]
+
+COLORS = {
+    "kept": "#4c9f50",
+    "recomputed": "#f28e2b",
+    "stall": "#7b5ea7",
+    "abort": "#c0392b",
+    "detection": "#e74c3c",
+    "barrier": "#95a5a6",
+    "reinit": "#f1c40f",
+}
+_LABELS = {
+    "kept": "training step (kept)",
+    "recomputed": "training step (recomputed)",
+    "stall": "checkpoint stall",
+    "abort": "abort (per rank)",
+    "detection": "detection",
+    "barrier": "restart barrier",
+    "reinit": "re-initialization",
+}
+_HINT = "install it with: pip install 'trainguard[report]'"
+
+
+def plot_timeline(
+    events: list[dict[str, Any]], report: Report, path: str | os.PathLike[str]
+) -> None:
+    """Draw the run's timeline into ``path`` (PNG); ImportError naming the extra without matplotlib."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
+    except ImportError as exc:
+        raise ImportError(f"--plot needs matplotlib, which is not installed; {_HINT}") from exc
+
+    tl = Timeline(events)
+    t0 = report.start
+    ranks = sorted({e["rank"] for e in tl.events if isinstance(e.get("rank"), int)})
+    lane = {r: i for i, r in enumerate(ranks)}
+    bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
+
+    def add(e: dict[str, Any], what: str) -> None:
+        if e.get("rank") in lane:
+            start = start_of(e) - t0
+            bars.setdefault((lane[e["rank"]], what), []).append(
+                (start, float(e["time"]) - t0 - start)
+            )
+
+    for e in tl.of("train_step"):
+        if isinstance(e.get("step"), int):
+            add(e, "kept" if tl.kept.get((tl.round_of(e), e["step"]), True) else "recomputed")
+    for e in tl.of("ckpt_stall"):
+        add(e, "stall")
+    for e in tl.of("abort"):
+        add(e, "abort")
+
+    fig = Figure(figsize=(12, 1.6 + 0.45 * max(1, len(ranks))), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    height = 0.6
+    for (y, what), spans in sorted(bars.items()):
+        # a minimum width so that a 1 ms span still shows on a minutes-long run
+        width = max(report.wall, 1e-9) / 1500
+        spans = [(s, max(w, width)) for s, w in spans]
+        ax.broken_barh(
+            spans,
+            (y - height / 2, height),
+            facecolors=COLORS[what],
+            edgecolor="white",
+            linewidth=0.3,
+        )
+    for fault in report.faults:
+        b = fault.bounds
+        for name, (a, z) in (
+            ("detection", (b[1], b[2])),
+            ("barrier", (b[3], b[4])),
+            ("reinit", (b[4], b[5])),
+        ):
+            if z > a:
+                ax.axvspan(a, z, color=COLORS[name], alpha=0.35, linewidth=0)
+        ys = [lane[fault.rank]] if fault.rank in lane else list(lane.values())
+        ax.plot([fault.time] * len(ys), ys, "X", color="black", markersize=11, zorder=5)
+    top = -0.6
+    labelled = -float("inf")
+    for n, times in sorted(tl.round_start.items()):
+        x = min(times) - t0
+        ax.axvline(x, color="#333333", linestyle="--", linewidth=0.8)
+        if x - labelled >= report.wall / 16:  # labels of rounds close together would overlap
+            ax.text(x, top, f" round {n}", va="bottom", ha="left", fontsize=8)
+            labelled = x
+    ax.set_yticks(list(lane.values()), [f"rank {r}" for r in ranks])
+    ax.set_ylim(len(ranks) - 0.4, top - 0.3)
+    ax.set_xlim(0, max(report.wall, 1e-6) * 1.02)
+    ax.set_xlabel("seconds from start")
+    goodput = "unknown" if report.goodput is None else f"{100 * report.goodput:.1f} %"
+    ax.set_title(
+        f"{_n(len(ranks), 'rank')}, {_n(report.rounds, 'round')}, "
+        f"{_n(len(report.faults), 'fault')}, "
+        f"goodput {goodput}",
+        fontsize=10,
+    )
+    handles: list[Any] = [Patch(color=COLORS[k], label=v) for k, v in _LABELS.items()]
+    handles.append(Line2D([], [], marker="X", color="black", linestyle="", label="fault"))
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.2),
+        ncol=4,
+        fontsize=8,
+        frameon=False,
+    )
+    fig.savefig(os.fspath(path), format="png", bbox_inches="tight")
