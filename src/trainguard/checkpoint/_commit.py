@@ -12,6 +12,10 @@ arriver), uses no collective on the training process group, and decides the outc
     every rank       -> wait(P/outcome) and read it
     every rank       -> add(P/seen, 1); the last one deletes P's keys
 
+The outcome is set with ``compare_set`` (first writer wins), so :func:`abandon` (a rank that
+gives the checkpoint up, e.g. after a restart made it moot) wakes every waiting rank at once
+with a failure instead of leaving them to wait for a dead rank until ``timeout``.
+
 The store client given must not be shared with a thread that needs it meanwhile: ``wait``
 holds a TCPStore client for its whole duration (pass ``store.clone()``).
 """
@@ -77,7 +81,9 @@ def report(
                 write_marker(directory, {**marker_info, "time": time.time()})
             except OSError as exc:
                 causes[rank] = f"commit marker could not be written: {exc}"
-        store.set(f"{prefix}/outcome", json.dumps({"causes": causes}))
+        decision = json.dumps({"causes": causes})
+        if _decide(store, prefix, decision) != decision and not causes:
+            remove_marker(directory)  # a rank abandoned this checkpoint first: not committed
     try:
         store.wait([f"{prefix}/outcome"], timedelta(seconds=timeout))
     except Exception as exc:  # DistStoreError on timeout; name who never reported
@@ -94,3 +100,18 @@ def report(
             with contextlib.suppress(Exception):
                 store.delete_key(f"{prefix}/{key}")
     return {int(r): str(v) for r, v in outcome["causes"].items()}
+
+
+def _decide(store: Any, prefix: str, outcome: str) -> str:
+    """Set ``P/outcome`` unless it is set already; returns the outcome that holds."""
+    held = store.compare_set(f"{prefix}/outcome", "", outcome)
+    return held.decode() if isinstance(held, bytes) else str(held)
+
+
+def abandon(store: Any, prefix: str, *, rank: int, reason: str) -> bool:
+    """Fail the checkpoint at ``prefix`` on every rank unless its outcome is decided already.
+
+    Returns True when this call decided it. Ranks waiting in :func:`report` wake at once and
+    see ``reason`` as this rank's cause; the commit marker is never written (or is removed)."""
+    outcome = json.dumps({"causes": {str(rank): reason}})
+    return _decide(store, prefix, outcome) == outcome

@@ -75,6 +75,7 @@ class SaveHandle:
         self.finished = threading.Event()  # committed or failed
         self.error: CheckpointError | None = None
         self.info: SaveInfo | None = None
+        self.commit_key = ""  # the store prefix of its multi-rank commit
 
     @property
     def committed(self) -> bool:
@@ -286,7 +287,7 @@ class AsyncCheckpointer:
             job = _Job(
                 handle, flat, placed, buffer, format, overlap, on_durable, on_commit, requested
             )
-            job.commit_key = key
+            job.commit_key = handle.commit_key = key
             job.retired = replaced
             if any(e.source.is_cuda for e in flat.entries):
                 job.cuda_stream = torch.cuda.current_stream()
@@ -352,16 +353,22 @@ class AsyncCheckpointer:
                 raise CheckpointWriteError(f"checkpoint {handle.path} not done within {timeout} s")
         self.poll()
 
-    def close(self) -> None:
+    def close(self, *, abandon: bool = False) -> None:
         """Wait for pending saves, stop the writer, free buffers, threads and hooks.
 
         Raises the error of a failed pending save after everything is freed. Idempotent.
+        ``abandon=True`` (e.g. from a restart's finalize hook, when a rank the commit waits for
+        may be dead) gives up the saves not yet committed instead of waiting for the other
+        ranks: their commit fails at once on every rank, naming this rank's abandonment as the
+        cause, and no error is raised here. The previous committed checkpoint stays the latest.
         """
         if self._closed:
             return
         error: BaseException | None = None
         try:
-            if self._thread.is_alive():
+            if abandon:
+                self._abandon()
+            elif self._thread.is_alive():
                 self.wait()
         except BaseException as exc:
             error = exc
@@ -369,6 +376,26 @@ class AsyncCheckpointer:
             self._shutdown()
         if error is not None:
             raise error
+
+    def _abandon(self) -> None:
+        pending = [h for h in self._pending if not h.finished.is_set()]
+        if self.distributed and pending:
+            store = self._store_origin.clone() if hasattr(self._store_origin, "clone") else None
+            for handle in pending:
+                try:
+                    _commit.abandon(
+                        store or self._store_origin,
+                        handle.commit_key,
+                        rank=self.rank,
+                        reason="abandoned: rank closed the checkpointer with abandon=True",
+                    )
+                except Exception as exc:  # the store is gone: the commit fails on its own
+                    logger.info("could not abandon %s: %s", handle.path, exc)
+            events.emit("ckpt_abandoned", paths=[h.path for h in pending])
+        for handle in pending:
+            handle.finished.wait(timeout=self.commit_timeout)
+        with contextlib.suppress(CheckpointError):
+            self.poll()
 
     def __enter__(self) -> AsyncCheckpointer:
         return self

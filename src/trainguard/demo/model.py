@@ -13,6 +13,7 @@ MLP trained with cross-entropy on the teacher's argmax labels, so the loss falls
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -68,17 +69,28 @@ def batch(
     return x, y
 
 
+def learning_rate(cfg: TaskConfig, step: int, steps: int) -> float:
+    """Cosine decay from ``cfg.lr`` to 5 % of it over ``steps``: a pure function of the step."""
+    frac = min(max(step / max(steps - 1, 1), 0.0), 1.0)
+    return cfg.lr * (0.05 + 0.95 * 0.5 * (1.0 + math.cos(math.pi * frac)))
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     x: torch.Tensor,
     y: torch.Tensor,
     world_size: int,
+    lr: float | None = None,
 ) -> float:
     """One data-parallel step: local gradients, one flat all_reduce, averaged update.
 
-    Returns the global mean loss (all-reduced together with the gradients).
+    ``lr`` (if given) is set on every parameter group first. Returns the global mean loss
+    (all-reduced together with the gradients).
     """
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
     optimizer.zero_grad(set_to_none=False)
     loss = nn.functional.cross_entropy(model(x), y)
     loss.backward()

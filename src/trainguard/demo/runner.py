@@ -170,9 +170,9 @@ class _Run:
                     if conn not in live:
                         continue
                     try:
-                        self.handle(conn.recv())  # type: ignore[union-attr]
+                        self.handle(conn.recv())
                     except EOFError:
-                        live.remove(conn)  # type: ignore[arg-type]
+                        live.remove(conn)
         finally:
             for proc in procs:
                 if proc.is_alive():
@@ -219,25 +219,24 @@ class _Run:
 
 
 def _write_report(out: str, show: _Display) -> None:
-    """Print the goodput report and write report.txt, report.json and timeline.png."""
-    try:
-        from trainguard import report
-    except ImportError:  # pragma: no cover - the report module ships with the package
-        return
-    rep = report.load(Path(out) / "events")
+    """Print the goodput report; write report.txt, report.json and timeline.png into ``out``."""
+    import json
+
+    from trainguard import events, report
+
+    merged = events.read_events(Path(out) / "events")
+    rep = report.analyze(merged)
     table = report.format_table(rep)
     show.line(table)
     Path(out, "report.txt").write_text(table + "\n")
-    import json
-
     Path(out, "report.json").write_text(json.dumps(rep.to_dict(), indent=1) + "\n")
     try:
-        from trainguard import _timeline_plot
+        from trainguard._timeline_plot import plot_timeline
 
-        _timeline_plot.plot(rep, Path(out) / "timeline.png")
+        plot_timeline(merged, rep, Path(out) / "timeline.png")
         show.line(f"timeline: {Path(out) / 'timeline.png'}")
-    except ImportError:
-        show.line("timeline: skipped (pip install 'trainguard[report]' for matplotlib)")
+    except ImportError as exc:
+        show.line(f"timeline: skipped ({exc})")
 
 
 def add_parser(sub: Any) -> None:

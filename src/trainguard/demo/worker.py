@@ -88,7 +88,7 @@ def reference(cfg: DemoConfig, process: int, port: int) -> str:
         opt = m.make_optimizer(net, task)
         for step in range(cfg.steps):
             x, y = m.batch(task, teacher, step, process)
-            m.train_step(net, opt, x, y, cfg.ranks)
+            m.train_step(net, opt, x, y, cfg.ranks, m.learning_rate(task, step, cfg.steps))
         return m.parameters_digest(net)
     finally:
         dist.destroy_process_group()
@@ -103,6 +103,7 @@ class _Guarded:
         self.conn = conn
         self.lose_root = False  # set by a `lostdir` fault, carried out before the next round
         self.perturbed = False
+        self.resources: list[Any] = []  # this round's checkpointers, closed by release()
 
     def send(self, *msg: Any) -> None:
         with contextlib.suppress(OSError):
@@ -128,76 +129,102 @@ class _Guarded:
             self.lose_root = False
         started = time.time()
         dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-        local: Any = None
-        disk: Any = None
-        try:
-            local = LocalCheckpointManager(
-                root, replication=CliqueReplication(factor=2, jump=1), keep=2, timeout=30
-            )
-            disk = AsyncCheckpointer(commit_timeout=30)
-            task = m.TaskConfig()
-            teacher, net = m.make_teacher(task), m.make_model(task)
-            opt = m.make_optimizer(net, task)
-            first, source = 0, "fresh start"
-            it = local.find_latest()
-            on_disk = latest(Path(cfg.out) / "ckpt")
-            disk_step = int(on_disk.name.split("_")[-1]) if on_disk is not None else -1
-            state: Any = None
-            if it is not None and it >= disk_step:
-                state = local.load(it)
-                source = f"local checkpoint {it}"
-            elif on_disk is not None:
-                state = load(on_disk)
-                source = f"disk checkpoint {on_disk.name}"
-            if state is not None:
-                net.load_state_dict(state["model"])
-                opt.load_state_dict(state["optim"])
-                torch.set_rng_state(state["rng"])
-                first = int(state["step"])
-                if cfg.perturb and not self.perturbed and call.rank == 0:
-                    with torch.no_grad():
-                        w = next(net.parameters()).view(-1)
-                        w[:1].view(torch.int32).bitwise_xor_(1)  # one bit of one parameter
-                    self.perturbed = True
-            self.send(
-                "resumed",
-                call.round,
-                call.rank,
-                self.process,
-                first,
-                source,
-                local.last_load["source"] if source.startswith("local") else None,
-                call.world_size,
-                time.time(),
-                time.time() - started,
-            )
-            for step in range(first, cfg.steps):
-                self._maybe_inject(call, step)
-                t0 = time.monotonic()
-                x, y = m.batch(task, teacher, step, call.rank)
-                loss = m.train_step(net, opt, x, y, call.world_size)
-                events.emit("train_step", step=step, loss=loss, duration=time.monotonic() - t0)
-                if call.rank == 0 and (step % cfg.report_every == 0 or step == cfg.steps - 1):
-                    self.send("step", step, loss, call.round, call.world_size, time.time())
-                done = step + 1
-                if done % cfg.local_every == 0 and done < cfg.steps:
-                    with events.span("ckpt_stall", what="local", step=step):
-                        local.save(_state(net, opt, done), done)
-                if done % cfg.disk_every == 0 and done < cfg.steps:
-                    with events.span("ckpt_stall", what="disk", step=step):
-                        disk.save(_state(net, opt, done), Path(cfg.out) / "ckpt" / f"step_{done:06d}")
-            local.wait()
-            disk.wait()
-            digest = m.parameters_digest(net)
-            self.send("done", call.rank, self.process, digest, call.round, time.time())
-            return digest
-        finally:
-            for closer in (local, disk):
-                if closer is not None:
-                    with contextlib.suppress(Exception):
-                        closer.close()
+        # closed by release(): at the end of this function, or (after a fault) by the
+        # wrapper's finalize hook, so that a raising rank reports its fault first
+        local = LocalCheckpointManager(
+            root, replication=CliqueReplication(factor=2, jump=1), keep=2, timeout=30
+        )
+        self.resources.append(local)
+        disk = AsyncCheckpointer(commit_timeout=30)
+        self.resources.append(disk)
+        task = m.TaskConfig()
+        teacher, net = m.make_teacher(task), m.make_model(task)
+        opt = m.make_optimizer(net, task)
+        first, source = 0, "fresh start"
+        it = local.find_latest()
+        on_disk = latest(Path(cfg.out) / "ckpt")
+        disk_step = int(on_disk.name.split("_")[-1]) if on_disk is not None else -1
+        state: Any = None
+        if it is not None and it >= disk_step:
+            state = local.load(it)
+            source = f"local checkpoint {it}"
+        elif on_disk is not None:
+            state = load(on_disk)
+            source = f"disk checkpoint {on_disk.name}"
+        if state is not None:
+            net.load_state_dict(state["model"])
+            opt.load_state_dict(state["optim"])
+            torch.set_rng_state(state["rng"])
+            first = int(state["step"])
+            if cfg.perturb and not self.perturbed and call.rank == 0:
+                with torch.no_grad():
+                    w = next(net.parameters()).view(-1)
+                    w[:1].view(torch.int32).bitwise_xor_(1)  # one bit of one parameter
+                self.perturbed = True
+        self.send(
+            "resumed",
+            call.round,
+            call.rank,
+            self.process,
+            first,
+            source,
+            (local.last_load or {}).get("source") if source.startswith("local") else None,
+            call.world_size,
+            time.time(),
+            time.time() - started,
+        )
+        recent: list[float] = []
+        for step in range(first, cfg.steps):
+            self._maybe_inject(call, step)
+            t0 = time.monotonic()
+            x, y = m.batch(task, teacher, step, call.rank)
+            lr = m.learning_rate(task, step, cfg.steps)
+            loss = m.train_step(net, opt, x, y, call.world_size, lr)
+            events.emit("train_step", step=step, loss=loss, duration=time.monotonic() - t0)
+            recent.append(loss)
+            if call.rank == 0 and (step % cfg.report_every == 0 or step == cfg.steps - 1):
+                mean = sum(recent) / len(recent)  # the loss averaged since the last report
+                self.send("step", step, mean, call.round, call.world_size, time.time())
+                recent.clear()
+            done = step + 1
+            if done % cfg.local_every == 0 and done < cfg.steps:
+                with events.span("ckpt_stall", what="local", step=step):
+                    local.save(_state(net, opt, done), done)
+            if done % cfg.disk_every == 0 and done < cfg.steps:
+                with events.span("ckpt_stall", what="disk", step=step):
+                    disk.save(_state(net, opt, done), Path(cfg.out) / "ckpt" / f"step_{done:06d}")
+        local.wait()
+        disk.wait()
+        digest = m.parameters_digest(net)
+        self.release(strict=True)
+        self.send("done", call.rank, self.process, digest, call.round, time.time())
+        return digest
+
+    def release(self, state: Any = None, *, strict: bool = False) -> None:
+        """Close this round's checkpointers and process group (the wrapper's finalize hook).
+
+        After a fault the errors of closing are expected (the round's groups were aborted) and
+        ignored; at the end of a successful round (``strict``) they are raised.
+        """
+        import torch.distributed as dist
+
+        from trainguard.checkpoint import AsyncCheckpointer
+
+        resources, self.resources = self.resources, []
+        errors = []
+        for resource in reversed(resources):
+            try:
+                if not strict and isinstance(resource, AsyncCheckpointer):
+                    resource.close(abandon=True)  # the commit may wait for a dead rank
+                else:
+                    resource.close()
+            except Exception as exc:
+                errors.append(exc)
+        if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+        if strict and errors:
+            raise errors[0]
 
     def _maybe_inject(self, call: Any, step: int) -> None:
         for fault in self.cfg.faults:
@@ -246,7 +273,11 @@ def main(cfg: DemoConfig, process: int, job_port: int, ref_port: int, conn: Any)
             t0 = time.time()
             digest = reference(cfg, process, ref_port)
             conn.send(("reference", process, digest, time.time() - t0))
+        else:  # a spare: import now what a round needs, so taking over a rank is quick
+            import trainguard.checkpoint.async_save
+            import trainguard.checkpoint.local.manager  # noqa: F401
         events.configure(Path(cfg.out) / "events")
+        guarded = _Guarded(cfg, process, conn)
         wrapper = tr.Wrapper(
             rank_assignment=tr.FillGaps(),
             rank_filter=tr.MaxActiveWorldSize(cfg.ranks),
@@ -259,8 +290,8 @@ def main(cfg: DemoConfig, process: int, job_port: int, ref_port: int, conn: Any)
             termination_grace_time=2,
             heartbeat_interval=0.5,
             heartbeat_timeout=cfg.heartbeat_timeout,
+            finalize=guarded.release,
         )
-        guarded = _Guarded(cfg, process, conn)
         result = wrapper(guarded)()
         if result is None:
             conn.send(("idle", process, time.time()))
