@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: test lint format bench clean
+.PHONY: test lint format bench demo clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ lint: $(VENV)/.installed
 format: $(VENV)/.installed
 	$(VENV)/bin/ruff check --fix src tests bench examples
 	$(VENV)/bin/ruff format src tests bench examples
+
+# the demo: 4 ranks + 1 spare train through injected faults; DEMO_ARGS="--help" lists the flags
+DEMO_ARGS ?=
+demo: $(VENV)/.installed
+	$(VENV)/bin/trainguard demo $(DEMO_ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) bench/run_all.py

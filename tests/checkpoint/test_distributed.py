@@ -195,3 +195,52 @@ def test_a_rank_that_skips_fails_that_checkpoint_on_the_others(tmp_path: Path) -
     assert not (tmp_path / "step2" / "COMMITTED").exists()
     assert r0["latest"] == r1["latest"] == str(tmp_path / "step3")
     assert r0["seconds"] < 30 and r1["seconds"] < 30, (r0, r1)
+
+
+def _abandon_while_a_rank_is_late(root: str) -> dict:
+    from trainguard.checkpoint import AsyncCheckpointer, latest
+    from trainguard.errors import CheckpointWriteError
+
+    dist, rank, _, store = _setup()
+    out: dict = {}
+    try:
+        ckpt = AsyncCheckpointer(commit_timeout=60)
+        ckpt.save(_state(rank, 1), f"{root}/step1")
+        ckpt.wait()
+        if rank == 1:
+            os.kill(ckpt.writer_pid, signal.SIGSTOP)  # rank 1's part of step2 is late
+        handle = ckpt.save(_state(rank, 2), f"{root}/step2")
+        assert handle is not None
+        if rank == 0:
+            assert handle.written.wait(30)  # our part is durable; the commit waits for rank 1
+            started = time.monotonic()
+            ckpt.close(abandon=True)  # e.g. a restart's finalize hook: rank 1 may be dead
+            out["close_seconds"] = time.monotonic() - started
+            out["handle_error"] = handle.error.causes if handle.error else None
+            store.set("abandoned", "1")
+        else:
+            store.wait(["abandoned"], timedelta(seconds=60))
+            os.kill(ckpt.writer_pid, signal.SIGCONT)
+            try:
+                ckpt.wait()
+                out["error"] = None
+            except CheckpointWriteError as exc:
+                out["error"] = exc.causes
+            ckpt.close()
+        out["latest"] = str(latest(root))
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def test_close_abandon_fails_a_pending_commit_at_once_on_every_rank(tmp_path: Path) -> None:
+    r0, r1 = (
+        r.get()
+        for r in run_ranks(_abandon_while_a_rank_is_late, 2, args=(str(tmp_path),), timeout=150)
+    )
+    assert r0["close_seconds"] < 10, r0  # not the 60 s commit timeout
+    assert list(r0["handle_error"]) == [0] and "abandon" in r0["handle_error"][0]
+    assert list(r1["error"]) == [0] and "abandon" in r1["error"][0]
+    assert (tmp_path / "step1" / "COMMITTED").exists()
+    assert not (tmp_path / "step2" / "COMMITTED").exists()
+    assert r0["latest"] == r1["latest"] == str(tmp_path / "step1")

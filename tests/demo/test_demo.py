@@ -1,0 +1,161 @@
+"""``trainguard demo`` end to end, at small size: real processes, real faults, real checks.
+
+One run (2 ranks + 1 spare, 60 steps, each fault kind once) is shared by the tests of this
+module; a second run perturbs one bit after a restore and must fail the bit-identical check.
+Every process the demo starts (ranks, spare, sidecars, store, checkpoint writers) inherits a
+marker variable, so the tests can tell that none of them outlived the command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests._dist import live_processes
+from trainguard import report
+from trainguard.demo import faults
+from trainguard.errors import ConfigError
+
+SCHEDULE = "exception@12:1,hang@24:0,kill@36:1,lostdir@48:0"
+
+
+def _with_marker(marker: str) -> list[int]:
+    found = []
+    for pid in live_processes():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def run_demo(out: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    marker = f"tg-demo-test-{uuid.uuid4().hex}"
+    env = {**os.environ, "TRAINGUARD_JOB_ID": marker}
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainguard", "demo", "--out", str(out), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    deadline = time.monotonic() + 15  # the store process exits when the last rank left
+    while (left := _with_marker(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes outlived the demo: {left}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def demo_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    out = tmp_path_factory.mktemp("demo") / "run"
+    proc = run_demo(
+        out, "--ranks", "2", "--spares", "1", "--steps", "60", "--local-every", "5",
+        "--disk-every", "20", "--soft-timeout", "2", "--faults", SCHEDULE,
+    )  # fmt: skip
+    return out, proc
+
+
+def test_demo_trains_through_every_fault_kind_bit_identically(demo_run) -> None:
+    out, proc = demo_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = proc.stdout
+    for kind, step, rank in (("exception", 12, 1), ("hang", 24, 0), ("kill", 36, 1)):
+        assert f"injected {kind} on rank {rank} before step {step}" in text
+    assert "injected lostdir on rank 0 before step 48" in text
+    assert text.count("training again") == 4  # one recovery line per fault
+    assert "spare process 2 took over rank 1" in text
+    assert "rank 0 (process 0) lost its copy: got its part from rank 1" in text
+    assert "bit-identical: yes" in text
+    assert sorted(p.name for p in (out / "faults").iterdir()) == [
+        "000012-exception-r1.fired",
+        "000024-hang-r0.fired",
+        "000036-kill-r1.fired",
+        "000048-lostdir-r0.fired",
+    ]
+
+
+def test_demo_writes_report_and_timeline(demo_run) -> None:
+    out, proc = demo_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((out / "report.json").read_text())
+    assert [f["kind"] for f in data["faults"]] == ["exception", "hang", "kill", "lostdir"]
+    assert data["rounds"] == 5 and data["steps_kept"] == 60
+    parts = data["productive"] + data["ckpt_stall"] + data["fault_total"] + data["other"]
+    assert parts == pytest.approx(data["wall"], abs=1e-3)
+    # the hang costs at least the soft timeout of detection; the others far less
+    hang = data["faults"][1]
+    assert hang["phases"]["detection"] >= 1.5
+    for fault in data["faults"]:
+        assert all(v >= 0 for v in fault["phases"].values())
+        assert fault["recomputed_steps"] <= 5  # a local checkpoint every 5 steps
+    png = (out / "timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # the same analysis from the command line
+    again = report.load(out / "events")
+    assert again.to_dict()["faults"] == data["faults"]
+    assert (out / "report.txt").read_text().startswith("trainguard report:")
+
+
+def test_a_perturbed_restore_fails_the_check(tmp_path: Path) -> None:
+    proc = run_demo(
+        tmp_path / "run", "--ranks", "2", "--spares", "0", "--steps", "30",
+        "--local-every", "5", "--faults", "exception@12:1", "--perturb",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "bit-identical: NO" in proc.stdout
+    assert "bit-identical: yes" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--faults", "boom@3:1"], "unknown kind 'boom'"),
+        (["--faults", "exception@3"], "is not KIND@STEP:RANK"),
+        (["--faults", "kill@3:1", "--spares", "0"], "use --spares 1"),
+        (["--faults", "hang@900:0"], "between 1 and 299"),
+        (["--faults", "exception@5:7"], "rank 7 does not exist"),
+        (["--ranks", "1"], "at least 2 ranks"),
+    ],
+)
+def test_bad_flags_are_refused_before_anything_starts(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainguard", "demo", "--out", str(tmp_path / "o"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+def test_schedule_parsing() -> None:
+    parsed = faults.parse("hang@20:1, exception@10:0", ranks=2, spares=0, steps=30)
+    assert [f.label for f in parsed] == ["exception@10:0", "hang@20:1"]
+    assert faults.parse("", ranks=2, spares=0, steps=30) == ()
+    with pytest.raises(ConfigError, match="same step"):
+        faults.parse("hang@20:1,exception@20:0", ranks=2, spares=0, steps=30)
+    default = faults.parse(faults.DEFAULT_SCHEDULE, ranks=4, spares=1, steps=300)
+    assert {f.kind for f in default} == set(faults.KINDS)
+
+
+def test_each_fault_is_claimed_once(tmp_path: Path) -> None:
+    fault = faults.Fault(5, 1, "exception")
+    assert faults.claim(tmp_path, fault)
+    assert not faults.claim(tmp_path, fault)
+    with pytest.raises(faults.InjectedFault):
+        faults.inject(fault)
