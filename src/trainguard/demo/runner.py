@@ -79,6 +79,7 @@ class _Run:
         self.recoveries: list[dict[str, Any]] = []
         self.killed: set[int] = set()
         self.takeovers: dict[int, int] = {}
+        self.last_round = -1
         self.pending_fault: dict[str, Any] | None = None
         self.started = 0.0
         self.guard_start: float | None = None
@@ -120,6 +121,13 @@ class _Run:
             if process >= self.cfg.ranks and self.takeovers.get(process) != rank:
                 self.takeovers[process] = rank
                 self.show.line(f"    spare process {process} took over rank {rank}")
+            if rank == 0 and self.pending_fault is None and rnd > self.last_round >= 0:
+                self.show.line(
+                    f"  > round {rnd}: restarted without an injected fault (a slow step taken "
+                    f"for a hang? see the report), resumed at step {first} from {source}"
+                )
+            if rank == 0:
+                self.last_round = rnd
             if rank == 0 and self.pending_fault is not None:
                 fault, self.pending_fault = self.pending_fault, None
                 took = t - fault["time"]
