@@ -57,7 +57,7 @@ def one_fault(kind: str, world: int, victim: int) -> float | None:
     return max(entered) - t_fault - timeout
 
 
-def tracking_cost(repeats: int, n: int = 3_000_000) -> dict[str, float]:
+def tracking_cost(repeats: int, n: int = 30_000_000) -> dict[str, float]:
     import threading
 
     from trainguard.restart.watchdog import Watchdog
