@@ -132,7 +132,7 @@ class _Watch:
         values = store.multi_get([self.hb_key(r) for r in others])
         now = time.monotonic()
         timeout = float(self.cfg["heartbeat_timeout"])
-        if now - self.last_beat > timeout / 2:
+        if now - self.last_beat > max(timeout / 2, 2 * float(self.cfg["heartbeat_interval"])):
             # This process saw nothing for a while (the store did not answer, or this process
             # got no CPU): that time says nothing about the others. Start their clocks afresh.
             self.seen = {}
