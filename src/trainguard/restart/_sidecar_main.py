@@ -225,7 +225,8 @@ class _Watch:
         threads[0].join()  # never blocked: it only waits on the pidfd and the event
         if cause is None:
             logger.info("the training process said goodbye")
-            self.coord.set(self.hb_key(self.rank), b"bye")
+            with contextlib.suppress(Exception):  # the store may be gone with the job
+                self.coord.set(self.hb_key(self.rank), b"bye")
         else:
             with self.lock:
                 n, roster = self.round, self.roster
