@@ -208,6 +208,9 @@ class RankGroup:
         assert pid is not None
         return int(pid)
 
+    def is_alive(self, rank: int) -> bool:
+        return bool(self._procs[rank].is_alive())
+
     def kill(self, rank: int, sig: int = signal.SIGKILL, *, whole_group: bool = False) -> None:
         """Send ``sig`` to rank's process, or to its whole process group (a lost "node")."""
         with contextlib.suppress(ProcessLookupError):

@@ -59,6 +59,13 @@ def _fault(kind: str, marker: Path) -> None:
 
 
 def _sidecar_pid() -> int:
+    pid = child_pid(os.getpid(), b"trainguard.restart._sidecar_main")
+    assert pid is not None, "no sidecar process found"
+    return pid
+
+
+def child_pid(parent: int, needle: bytes) -> int | None:
+    """The child process of ``parent`` whose command line contains ``needle``."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -68,9 +75,9 @@ def _sidecar_pid() -> int:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == os.getpid() and b"trainguard.restart._sidecar" in cmdline:
+        if ppid == parent and needle in cmdline:
             return int(entry)
-    raise AssertionError("no sidecar process found")
+    return None
 
 
 def fault_job(
@@ -81,8 +88,10 @@ def fault_job(
     out_dir: str,
     overrides: dict[str, Any] | None = None,
     lr: float = 0.1,
+    victim_overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One all_reduce per step; ``victim`` suffers fault ``kind`` at ``fault_step`` of round 0.
+    """One all_reduce per step; ``victim`` suffers fault ``kind`` at ``fault_step`` of round 0
+    (``victim_overrides``: Wrapper arguments of the victim only).
 
     In-memory checkpoints of the last steps; after a restart the ranks resume from the newest
     step they all have. Records each round's (round, rank, world) and when the function was
@@ -94,7 +103,11 @@ def fault_job(
     rounds: list[dict[str, Any]] = []
     marker = Path(out_dir, f"fault-{victim}")
 
-    @tr.Wrapper(**{**TIMEOUTS, **(overrides or {})})
+    config = {**TIMEOUTS, **(overrides or {})}
+    if int(os.environ["RANK"]) == victim:
+        config.update(victim_overrides or {})
+
+    @tr.Wrapper(**config)
     def train(call: tr.CallWrapper) -> list[float]:
         rounds.append(
             {
@@ -170,3 +183,50 @@ def mixed_rounds_job(faulted: int) -> dict[str, Any]:
 
     result = train()
     return {"result": result, "rounds": per_round, "after": resources()}
+
+
+class _DieAtBarrier:
+    """A store client of the victim's session that kills the victim at round 0's barrier:
+    after its record and before its count (``before_add``), or after its count, before it
+    could lay the round out (``after_add``). The victim arrives last, so that it would be the
+    one to publish the round."""
+
+    def __init__(self, store: Any, keys: Any, rank: int, world: int, when: str, marker: Path):
+        self._store, self._keys, self._rank, self._world = store, keys, rank, world
+        self._when, self._marker = when, marker
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> Any:
+        if key == self._keys.member(0, self._rank):
+            deadline = time.monotonic() + 60
+            while int(self._store.add(self._keys.arrive(0), 0)) < self._world - 1:
+                assert time.monotonic() < deadline, "the others did not arrive"
+                time.sleep(0.01)
+        return self._store.compare_set(key, expected, desired)
+
+    def add(self, key: str, amount: int) -> Any:
+        if key != self._keys.arrive(0) or amount != 1:
+            return self._store.add(key, amount)
+        if self._when == "after_add":
+            self._store.add(key, amount)
+        self._marker.write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("still alive")
+
+
+def barrier_death_job(victim: int, when: str, out_dir: str) -> dict[str, Any]:
+    """``victim`` dies inside round 0's barrier (see :class:`_DieAtBarrier`); the others train."""
+    if int(os.environ["RANK"]) == victim:
+        from trainguard.restart._session import Session
+
+        original = Session.open
+
+        def open_and_trap(self: Any) -> None:
+            original(self)
+            marker = Path(out_dir, f"fault-{victim}")
+            self.coord = _DieAtBarrier(self.coord, self.keys, victim, self.world, when, marker)
+
+        Session.open = open_and_trap  # type: ignore[method-assign]
+    return fault_job(10, -1, -1, "none", out_dir, {"barrier_timeout": 20, "store_timeout": 10})

@@ -151,3 +151,64 @@ def test_fifty_mixed_faulted_rounds_stay_flat() -> None:
         growth = rounds[-1]["rss"] - rounds[0]["rss"]
         assert growth < 20 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB"
         assert value["after"]["children"] == []
+
+
+def test_hard_timeout_kills_on_time_while_the_store_is_stopped(tmp_path) -> None:
+    """The store process is stopped (SIGSTOP) right after rank 1 hangs holding the GIL: every
+    store call of its sidecar blocks. The kill must come at the hard timeout all the same;
+    the notice follows once the store runs again (SIGCONT after the kill)."""
+    import os
+    import signal
+    import time
+
+    from tests._dist import RankGroup, proc_stat
+
+    marker = tmp_path / "fault-1"
+    args = (STEPS, 1, FAULT_STEP, "gil", str(tmp_path), {"hard_timeout": 30.0})
+    with RankGroup(
+        _faults.fault_job,
+        2,
+        args=args,
+        kwargs={"victim_overrides": {"hard_timeout": 3.0}},
+        timeout=120,
+    ) as group:
+        group.start()
+        group.wait_until(lambda: marker.exists() and marker.read_text() != "", timeout=60)
+        store = _faults.child_pid(group.pid(0), b"trainguard.coord._server")
+        assert store is not None
+        os.kill(store, signal.SIGSTOP)
+        try:
+            fault_time = float(marker.read_text())
+            group.wait_until(lambda: not group.is_alive(1), timeout=3.0 + 1.0 + 3.0)
+            killed_after = time.time() - fault_time
+            state = (proc_stat(store) or ["?"])[0]
+        finally:
+            os.kill(store, signal.SIGCONT)
+        results = group.join()
+    assert state == "T", "the store process was not stopped at the kill"
+    assert 2.8 <= killed_after <= 3.0 + 1.0 + 0.5, f"killed {killed_after:.2f} s after the fault"
+    assert results[1].exitcode in (-15, -9)
+    value = results[0].get()
+    assert value["weights"] == pytest.approx(
+        _faults.reference(STEPS, FAULT_STEP, 2, 1), rel=1e-12, abs=1e-12
+    )
+    assert [(x["round"], x["rank"], x["world"]) for x in value["rounds"]] == [(0, 0, 2), (1, 0, 1)]
+    assert "hard timeout" in (tmp_path / "sidecar-1.log").read_text()
+    assert not group.leftovers
+
+
+@pytest.mark.parametrize("when", ["before_add", "after_add"])
+def test_death_inside_the_barrier_does_not_hold_the_others(when: str, tmp_path) -> None:
+    """Rank 2 arrives last at round 0's barrier and dies after writing its record: before
+    its count, or after it (it would have published the round). Its sidecar completes the
+    arrival; the others start round 0 without it at once (barrier_timeout is 20 s)."""
+    results = run_ranks(_faults.barrier_death_job, 4, args=(2, when, str(tmp_path)), timeout=120)
+    assert results[2].exitcode == -9
+    died = float((tmp_path / "fault-2").read_text())
+    expected = _faults.reference(10, 0, 4, 3)
+    for new_rank, rank in enumerate((0, 1, 3)):
+        value = results[rank].get()
+        assert value["weights"] == pytest.approx(expected, rel=1e-12, abs=1e-12)
+        assert [(x["round"], x["rank"], x["world"]) for x in value["rounds"]] == [(0, new_rank, 3)]
+        latency = value["rounds"][0]["entered"] - died
+        assert 0 < latency < 3.0, f"rank {rank} entered round 0 {latency:.2f} s after the death"

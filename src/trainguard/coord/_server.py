@@ -129,6 +129,7 @@ class _Host:
     def cleanup_external(self) -> None:
         n = self.last_round
         keys = [self.keys.left, self.keys.exit]
+        keys.extend(self.keys.left_mark(r) for r in range(self.cfg["world_size"]))
         for r in range(max(0, n - 1), n + 2):
             keys.extend(self.keys.round_keys(r, range(self.cfg["world_size"])))
             keys.append(self.keys.pg_addr(r))

@@ -49,6 +49,10 @@ class Keyspace:
         """Counter: how many initial ranks have left the job (for any reason)."""
         return self.prefix + "left"
 
+    def left_mark(self, initial_rank: int) -> str:
+        """Set once when ``initial_rank`` leaves the job: whoever sets it counts :attr:`left`."""
+        return f"{self.prefix}left/{initial_rank}"
+
     @property
     def exit(self) -> str:
         """Set when every initial rank has left; the store process then exits."""

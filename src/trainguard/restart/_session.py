@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import time
 from typing import Any
@@ -93,6 +94,13 @@ class Session:
         self.watch_store = self.coord.clone()
 
     # barrier ------------------------------------------------------------------------------
+    # A rank arrives in two steps: its record (compare_set, so that a death notice cannot be
+    # overwritten) and then one ``add`` to the round's counter. A rank may die between the two,
+    # or right after them, before it laid the round out. So the count only says when to look:
+    # whoever counts at least as many arrivals as the roster holds checks that every record is
+    # in, lays the round out from the records and publishes it with compare_set (the first
+    # layout wins; later ones read it). The last add always sees every record, so the round is
+    # published exactly once however many extra adds death notices made (:meth:`take_arrival`).
     def barrier(self, n: int, *, leaving: str | None, fault: str | None) -> dict[str, Any] | None:
         """Round ``n``'s barrier; returns the published round (None for a leaving rank)."""
         record = {
@@ -105,34 +113,47 @@ class Session:
         value = encode(record)
         current = bytes(self.coord.compare_set(self.keys.member(n, self.irank), "", value))
         if current != value:  # another process declared this rank gone meanwhile
-            why = decode(current).get("leave") or "declared gone"
-            raise RestartError(
-                f"rank {self.irank} was declared gone at round {n}'s barrier ({why}); it "
-                "cannot rejoin: raise heartbeat_timeout if it was only slow"
-            )
+            self._declared_gone(n, decode(current).get("leave"))
         start = time.monotonic()
-        count = int(self.coord.add(self.keys.arrive(n), 1))
-        if count == len(self.roster):
-            payload = self._lay_out(n)
-            self.coord.set(self.keys.ready(n), payload)
-            raw = payload
-            self._delete_round(n - 1)  # after publishing: off the others' critical path
-        elif leaving is not None:
+        raw = self._arrive(n)
+        last = raw is not None
+        if leaving is not None:
             return None
-        else:
+        if raw is None:
             raw = barrier.wait_key(
                 self.coord, self.keys.ready(n), self.cfg.barrier_timeout, what=f"round {n} barrier"
             )
         waited = time.monotonic() - start
-        if leaving is not None:
-            return None
         ready = decode(raw)
-        events.emit("barrier", duration=waited, round_=n, last=count == len(self.roster))
+        if str(self.irank) in ready["gone"]:  # declared gone after it arrived
+            self._declared_gone(n, ready["gone"][str(self.irank)])
+        events.emit("barrier", duration=waited, round_=n, last=last)
         self.previous_roster = self.roster
         self.roster = tuple(ready["active"]) + tuple(ready["spare"])
         self.order = self.roster
         self.gone = {int(k): v for k, v in ready["gone"].items()}
         return ready
+
+    def _declared_gone(self, n: int, why: str | None) -> None:
+        self.left = True  # whoever declared it gone counted it out of the job
+        raise RestartError(
+            f"rank {self.irank} was declared gone at round {n}'s barrier "
+            f"({why or 'declared gone'}); it cannot rejoin: raise heartbeat_timeout if it was "
+            "only slow"
+        )
+
+    def _arrive(self, n: int) -> bytes | None:
+        """Count one arrival; if every record is in, publish the round. Returns the published
+        round when this call found or made it, else None (wait for it)."""
+        if int(self.coord.add(self.keys.arrive(n), 1)) < len(self.roster):
+            return None
+        if not self.coord.check([self.keys.member(n, r) for r in self.roster]):
+            return None  # a rank wrote no record yet: its own add comes later
+        payload = self._lay_out(n)
+        published = bytes(self.coord.compare_set(self.keys.ready(n), "", payload))
+        if published == payload:
+            self._delete_round(n - 1)  # after publishing: off the others' critical path
+        return published
 
     def _lay_out(self, n: int) -> bytes:
         """Run by the last arriver: read every record, apply the policies, publish."""
@@ -199,16 +220,32 @@ class Session:
             with contextlib.suppress(Exception):
                 self.coord.delete_key(key)
 
-    def depart(self, n: int, r: int, cause: str) -> bool:
-        """Arrive at round ``n``'s barrier on behalf of rank ``r``, which is gone (a death
-        notice). False when ``r`` (or another notice) was counted there already."""
-        record = {"r": r, "host": "", "local_rank": -1, "leave": cause, "fault": None}
-        value = encode(record)
-        if bytes(self.coord.compare_set(self.keys.member(n, r), "", value)) != value:
+    def take_arrival(self, n: int, r: int, cause: str) -> bool:
+        """Make rank ``r``'s arrival at round ``n``'s barrier a departure (``r`` is gone), in
+        whichever state ``r`` left it: no record, its record without its count, or both (it
+        may even have been the last arrival and died before publishing the round).
+
+        Idempotent: an extra count is harmless (see :meth:`barrier`). Returns True when ``r``
+        had arrived on its own: a round published before its record was turned into a
+        departure still holds ``r`` (the caller then follows ``r`` into that round)."""
+        leave = encode({"r": r, "host": "", "local_rank": -1, "leave": cause, "fault": None})
+        key = self.keys.member(n, r)
+        current = bytes(self.coord.compare_set(key, "", leave))
+        arrived = False
+        while current != leave and not decode(current).get("leave"):
+            arrived = True
+            current = bytes(self.coord.compare_set(key, current, leave))
+        self._arrive(n)
+        return arrived
+
+    def count_out(self, r: int) -> bool:
+        """Count rank ``r`` as having left the job, once whoever calls it; True for the call
+        that counted it. The last rank to leave lets the store process exit."""
+        mark = encode({"by": self.irank, "pid": os.getpid(), "ns": time.monotonic_ns()})
+        if bytes(self.coord.compare_set(self.keys.left_mark(r), "", mark)) != mark:
             return False
-        if int(self.coord.add(self.keys.arrive(n), 1)) == len(self.roster):
-            self.coord.set(self.keys.ready(n), self._lay_out(n))
-            self._delete_round(n - 1)
+        if int(self.coord.add(self.keys.left, 1)) >= self.world:
+            self.coord.set(self.keys.exit, b"done")
         return True
 
     # round outcome -------------------------------------------------------------------------
@@ -229,8 +266,7 @@ class Session:
             return
         self.left = True
         try:
-            if int(self.coord.add(self.keys.left, 1)) >= self.world:
-                self.coord.set(self.keys.exit, b"done")
+            self.count_out(self.irank)
         except Exception as exc:
             logger.warning("could not record this rank's exit in the store: %s", exc)
 

@@ -8,7 +8,8 @@ Every ``interval`` seconds the thread:
 2. when the function pinged at least once (``call.ping()``), also requires a ping within
    ``soft_timeout`` (a loop in Python code moves the frame but not the pings).
 3. past ``soft_timeout`` without progress inside the function, records a fault for the round
-   (the monitors of every rank then abort and restart it, this rank's included).
+   (the monitors of every rank then abort and restart it, this rank's included), from a
+   short-lived thread so that a slow store never delays step 4.
 4. sends ``{"hb", "in_fn", "stall"}`` to the sidecar; a thread that holds the GIL stops these
    lines, which is how the sidecar sees a hard hang.
 5. checks that the sidecar is alive; when it is not, it records a fault and ``lost`` says
@@ -64,12 +65,25 @@ class Watchdog:
         self._progress = time.monotonic()
         self._round = -1
         self._flagged = -1
+        self._recorders: list[threading.Thread] = []
         self._thread = threading.Thread(target=self._run, name="trainguard-watchdog", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5.0)
+        for thread in self._recorders:
+            thread.join(5.0)
+
+    def _record(self, n: int, why: str) -> None:
+        """Record a fault in a thread of its own: a store that does not answer must never stop
+        the lines to the sidecar (it would take the silence for a hang that holds the GIL)."""
+        self._recorders = [t for t in self._recorders if t.is_alive()]
+        thread = threading.Thread(
+            target=self._on_hang, args=(n, why), name="trainguard-fault", daemon=True
+        )
+        thread.start()
+        self._recorders.append(thread)
 
     def _where(self) -> tuple[tuple[int, int] | None, str]:
         frame = sys._current_frames().get(self._tid)
@@ -106,26 +120,28 @@ class Watchdog:
             stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
             logger.error("hang detected in round %d: %s\n%s", n, why, stack)
             events.emit("hang", soft=True, reason=why, stack=stack[-2000:])
-            self._on_hang(n, f"hang: {why}")
+            self._record(n, f"hang: {why}")
         return stall
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+        while True:  # the first line at once: the sidecar's hard timeout counts from its start
             now = time.monotonic()
             try:
                 stall = self._sample(now)
             except Exception:
                 logger.exception("watchdog sample failed")
                 stall = 0.0
-            sidecar = self._sidecar
-            if sidecar is None or self.lost is not None:
-                continue
-            _, in_fn, _ = self._state()
-            if not sidecar.alive() or not sidecar.send(
-                {"hb": 1, "in_fn": in_fn, "stall": round(stall, 3)}
-            ):
-                code = sidecar.proc.returncode if sidecar.proc is not None else None
-                self.lost = f"its sidecar process died (exit code {code})"
-                logger.error("rank's %s; this rank leaves the job", self.lost)
-                events.emit("sidecar_lost", exitcode=code)
-                self._on_hang(self._state()[0], f"sidecar lost: {self.lost}")
+            if self._sidecar is not None and self.lost is None:
+                self._tell_sidecar(self._sidecar, stall)
+            if self._stop.wait(self._interval):
+                return
+
+    def _tell_sidecar(self, sidecar: Any, stall: float) -> None:
+        _, in_fn, _ = self._state()
+        if sidecar.alive() and sidecar.send({"hb": 1, "in_fn": in_fn, "stall": round(stall, 3)}):
+            return
+        code = sidecar.proc.returncode if sidecar.proc is not None else None
+        self.lost = f"its sidecar process died (exit code {code})"
+        logger.error("rank's %s; this rank leaves the job", self.lost)
+        events.emit("sidecar_lost", exitcode=code)
+        self._record(self._state()[0], f"sidecar lost: {self.lost}")

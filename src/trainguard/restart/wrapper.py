@@ -314,7 +314,7 @@ class _Run:
                 state=self._progress_state,
                 on_hang=lambda n, why: self._hang(hang_store, n, why),
                 soft_timeout=self.cfg.soft_timeout,
-                interval=min(0.1, self.cfg.soft_timeout / 10),
+                interval=min(0.1, self.cfg.soft_timeout / 20),
                 sidecar=self.sidecar,
             )
             value = self._rounds()
