@@ -144,7 +144,10 @@ def test_fifty_mixed_faulted_rounds_stay_flat() -> None:
         rounds = value["rounds"][3:]
         for name in ("sockets", "os_threads", "handlers"):
             values = [x[name] for x in rounds]
-            assert max(values) == min(values), (name, values)
+            # a leak grows with every round; a connection mid-close may count for one sample
+            half = len(values) // 2
+            assert max(values[half:]) <= max(values[:half]), (name, values)
+            assert max(values) - min(values) <= 1, (name, values)
         fds = [x["fds"] for x in rounds]
         assert max(fds) - min(fds) <= 2, fds
         assert len({tuple(x["children"]) for x in value["rounds"]}) == 1  # the same sidecar
