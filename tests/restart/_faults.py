@@ -147,12 +147,19 @@ def mixed_rounds_job(faulted: int) -> dict[str, Any]:
     from tests.restart._jobs import _os_threads, resources
 
     per_round: list[dict[str, Any]] = []
+    # Faulted rounds so far. A rank interrupted early in a round (before it counted the round)
+    # would count one fewer than the others and pick another victim: the ranks agree on the
+    # largest count (MAX) at every round's start.
+    count = [0]
 
     @tr.Wrapper(**{**TIMEOUTS, "max_rounds": faulted + 10})
     def train(call: tr.CallWrapper) -> int:
         dist.init_process_group("gloo")
-        t = torch.ones(8)
-        dist.all_reduce(t)
+        t = torch.full((8,), float(count[0]))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        done = int(t[0].item())
+        if done < faulted:
+            count[0] = done + 1  # this round ends with a fault, whatever interrupts this rank
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         per_round.append(
@@ -164,7 +171,6 @@ def mixed_rounds_job(faulted: int) -> dict[str, Any]:
                 **resources(),
             }
         )
-        done = sum(1 for x in per_round if x.get("faulted"))
         if done < faulted:
             per_round[-1]["faulted"] = True
             if call.rank == done % call.world_size:

@@ -167,11 +167,7 @@ def leak_job(faulted_rounds: int, coord_port: int) -> dict[str, Any]:
     old_ports: list[int] = []
     probes: list[Any] = []  # a client of the coordination store, made once it is up
 
-    @tr.Wrapper(barrier_timeout=60, completion_timeout=60, max_rounds=faulted_rounds + 1)
-    def train(call: tr.CallWrapper) -> int:
-        dist.init_process_group("gloo")
-        t = torch.ones(8)
-        dist.all_reduce(t)
+    def record(call: tr.CallWrapper) -> None:
         if not probes:
             probes.append(connect("127.0.0.1", coord_port, timeout=30))
         info = {
@@ -185,6 +181,18 @@ def leak_job(faulted_rounds: int, coord_port: int) -> dict[str, Any]:
             with socket.socket() as s:
                 info["old_store_refused"] = s.connect_ex(("127.0.0.1", old_ports[-3])) != 0
         per_round.append(info)
+
+    @tr.Wrapper(barrier_timeout=60, completion_timeout=60, max_rounds=faulted_rounds + 1)
+    def train(call: tr.CallWrapper) -> int:
+        dist.init_process_group("gloo")
+        t = torch.ones(8)
+        try:
+            dist.all_reduce(t)
+        finally:
+            # The victim raises as soon as its all_reduce returned: the abort may interrupt
+            # this rank's just as it returns. Every round is recorded all the same.
+            with call.atomic():
+                record(call)
         if call.round < faulted_rounds and call.rank == call.round % call.world_size:
             raise ValueError(f"fault in round {call.round}")
         if call.round < faulted_rounds:

@@ -6,10 +6,13 @@ round ``n`` (driven by the main thread):
 1. The main thread calls :meth:`Monitor.watch` with ``n``; the monitor blocks in
    ``wait([stop(n)])``: no polling, it wakes within one store round trip of the outcome.
 2. Outcome ``complete``: nothing to do. Outcome ``fault`` or ``end``: the monitor waits for
-   any :meth:`atomic` section to finish, aborts torch.distributed (:mod:`.abort`), runs the
-   user's ``abort`` hook, and, if the main thread is inside the function, raises
-   :class:`RestartInterrupt` in it (``PyThreadState_SetAsyncExc``). A round is aborted at
-   most once, whatever happens afterwards.
+   any :meth:`atomic` section to finish; if the main thread is inside the function, raises
+   :class:`RestartInterrupt` in it (``PyThreadState_SetAsyncExc``) and gives it a moment
+   (``settle_s``) to leave; then aborts torch.distributed (:mod:`.abort`) and runs the user's
+   ``abort`` hook. The interrupt comes first so that a main thread running Python code does
+   not start a collective while the abort tears the group down (see
+   :meth:`Monitor._interrupt_first`). A round is aborted at most once, whatever happens
+   afterwards.
 3. The main thread collects the outcome with :meth:`wait_outcome` before it goes on, so the
    monitor never acts on a round the main thread has left.
 """
@@ -54,6 +57,9 @@ class Monitor:
         thread_id: the thread that runs the wrapped function.
         on_abort: called in the monitor thread after torch.distributed was aborted (the
             user's ``abort`` hook); its exceptions are logged, never raised.
+        settle_s: how long the abort waits for an interrupted main thread to leave the
+            function before it shuts the group's sockets down (a thread blocked in a
+            collective cannot leave: this is the delay it adds to such an abort).
     """
 
     def __init__(
@@ -65,8 +71,10 @@ class Monitor:
         abort_timeout: float = 5.0,
         on_stuck: Callable[[int], None] | None = None,
         kick: Callable[[int], None] | None = None,
+        settle_s: float = 0.02,
     ) -> None:
         self._kick = kick
+        self.settle_s = settle_s
         self._store = store
         self._keys = keys
         self._tid = thread_id
@@ -211,6 +219,30 @@ class Monitor:
         finally:
             sys.setswitchinterval(interval)
 
+    def _interrupt_first(self) -> None:
+        """Interrupt the main thread before the sockets go down, and let it leave.
+
+        A main thread that runs Python code when the abort starts (between two collectives)
+        could otherwise start its next collective while gloo is closing the shut-down
+        connections: gloo then leaves that collective waiting for good although every
+        connection of the group is closed (seen under load: the pairs' descriptors gone, the
+        thread still in ``work.wait()``), and the interrupt cannot land in that C++ wait.
+        Raised first, the interrupt lands before the collective starts. A main thread that
+        is already blocked in a collective does not leave within :attr:`settle_s`; the
+        shutdown that follows releases it.
+        """
+        with self._lock:
+            if not self._in_fn:
+                return
+            self._injected = _set_async_exc(self._tid, RestartInterrupt) == 1
+            if not self._injected:
+                return
+        if self._kick is not None:
+            with contextlib.suppress(Exception):
+                self._kick(self._tid)
+        with self._cond:
+            self._cond.wait_for(lambda: not self._in_fn, self.settle_s)
+
     def _abort_round(self, n: int, outcome: dict[str, Any]) -> None:
         with self._lock:
             self.aborted_round = n
@@ -218,6 +250,7 @@ class Monitor:
         with self._cond:
             while self._atomic:
                 self._cond.wait()
+        self._interrupt_first()
         info = abort_distributed()
         if self._on_abort is not None:
             try:
@@ -225,7 +258,7 @@ class Monitor:
             except Exception:
                 logger.exception("the abort hook raised (ignored)")
         with self._lock:
-            if self._in_fn:
+            if self._in_fn and not self._injected:
                 self._injected = _set_async_exc(self._tid, RestartInterrupt) == 1
         self.abort_info = info
         self._check_released(n)

@@ -10,7 +10,7 @@ any SPMD function):
    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT for the round's own store → ``initialize``
    → active ranks run the function, spares wait.
 3. A function that raises records a fault (the round's outcome, first writer wins); every
-   rank's monitor aborts torch.distributed and interrupts the function; each rank runs
+   rank's monitor interrupts the function and aborts torch.distributed; each rank runs
    ``finalize`` and ``health_check`` and goes to round ``n+1``. A rank whose ``finalize`` or
    ``health_check`` raised leaves the job at that barrier and re-raises the error.
 4. When every active rank's function returned, the round is complete: active ranks return
@@ -179,7 +179,8 @@ class Wrapper:
         initialize, finalize, health_check, abort: hooks ``RoundState -> None``. An exception
             from ``health_check`` or ``finalize`` removes this rank from the job (re-raised
             after it left cleanly); one from ``initialize`` is a fault of the round; ``abort``
-            runs in the monitor thread after torch.distributed was aborted.
+            runs in the monitor thread after torch.distributed was aborted (the function may
+            have been interrupted already).
         retry: a :class:`RetryController`; or ``max_rounds`` as a shorthand.
         barrier_timeout: the longest a rank waits for the others at a round's barrier.
         completion_timeout: the longest a rank whose function returned waits for the others.

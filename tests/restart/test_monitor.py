@@ -1,0 +1,99 @@
+"""The monitor's abort order, in one process (a store in memory, the abort recorded)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+import trainguard.restart.monitor as monitor_module
+from trainguard.coord.keys import Keyspace, encode
+from trainguard.restart.monitor import Monitor
+from trainguard.restart.state import RestartInterrupt
+
+
+class _Store:
+    """The store calls the monitor makes: ``wait``, ``get``, ``compare_set``."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._cond = threading.Condition()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        with self._cond:
+            self._data[key] = value.encode() if isinstance(value, str) else value
+            self._cond.notify_all()
+
+    def wait(self, keys: list[str], timeout: Any) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: all(k in self._data for k in keys))
+
+    def get(self, key: str) -> bytes:
+        return self._data[key]
+
+    def compare_set(self, key: str, expected: str, desired: str | bytes) -> bytes:
+        with self._cond:
+            if key not in self._data:
+                self.set(key, desired)
+            return self._data[key]
+
+
+def _abort_round(monkeypatch: pytest.MonkeyPatch, settle_s: float, body: Any) -> dict[str, Any]:
+    """Round 0 of a monitor fails while the main thread runs ``body()`` inside the function;
+    returns what the abort of torch.distributed saw."""
+    seen: dict[str, Any] = {}
+    release = threading.Event()
+    keys = Keyspace("job")
+    store = _Store()
+    monitor = Monitor(store, keys, threading.get_ident())
+    monitor.settle_s = settle_s
+
+    def abort() -> dict[str, Any]:
+        seen["in_fn"] = monitor._in_fn
+        seen["time"] = time.monotonic()
+        release.set()  # the sockets' shutdown releases a collective that was waiting
+        return {}
+
+    monkeypatch.setattr(monitor_module, "abort_distributed", abort)
+    monitor.watch(0)
+    monitor.enter_fn(0)
+    try:
+        store.set(keys.stop(0), encode({"why": "fault", "rank": 1}))
+        seen["start"] = time.monotonic()
+        with pytest.raises(RestartInterrupt):
+            body(release)
+    finally:
+        monitor.leave_fn()
+    outcome = monitor.wait_outcome(10)
+    monitor.close()
+    assert outcome is not None and outcome["why"] == "fault"
+    return seen
+
+
+def test_main_thread_running_python_leaves_before_the_abort(monkeypatch) -> None:
+    """Between two collectives the main thread runs Python code: the interrupt must land
+    before the group's sockets go down, or its next collective may start while gloo closes
+    them and stay blocked for good (seen under load)."""
+
+    def python_code(release: threading.Event) -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            pass
+
+    seen = _abort_round(monkeypatch, 20.0, python_code)
+    assert seen["in_fn"] is False
+
+
+def test_main_thread_blocked_in_a_collective_does_not_delay_the_abort(monkeypatch) -> None:
+    """A main thread waiting in C code cannot take the interrupt: the abort goes on after
+    ``settle_s``, its shutdown releases the wait, and then the interrupt lands."""
+
+    def collective(release: threading.Event) -> None:
+        assert release.wait(20)  # stands for work.wait(): the GIL released, no bytecode
+        time.sleep(0)
+
+    seen = _abort_round(monkeypatch, 0.2, collective)
+    assert seen["in_fn"] is True
+    assert seen["time"] - seen["start"] < 5
