@@ -171,6 +171,9 @@ def mixed_rounds_job(faulted: int) -> dict[str, Any]:
                 **resources(),
             }
         )
+        # Every rank has recorded before the victim faults: an abort during a record would
+        # close the group's sockets under it and the count would depend on timing.
+        dist.barrier()
         if done < faulted:
             per_round[-1]["faulted"] = True
             if call.rank == done % call.world_size:

@@ -186,13 +186,12 @@ def leak_job(faulted_rounds: int, coord_port: int) -> dict[str, Any]:
     def train(call: tr.CallWrapper) -> int:
         dist.init_process_group("gloo")
         t = torch.ones(8)
-        try:
-            dist.all_reduce(t)
-        finally:
-            # The victim raises as soon as its all_reduce returned: the abort may interrupt
-            # this rank's just as it returns. Every round is recorded all the same.
-            with call.atomic():
-                record(call)
+        dist.all_reduce(t)
+        with call.atomic():
+            record(call)
+        # Every rank has recorded before the victim raises: an abort during a record would
+        # close the group's sockets under it and the count would depend on timing.
+        dist.barrier()
         if call.round < faulted_rounds and call.rank == call.round % call.world_size:
             raise ValueError(f"fault in round {call.round}")
         if call.round < faulted_rounds:

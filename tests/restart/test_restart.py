@@ -69,7 +69,10 @@ def test_twenty_faulted_rounds_leak_nothing() -> None:
         assert max(keys) - min(keys) <= 3, keys  # a round's own keys come and go
         for name in ("sockets", "os_threads", "handlers"):
             values = [x[name] for x in per_round[2:]]
-            assert max(values) == min(values), (name, values)
+            # a leak grows with every round; a connection mid-close may count for one sample
+            half = len(values) // 2
+            assert max(values[half:]) <= max(values[:half]), (name, values)
+            assert max(values) - min(values) <= 1, (name, values)
         assert all(x["old_store_refused"] for x in per_round[2:])
         assert len({tuple(x["children"]) for x in per_round}) == 1
         before, after = value["before"], value["after"]
