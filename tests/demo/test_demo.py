@@ -99,7 +99,10 @@ def test_demo_writes_report_and_timeline(demo_run) -> None:
     assert hang["phases"]["detection"] >= 2.5
     for fault in data["faults"]:
         assert all(v >= 0 for v in fault["phases"].values())
-        assert fault["recomputed_steps"] <= 5  # a local checkpoint every 5 steps
+        # A local checkpoint every 5 steps, written in the background with at most one save
+        # in flight: the newest complete one is at most 10 steps behind the fault (on a
+        # loaded machine the save just started may not be done when the fault comes).
+        assert fault["recomputed_steps"] <= 2 * 5, fault
     png = (out / "timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     # the same analysis from the command line
