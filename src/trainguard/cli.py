@@ -15,7 +15,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from trainguard import __version__, _ckpt_cli, events
+from trainguard import __version__, events
+from trainguard.checkpoint import _cli as ckpt_cli
 
 
 def _cmd_events(args: argparse.Namespace) -> int:
@@ -109,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_report)
 
-    _ckpt_cli.add_parser(sub)
+    ckpt_cli.add_parser(sub)
     from trainguard.demo import runner as demo_runner
 
     demo_runner.add_parser(sub)
