@@ -54,7 +54,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         return 1
     result = report.analyze(merged)
     if args.plot:
-        from trainguard._timeline_plot import plot_timeline
+        from trainguard.report._plot import plot_timeline
 
         try:
             plot_timeline(merged, result, args.plot)
