@@ -229,7 +229,7 @@ def test_missing_train_steps_are_reported_not_fatal(tmp_path: Path) -> None:
     table = report.format_table(rep)
     assert "goodput: unknown" in table and "no train_step events" in table
     pytest.importorskip("matplotlib")
-    from trainguard._timeline_plot import plot_timeline
+    from trainguard.report._plot import plot_timeline
 
     plot_timeline(events, rep, tmp_path / "t.png")
     assert (tmp_path / "t.png").read_bytes()[:8] == PNG_SIGNATURE

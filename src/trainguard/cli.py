@@ -15,7 +15,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from trainguard import __version__, _ckpt_cli, events
+from trainguard import __version__, events
+from trainguard.checkpoint import _cli as ckpt_cli
 
 
 def _cmd_events(args: argparse.Namespace) -> int:
@@ -53,7 +54,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         return 1
     result = report.analyze(merged)
     if args.plot:
-        from trainguard._timeline_plot import plot_timeline
+        from trainguard.report._plot import plot_timeline
 
         try:
             plot_timeline(merged, result, args.plot)
@@ -109,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_report)
 
-    _ckpt_cli.add_parser(sub)
+    ckpt_cli.add_parser(sub)
     from trainguard.demo import runner as demo_runner
 
     demo_runner.add_parser(sub)

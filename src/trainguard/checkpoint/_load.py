@@ -15,15 +15,14 @@ import torch
 
 from trainguard import events
 from trainguard.checkpoint import _commit
+from trainguard.checkpoint._formats import FORMATS, is_torch_file
 from trainguard.checkpoint.fileformat import FileHeader, load_file, read_header
 from trainguard.errors import CheckpointError, CheckpointUncommittedError
 
-_FORMATS = ("trainguard", "torch")
-_ZIP_MAGIC = b"PK\x03\x04"
-
 
 def part_name(rank: int, format: str) -> str:
-    """File name of one rank's part inside a multi-rank checkpoint directory."""
+    """File name of one rank's part inside a multi-rank checkpoint directory; ``format`` is
+    one of :data:`FORMATS`, as given to ``save``."""
     return f"rank{rank:05d}" + (".pt" if format == "torch" else ".safetensors")
 
 
@@ -58,7 +57,7 @@ def _resolve(path: str, rank: int | None, allow_uncommitted: bool) -> str:
             raise CheckpointError(
                 f"{path} holds {info['world_size']} ranks' parts; pass rank= to choose one"
             )
-    for fmt in _FORMATS:
+    for fmt in FORMATS:
         file = os.path.join(path, part_name(rank, fmt))
         if os.path.exists(file):
             return file
@@ -83,9 +82,7 @@ def load(
     """
     started = time.monotonic()
     file = _resolve(os.fspath(path), rank, allow_uncommitted)
-    with open(file, "rb") as f:
-        magic = f.read(4)
-    if magic == _ZIP_MAGIC:
+    if is_torch_file(file):
         state = torch.load(file, weights_only=not allow_pickle, mmap=True)
     else:
         state, _ = load_file(file, verify=verify, allow_pickle=allow_pickle)
@@ -106,9 +103,7 @@ def _committed_time(entry: Path) -> float | None:
             return (entry / _commit.MARKER).stat().st_mtime
         if entry.name.endswith(".tmp"):
             return None
-        with open(entry, "rb") as f:
-            magic = f.read(4)
-        if magic != _ZIP_MAGIC:
+        if not is_torch_file(entry):
             header: FileHeader = read_header(entry)
             if not header.is_trainguard:
                 return None

@@ -15,9 +15,12 @@ Layout (any safetensors reader opens it)::
 - Checksums are xxh3-64 of each entry's bytes, as 16 hex digits. The header is written with
   placeholder digits of the same length first, so its size is known before the data is hashed.
 
-Writing (:func:`write_file`) and header parsing need no torch; that lets the writer process
+Writing (:func:`write_file`), header parsing (:func:`read_header`, :func:`parse_header`) and
+checking (:func:`verify_file`, :func:`verify_data`) need no torch; that lets the writer process
 start without importing torch. Loading (:func:`load_file`) maps the file and returns tensors that
-are views of the mapping.
+are views of the mapping; :func:`load_buffer` does the same for a whole file held in memory.
+The safetensors dtype codes live in :mod:`._formats`, shared with :mod:`.layout`: layout does not
+import this module, and this module imports layout only inside the loading functions.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import dataclasses
 import errno
 import json
 import logging
+import mmap
 import os
 import struct
 import time
@@ -36,21 +40,28 @@ from typing import Any
 
 import xxhash
 
+from trainguard.checkpoint._formats import SAFETENSORS_DTYPES
 from trainguard.errors import CheckpointCorruptError
 
 __all__ = [  # noqa: RUF022 (plain sorted order, as tests/test_api.py checks)
     "ALIGN",
     "FORMAT",
+    "FileBytes",
     "FileHeader",
     "PlacedEntry",
     "SAFETENSORS_DTYPES",
     "checksum",
     "encode_header",
     "fsync_dir",
+    "load_buffer",
     "load_file",
+    "parse_header",
     "place",
     "read_header",
+    "verify_data",
     "verify_entries",
+    "verify_file",
+    "verify_path",
     "write_file",
 ]
 
@@ -63,25 +74,8 @@ CHUNK = 64 << 20  # bytes per write call (and per hash step)
 _PLACEHOLDER = "0" * 16
 _MAX_HEADER = 100 << 20  # safetensors' own limit
 
-#: torch dtype name -> safetensors dtype code (dtypes not listed are stored as U8 bytes).
-SAFETENSORS_DTYPES: dict[str, str] = {
-    "float64": "F64",
-    "float32": "F32",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint8": "U8",
-    "uint16": "U16",
-    "uint32": "U32",
-    "uint64": "U64",
-    "bool": "BOOL",
-    "complex64": "C64",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
-}
+#: A whole file held in memory: read, mapped or received.
+FileBytes = bytes | bytearray | memoryview | mmap.mmap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,41 +260,59 @@ class FileHeader:
         return dict(json.loads(self.metadata.get("checksums", "{}")))
 
 
-def read_header(path: str | os.PathLike[str]) -> FileHeader:
-    """Parse and check a file's header; :class:`CheckpointCorruptError` names what is wrong."""
-    path = os.fspath(path)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointCorruptError(
-                f"{path}: truncated: {size} bytes, too short to hold a header"
-            )
-        (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER or 8 + n > size:
-            raise CheckpointCorruptError(
-                f"{path}: truncated or not a checkpoint: the header claims {n} bytes but the "
-                f"file has {size}"
-            )
-        raw = f.read(n)
+def _header_length(label: str, head: bytes, size: int) -> int:
+    """The header's length ``n`` from its first 8 bytes, checked against the file's size."""
+    if len(head) < 8:
+        raise CheckpointCorruptError(
+            f"{label}: truncated: {size} bytes, too short to hold a header"
+        )
+    (n,) = struct.unpack("<Q", head)
+    if n > _MAX_HEADER or 8 + n > size:
+        raise CheckpointCorruptError(
+            f"{label}: truncated or not a checkpoint: the header claims {n} bytes but the "
+            f"file has {size}"
+        )
+    return int(n)
+
+
+def _decode_header(label: str, n: int, raw: bytes, size: int) -> FileHeader:
+    """Parse the ``n`` bytes of JSON after the length of a file of ``size`` bytes."""
     try:
         header = json.loads(raw)
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
         metadata = header.pop("__metadata__", None) or {}
-        entries = {}
+        entries: dict[str, tuple[str, list[int], int, int]] = {}
         end = 0
         for name, info in header.items():
             begin, stop = (int(x) for x in info["data_offsets"])
             entries[name] = (str(info["dtype"]), [int(s) for s in info["shape"]], begin, stop)
             end = max(end, stop)
     except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointCorruptError(f"{path}: malformed header: {exc}") from exc
+        raise CheckpointCorruptError(f"{label}: malformed header: {exc}") from exc
     if 8 + n + end > size:
         raise CheckpointCorruptError(
-            f"{path}: truncated: the header describes {8 + n + end} bytes but the file has {size}"
+            f"{label}: truncated: the header describes {8 + n + end} bytes but the file has {size}"
         )
-    return FileHeader(path, 8 + n, size, entries, dict(metadata))
+    return FileHeader(label, 8 + n, size, entries, dict(metadata))
+
+
+def read_header(path: str | os.PathLike[str]) -> FileHeader:
+    """Parse and check a file's header; :class:`CheckpointCorruptError` names what is wrong."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        n = _header_length(path, f.read(8), size)
+        raw = f.read(n)
+    return _decode_header(path, n, raw, size)
+
+
+def parse_header(data: FileBytes, label: str) -> FileHeader:
+    """:func:`read_header` of a whole file held in memory; ``label`` names it in errors (and
+    stands for the header's ``path``)."""
+    size = len(data)
+    n = _header_length(label, bytes(data[:8]), size)
+    return _decode_header(label, n, bytes(data[8 : 8 + n]), size)
 
 
 def verify_entries(
@@ -330,6 +342,30 @@ def verify_entries(
         )
 
 
+def verify_data(header: FileHeader, data: FileBytes) -> None:
+    """Check every entry's checksum; ``data`` holds the whole file ``header`` describes."""
+    start = header.data_start
+    with memoryview(data) as whole:
+        verify_entries(header, lambda b, e: whole[start + b : start + e])
+
+
+def verify_file(header: FileHeader) -> None:
+    """Map the trainguard file ``header`` describes read-only and check every checksum."""
+    if not header.is_trainguard:
+        raise CheckpointCorruptError(f"{header.path}: not a trainguard file")
+    with open(header.path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), header.file_size, access=mmap.ACCESS_READ)
+    try:
+        verify_data(header, mm)
+    finally:
+        mm.close()
+
+
+def verify_path(path: str | os.PathLike[str]) -> None:
+    """Read ``path``'s header and check every tensor's checksum (:func:`verify_file`)."""
+    verify_file(read_header(path))
+
+
 def load_file(
     path: str | os.PathLike[str], *, verify: bool = True, allow_pickle: bool = False
 ) -> tuple[Any, FileHeader]:
@@ -342,12 +378,6 @@ def load_file(
     mismatch raises :class:`CheckpointCorruptError` naming the tensor). The mapping is released
     when the last tensor is.
     """
-    import mmap
-
-    import torch
-
-    from trainguard.checkpoint.layout import unflatten
-
     header = read_header(path)
     if not header.is_trainguard:
         raise CheckpointCorruptError(
@@ -356,17 +386,34 @@ def load_file(
         )
     with open(header.path, "rb") as f:
         mm = mmap.mmap(f.fileno(), header.file_size, access=mmap.ACCESS_COPY)
-    start = header.data_start
+    return _rebuild(header, mm, verify=verify, allow_pickle=allow_pickle), header
+
+
+def load_buffer(
+    data: FileBytes, label: str, *, verify: bool = True, allow_pickle: bool = False
+) -> tuple[Any, FileHeader]:
+    """:func:`load_file` of a whole file held in memory (a copy received from a peer): the
+    tensors are views of ``data``; ``label`` names it in errors."""
+    header = parse_header(data, label)
+    return _rebuild(header, data, verify=verify, allow_pickle=allow_pickle), header
+
+
+def _rebuild(header: FileHeader, data: FileBytes, *, verify: bool, allow_pickle: bool) -> Any:
+    """The state of the file ``header`` describes, as views of ``data`` (the whole file)."""
+    import torch
+
+    from trainguard.checkpoint.layout import unflatten
+
     if verify:
         started = time.monotonic()
-        with memoryview(mm) as whole:
-            verify_entries(header, lambda b, e: whole[start + b : start + e])
+        verify_data(header, data)
         logger.debug("verified %s in %.3f s", header.path, time.monotonic() - started)
-    data = {
-        name: torch.frombuffer(mm, dtype=torch.uint8, count=e - b, offset=start + b)
+    start = header.data_start
+    tensors = {
+        name: torch.frombuffer(data, dtype=torch.uint8, count=e - b, offset=start + b)
         if e > b
         else torch.empty(0, dtype=torch.uint8)
         for name, (_, _, b, e) in header.entries.items()
     }
     skeleton = json.loads(header.metadata.get("skeleton", "null"))
-    return unflatten(skeleton, data, allow_pickle=allow_pickle), header
+    return unflatten(skeleton, tensors, allow_pickle=allow_pickle)

@@ -27,13 +27,13 @@ from __future__ import annotations
 import base64
 import dataclasses
 import math
-import pickle as _pickle
+import pickle as _pickling
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from trainguard.checkpoint.fileformat import SAFETENSORS_DTYPES
+from trainguard.checkpoint._formats import SAFETENSORS_DTYPES
 from trainguard.errors import CheckpointError, CheckpointPickleError
 
 __all__ = ["Entry", "Flat", "dtype_from_name", "flatten", "unflatten"]
@@ -65,7 +65,6 @@ class Flat:
 
     entries: list[Entry]
     skeleton: Any
-    num_tensors: int  # tensor leaves in the state (>= len(entries) when storages are shared)
 
     @property
     def nbytes(self) -> int:
@@ -94,7 +93,7 @@ def _pickled(value: Any, path: tuple[Any, ...], allow: bool) -> dict[str, str]:
             "JSON cannot hold; pass pickle=True to save (and allow_pickle=True to load), or "
             "convert it to tensors, numbers, strings, lists or dicts"
         )
-    return {"P": base64.b64encode(_pickle.dumps(value, protocol=4)).decode()}
+    return {"P": base64.b64encode(_pickling.dumps(value, protocol=4)).decode()}
 
 
 class _Flattener:
@@ -227,13 +226,14 @@ def flatten(state: Any, *, pickle: bool = False) -> Flat:
     """Split ``state`` into entries (tensor bytes) and a JSON-serializable skeleton.
 
     Raises :class:`CheckpointPickleError` naming the key of a leaf JSON cannot hold, unless
-    ``pickle`` is true. The entries' ``source`` tensors are the live tensors: copy them before
+    ``pickle`` is true (the argument keeps the name of the ``save(..., pickle=)`` option it
+    serves; such leaves are then stored pickled). The entries' ``source`` tensors are the live tensors: copy them before
     the state changes.
     """
     flattener = _Flattener(pickle)
     skeleton = flattener.node(state, ())
     entries = flattener.entries()
-    return Flat(entries, skeleton, len(flattener.leaves))
+    return Flat(entries, skeleton)
 
 
 def unflatten(
@@ -280,7 +280,7 @@ def unflatten(
                     f"{_key_repr(path)} was saved with pickle; pass allow_pickle=True to load it "
                     "(only for files you trust: unpickling can run arbitrary code)"
                 )
-            return _pickle.loads(base64.b64decode(node["P"]))
+            return _pickling.loads(base64.b64decode(node["P"]))
         raise CheckpointError(f"{_key_repr(path)}: unknown skeleton node {sorted(node)}")
 
     return build(skeleton, ())

@@ -239,7 +239,7 @@ def _write_report(out: str, show: _Display) -> None:
     Path(out, "report.txt").write_text(table + "\n")
     Path(out, "report.json").write_text(json.dumps(rep.to_dict(), indent=1) + "\n")
     try:
-        from trainguard._timeline_plot import plot_timeline
+        from trainguard.report._plot import plot_timeline
 
         plot_timeline(merged, rep, Path(out) / "timeline.png")
         show.line(f"timeline: {Path(out) / 'timeline.png'}")

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from trainguard.demo import faults as _faults
 
 if TYPE_CHECKING:
+    from trainguard.checkpoint import AsyncCheckpointer, LocalCheckpointManager
     from trainguard.restart import CallWrapper
 
 
@@ -94,6 +95,16 @@ def reference(cfg: DemoConfig, process: int, port: int) -> str:
         dist.destroy_process_group()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Model:
+    """One round's task, teacher, model and optimizer."""
+
+    task: Any
+    teacher: Any
+    net: Any
+    opt: Any
+
+
 class _Guarded:
     """The training function run under the wrapper, with this process's state across rounds."""
 
@@ -110,26 +121,50 @@ class _Guarded:
             self.conn.send(msg)
 
     def __call__(self, call: CallWrapper) -> str:
-        import torch
         import torch.distributed as dist
 
-        from trainguard import events
-        from trainguard.checkpoint import (
-            AsyncCheckpointer,
-            CliqueReplication,
-            LocalCheckpointManager,
-            latest,
-            load,
-        )
         from trainguard.demo import model as m
 
-        cfg, root = self.cfg, self.cfg.local_root(self.process)
+        root = self.cfg.local_root(self.process)
         if self.lose_root:
             shutil.rmtree(root, ignore_errors=True)
             self.lose_root = False
         started = time.time()
         dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-        # closed by release(): at the end of this function, or (after a fault) by the
+        local, disk = self._open_checkpointers(root)
+        task = m.TaskConfig()
+        teacher, net = m.make_teacher(task), m.make_model(task)
+        opt = m.make_optimizer(net, task)
+        first, source = self._resume(call, local, net, opt)
+        self.send(
+            "resumed",
+            call.round,
+            call.rank,
+            self.process,
+            first,
+            source,
+            (local.last_load or {}).get("source") if source.startswith("local") else None,
+            call.world_size,
+            time.time(),
+            time.time() - started,
+        )
+        self._train(call, local, disk, _Model(task, teacher, net, opt), first)
+        local.wait()
+        disk.wait()
+        digest = m.parameters_digest(net)
+        self.release(strict=True)
+        self.send("done", call.rank, self.process, digest, call.round, time.time())
+        return digest
+
+    def _open_checkpointers(self, root: Path) -> tuple[LocalCheckpointManager, AsyncCheckpointer]:
+        """This round's local and disk checkpointers, registered for :meth:`release`."""
+        from trainguard.checkpoint import (
+            AsyncCheckpointer,
+            CliqueReplication,
+            LocalCheckpointManager,
+        )
+
+        # closed by release(): at the end of the round's function, or (after a fault) by the
         # wrapper's finalize hook, so that a raising rank reports its fault first
         local = LocalCheckpointManager(
             root, replication=CliqueReplication(factor=2, jump=1), keep=2, timeout=30
@@ -137,12 +172,19 @@ class _Guarded:
         self.resources.append(local)
         disk = AsyncCheckpointer(commit_timeout=30)
         self.resources.append(disk)
-        task = m.TaskConfig()
-        teacher, net = m.make_teacher(task), m.make_model(task)
-        opt = m.make_optimizer(net, task)
+        return local, disk
+
+    def _resume(
+        self, call: CallWrapper, local: LocalCheckpointManager, net: Any, opt: Any
+    ) -> tuple[int, str]:
+        """Restore from the newest checkpoint, local or on disk; returns (first step, source)."""
+        import torch
+
+        from trainguard.checkpoint import latest, load
+
         first, source = 0, "fresh start"
         it = local.find_latest()
-        on_disk = latest(Path(cfg.out) / "ckpt")
+        on_disk = latest(Path(self.cfg.out) / "ckpt")
         disk_step = int(on_disk.name.split("_")[-1]) if on_disk is not None else -1
         state: Any = None
         if it is not None and it >= disk_step:
@@ -156,29 +198,32 @@ class _Guarded:
             opt.load_state_dict(state["optim"])
             torch.set_rng_state(state["rng"])
             first = int(state["step"])
-            if cfg.perturb and not self.perturbed and call.rank == 0:
+            if self.cfg.perturb and not self.perturbed and call.rank == 0:
                 with torch.no_grad():
                     w = next(net.parameters()).view(-1)
                     w[:1].view(torch.int32).bitwise_xor_(1)  # one bit of one parameter
                 self.perturbed = True
-        self.send(
-            "resumed",
-            call.round,
-            call.rank,
-            self.process,
-            first,
-            source,
-            (local.last_load or {}).get("source") if source.startswith("local") else None,
-            call.world_size,
-            time.time(),
-            time.time() - started,
-        )
+        return first, source
+
+    def _train(
+        self,
+        call: CallWrapper,
+        local: LocalCheckpointManager,
+        disk: AsyncCheckpointer,
+        model: _Model,
+        first: int,
+    ) -> None:
+        """Steps ``first..`` with the scheduled faults, reports to the parent and checkpoints."""
+        from trainguard import events
+        from trainguard.demo import model as m
+
+        cfg, net, opt = self.cfg, model.net, model.opt
         recent: list[float] = []
         for step in range(first, cfg.steps):
             self._maybe_inject(call, step)
             t0 = time.monotonic()
-            x, y = m.batch(task, teacher, step, call.rank)
-            lr = m.learning_rate(task, step, cfg.steps)
+            x, y = m.batch(model.task, model.teacher, step, call.rank)
+            lr = m.learning_rate(model.task, step, cfg.steps)
             loss = m.train_step(net, opt, x, y, call.world_size, lr)
             events.emit("train_step", step=step, loss=loss, duration=time.monotonic() - t0)
             recent.append(loss)
@@ -193,12 +238,6 @@ class _Guarded:
             if done % cfg.disk_every == 0 and done < cfg.steps:
                 with events.span("ckpt_stall", what="disk", step=step):
                     disk.save(_state(net, opt, done), Path(cfg.out) / "ckpt" / f"step_{done:06d}")
-        local.wait()
-        disk.wait()
-        digest = m.parameters_digest(net)
-        self.release(strict=True)
-        self.send("done", call.rank, self.process, digest, call.round, time.time())
-        return digest
 
     def release(self, state: Any = None, *, strict: bool = False) -> None:
         """Close this round's checkpointers and process group (the wrapper's finalize hook).

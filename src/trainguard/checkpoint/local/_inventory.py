@@ -18,14 +18,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import mmap
 import os
 import re
 import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from trainguard.checkpoint.fileformat import FileHeader, read_header, verify_entries
+from trainguard.checkpoint.fileformat import read_header, verify_file
 from trainguard.errors import CheckpointCorruptError, CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -156,25 +155,6 @@ class Inventory:
 def _identity(path: str) -> tuple[int, int, int]:
     st = os.stat(path)
     return st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def verify_path(path: str) -> None:
-    """Read ``path``'s header and check every tensor's checksum."""
-    verify_file(read_header(path))
-
-
-def verify_file(header: FileHeader) -> None:
-    """Check every tensor's checksum of the file ``header`` describes."""
-    if not header.is_trainguard:
-        raise CheckpointCorruptError(f"{header.path}: not a trainguard file")
-    with open(header.path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), header.file_size, access=mmap.ACCESS_READ)
-    try:
-        with memoryview(mm) as whole:
-            start = header.data_start
-            verify_entries(header, lambda b, e: whole[start + b : start + e])
-    finally:
-        mm.close()
 
 
 # --------------------------------------------------------------------------- agreement

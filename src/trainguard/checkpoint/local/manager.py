@@ -8,12 +8,10 @@ the loss of a node loses no part. See :class:`LocalCheckpointManager` for the pr
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import mmap
 import os
 import queue
-import struct
 import threading
 import time
 from datetime import timedelta
@@ -22,13 +20,8 @@ from typing import Any
 import torch
 
 from trainguard import events
-from trainguard.checkpoint.fileformat import (
-    FileHeader,
-    load_file,
-    place,
-    verify_entries,
-)
-from trainguard.checkpoint.layout import flatten, unflatten
+from trainguard.checkpoint.fileformat import load_buffer, load_file, place, verify_path
+from trainguard.checkpoint.layout import flatten
 from trainguard.checkpoint.local import _inventory
 from trainguard.checkpoint.local._exchange import allgather
 from trainguard.checkpoint.local._pipeline import SavePipeline, StagedSave
@@ -312,14 +305,16 @@ class LocalCheckpointManager(SavePipeline):
             mine = {p.owner: p for p in parts if p.iteration == chosen.iteration}
             own = mine.get(self.rank) if self.rank < chosen.saved_world else None
             # this rank's own copy is hashed again while the transfers run
-            check = _Background(_inventory.verify_path, own.path) if own is not None else None
+            check = _Background(verify_path, own.path) if own is not None else None
             received = self._transfer(chosen, transfers, mine)
             state, bad = None, None
             if received is not None:
                 source, raw = received
                 try:
-                    state = _state_from_bytes(
-                        raw, f"part of owner {self.rank} from rank {source}", allow_pickle
+                    state, _ = load_buffer(
+                        raw,
+                        f"part of owner {self.rank} from rank {source}",
+                        allow_pickle=allow_pickle,
                     )
                 except CheckpointCorruptError as exc:  # the sender's copy went bad unseen
                     logger.warning("%s", exc)
@@ -556,28 +551,3 @@ class _Background:
     def result(self) -> BaseException | None:
         self._thread.join()
         return self._error
-
-
-def _state_from_bytes(raw: Any, label: str, allow_pickle: bool) -> Any:
-    """Rebuild a state from a whole file received in memory, after checking every checksum."""
-    (n,) = struct.unpack("<Q", raw[:8])
-    try:
-        doc = json.loads(bytes(raw[8 : 8 + n]))
-        meta = doc.pop("__metadata__", {})
-        entries: dict[str, tuple[str, list[int], int, int]] = {}
-        for name, info in doc.items():
-            begin, end = (int(x) for x in info["data_offsets"])
-            entries[name] = (str(info["dtype"]), [int(x) for x in info["shape"]], begin, end)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointCorruptError(f"{label}: malformed header: {exc}") from exc
-    header = FileHeader(label, 8 + n, len(raw), entries, meta)
-    start = header.data_start
-    with memoryview(raw) as whole:
-        verify_entries(header, lambda b, e: whole[start + b : start + e])
-    data = {
-        name: torch.frombuffer(raw, dtype=torch.uint8, count=e - b, offset=start + b)
-        if e > b
-        else torch.empty(0, dtype=torch.uint8)
-        for name, (_, _, b, e) in entries.items()
-    }
-    return unflatten(json.loads(meta.get("skeleton", "null")), data, allow_pickle=allow_pickle)

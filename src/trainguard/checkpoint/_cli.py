@@ -10,12 +10,12 @@ Understands the three layouts trainguard writes:
 from __future__ import annotations
 
 import argparse
-import mmap
 import re
 import sys
 from pathlib import Path
 
-_ZIP_MAGIC = b"PK\x03\x04"
+from trainguard.checkpoint._formats import ZIP_MAGIC, is_torch_file
+
 _MARKER = "COMMITTED"  # checkpoint._commit.MARKER, kept here so `ls` does not import torch
 _ITER = re.compile(r"^iter_(\d{12})$")
 _PART = re.compile(r"^(rank\d{5}|owner\d{5}\.h\d{5})\.(safetensors|pt)$")
@@ -69,28 +69,24 @@ def _looks_like_checkpoint(path: Path) -> bool:
             head = f.read(16)
     except OSError:
         return False
-    return head.startswith(_ZIP_MAGIC) or (len(head) > 9 and head[8:9] == b"{")
+    return head.startswith(ZIP_MAGIC) or (len(head) > 9 and head[8:9] == b"{")
 
 
 def _check(path: Path) -> str | None:
     """None if the file is complete and every checksum matches, else what is wrong."""
-    from trainguard.checkpoint.fileformat import read_header, verify_entries
+    from trainguard.checkpoint.fileformat import read_header, verify_file
     from trainguard.errors import CheckpointError
 
     try:
-        with open(path, "rb") as f:
-            if f.read(4) == _ZIP_MAGIC:
-                import torch
+        if is_torch_file(path):
+            import torch
 
-                torch.load(path, weights_only=True, mmap=True)
-                return None
+            torch.load(path, weights_only=True, mmap=True)
+            return None
         header = read_header(path)
         if not header.is_trainguard:
             return "a safetensors file without trainguard metadata (no checksums to verify)"
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            start = header.data_start
-            with memoryview(mm) as whole:
-                verify_entries(header, lambda b, e: whole[start + b : start + e])
+        verify_file(header)
         return None
     except CheckpointError as exc:
         return str(exc).removeprefix(f"{path}: ")
@@ -156,14 +152,13 @@ def cmd_show(args: argparse.Namespace) -> int:
     part = parts[0]
     print(f"{part}  ({_human(part.stat().st_size)})")
     try:
-        with open(part, "rb") as f:
-            if f.read(4) == _ZIP_MAGIC:
-                import torch
+        if is_torch_file(part):
+            import torch
 
-                state = torch.load(part, weights_only=True, mmap=True)
-                for key, value in _walk(state):
-                    print(f"  {key:<40} {value}")
-                return 0
+            state = torch.load(part, weights_only=True, mmap=True)
+            for key, value in _walk(state):
+                print(f"  {key:<40} {value}")
+            return 0
         header = read_header(part)
     except CheckpointError as exc:
         print(f"cannot read {part}: {exc}", file=sys.stderr)
@@ -188,7 +183,7 @@ def _walk(node: object, prefix: str = "") -> list[tuple[str, str]]:
     return [(prefix[:-1], repr(node)[:60])]
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``trainguard ckpt ls|verify|show``."""
     p = sub.add_parser("ckpt", help="list, verify and show checkpoints", description=__doc__)
     cmds = p.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)

@@ -1,5 +1,9 @@
 """A run's events laid out on one timeline: steps and stalls grouped by round, fault events by
-round, and the interval arithmetic of :mod:`trainguard.report` (shared with the plot)."""
+round, and the interval arithmetic of :mod:`trainguard.report`.
+
+What the report (``__init__``) and the plot (:mod:`._plot`) share is here, so that neither
+imports a private name of the other.
+"""
 
 from __future__ import annotations
 
@@ -41,6 +45,11 @@ def subtract(spans: list[Span], cuts: list[Span]) -> list[Span]:
 
 def measure(spans: list[Span]) -> float:
     return sum(b - a for a, b in union(spans))
+
+
+def plural(count: int, noun: str) -> str:
+    """``"1 rank"``, ``"2 ranks"``: a count and its noun, as the table and the plot write it."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def start_of(event: dict[str, Any]) -> float:

@@ -47,11 +47,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from trainguard._timeline import (
+from trainguard.report._timeline import (
     DETECTION_KINDS,
     Span,
     Timeline,
     measure,
+    plural,
     start_of,
     subtract,
 )
@@ -264,10 +265,6 @@ def load(run_dir: str | Path) -> Report:
     return analyze(merged)
 
 
-def _n(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"
-
-
 def format_table(report: Report) -> str:
     """A plain-text table whose rows add up to the wall time."""
     wall = report.wall
@@ -278,9 +275,9 @@ def format_table(report: Report) -> str:
 
     stall_what = ", ".join(f"{int(v['count'])} {what}" for what, v in report.ckpt_stalls.items())
     lines = [
-        f"trainguard report: {_n(len(report.ranks), 'rank')}, {_n(report.rounds, 'round')}, "
-        f"{_n(report.steps_kept, 'step')} kept, {report.recomputed_steps} recomputed, "
-        f"{_n(len(report.faults), 'fault')}",
+        f"trainguard report: {plural(len(report.ranks), 'rank')}, {plural(report.rounds, 'round')}, "
+        f"{plural(report.steps_kept, 'step')} kept, {report.recomputed_steps} recomputed, "
+        f"{plural(len(report.faults), 'fault')}",
         row("wall", wall, 0),
         row("productive (kept steps)", report.productive),
         row(f"checkpoint stalls ({stall_what or 'none'})", report.ckpt_stall),

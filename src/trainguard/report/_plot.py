@@ -13,10 +13,13 @@ Agg canvas and no pyplot, so no global backend or figure state is touched.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from trainguard._timeline import Timeline, start_of
-from trainguard.report import Report, _n
+from trainguard.report import Report
+from trainguard.report._timeline import Timeline, plural, start_of
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 __all__ = ["plot_timeline"]
 
@@ -40,6 +43,8 @@ _LABELS = {
 }
 _HINT = "install it with: pip install 'trainguard[report]'"
 
+_Bars = dict[tuple[int, str], list[tuple[float, float]]]  # (lane, what) -> [(start, width)]
+
 
 def plot_timeline(
     events: list[dict[str, Any]], report: Report, path: str | os.PathLike[str]
@@ -48,16 +53,30 @@ def plot_timeline(
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
-        from matplotlib.lines import Line2D
-        from matplotlib.patches import Patch
     except ImportError as exc:
         raise ImportError(f"--plot needs matplotlib, which is not installed; {_HINT}") from exc
 
     tl = Timeline(events)
-    t0 = report.start
     ranks = sorted({e["rank"] for e in tl.events if isinstance(e.get("rank"), int)})
     lane = {r: i for i, r in enumerate(ranks)}
-    bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    fig = Figure(figsize=(12, 1.6 + 0.45 * max(1, len(ranks))), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    _draw_bars(ax, _bars(tl, report.start, lane), report.wall)
+    _draw_faults(ax, report, lane)
+    top = -0.6
+    _draw_rounds(ax, tl, report, top)
+    ax.set_yticks(list(lane.values()), [f"rank {r}" for r in ranks])
+    ax.set_ylim(len(ranks) - 0.4, top - 0.3)
+    ax.set_xlim(0, max(report.wall, 1e-6) * 1.02)
+    ax.set_xlabel("seconds from start")
+    _add_title_and_legend(ax, report, len(ranks))
+    fig.savefig(os.fspath(path), format="png", bbox_inches="tight")
+
+
+def _bars(tl: Timeline, t0: float, lane: dict[int, int]) -> _Bars:
+    """Each rank's steps (kept or recomputed), checkpoint stalls and aborts, from ``t0``."""
+    bars: _Bars = {}
 
     def add(e: dict[str, Any], what: str) -> None:
         if e.get("rank") in lane:
@@ -73,14 +92,14 @@ def plot_timeline(
         add(e, "stall")
     for e in tl.of("abort"):
         add(e, "abort")
+    return bars
 
-    fig = Figure(figsize=(12, 1.6 + 0.45 * max(1, len(ranks))), dpi=110)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+
+def _draw_bars(ax: Axes, bars: _Bars, wall: float) -> None:
     height = 0.6
     for (y, what), spans in sorted(bars.items()):
         # a minimum width so that a 1 ms span still shows on a minutes-long run
-        width = max(report.wall, 1e-9) / 1500
+        width = max(wall, 1e-9) / 1500
         spans = [(s, max(w, width)) for s, w in spans]
         ax.broken_barh(
             spans,
@@ -89,6 +108,10 @@ def plot_timeline(
             edgecolor="white",
             linewidth=0.3,
         )
+
+
+def _draw_faults(ax: Axes, report: Report, lane: dict[int, int]) -> None:
+    """Each fault's phases across all lanes, and a marker on its target rank's lane."""
     for fault in report.faults:
         b = fault.bounds
         for name, (a, z) in (
@@ -100,22 +123,27 @@ def plot_timeline(
                 ax.axvspan(a, z, color=COLORS[name], alpha=0.35, linewidth=0)
         ys = [lane[fault.rank]] if fault.rank in lane else list(lane.values())
         ax.plot([fault.time] * len(ys), ys, "X", color="black", markersize=11, zorder=5)
-    top = -0.6
+
+
+def _draw_rounds(ax: Axes, tl: Timeline, report: Report, top: float) -> None:
+    """A dashed line where each round began, labelled above the lanes at ``top``."""
     labelled = -float("inf")
     for n, times in sorted(tl.round_start.items()):
-        x = min(times) - t0
+        x = min(times) - report.start
         ax.axvline(x, color="#333333", linestyle="--", linewidth=0.8)
         if x - labelled >= report.wall / 16:  # labels of rounds close together would overlap
             ax.text(x, top, f" round {n}", va="bottom", ha="left", fontsize=8)
             labelled = x
-    ax.set_yticks(list(lane.values()), [f"rank {r}" for r in ranks])
-    ax.set_ylim(len(ranks) - 0.4, top - 0.3)
-    ax.set_xlim(0, max(report.wall, 1e-6) * 1.02)
-    ax.set_xlabel("seconds from start")
+
+
+def _add_title_and_legend(ax: Axes, report: Report, ranks: int) -> None:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     goodput = "unknown" if report.goodput is None else f"{100 * report.goodput:.1f} %"
     ax.set_title(
-        f"{_n(len(ranks), 'rank')}, {_n(report.rounds, 'round')}, "
-        f"{_n(len(report.faults), 'fault')}, "
+        f"{plural(ranks, 'rank')}, {plural(report.rounds, 'round')}, "
+        f"{plural(len(report.faults), 'fault')}, "
         f"goodput {goodput}",
         fontsize=10,
     )
@@ -129,4 +157,3 @@ def plot_timeline(
         fontsize=8,
         frameon=False,
     )
-    fig.savefig(os.fspath(path), format="png", bbox_inches="tight")
