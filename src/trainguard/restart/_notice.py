@@ -25,8 +25,9 @@ from typing import Any
 
 from trainguard import events
 from trainguard.coord.barrier import wait_key
-from trainguard.coord.keys import Keyspace, decode, encode
+from trainguard.coord.keys import Keyspace, decode
 from trainguard.restart._session import Session
+from trainguard.restart.state import RoundOutcome
 
 
 class _Policies:
@@ -64,14 +65,8 @@ def write_notice(
         session = Session.detached(keys=keys, world=world, coord=store, cfg=policies, roster=roster)
         if not store.check([keys.member(n + 1, r)]) and n >= 0:
             # Gone inside round n: a fault of that round, so the others abort it.
-            outcome = {
-                "why": "fault",
-                "rank": r,
-                "error": cause,
-                "type": "RankGone",
-                "time": time.time(),
-            }
-            store.compare_set(keys.stop(n), "", encode(outcome))
+            outcome = RoundOutcome.fault(r, cause, "RankGone")
+            store.compare_set(keys.stop(n), "", outcome.encode())
         if not session.take_arrival(n + 1, r, cause):
             break  # its departure is recorded before any record of its own: it is out
         # It had arrived at round n+1's barrier. The barrier completes now without waiting

@@ -16,6 +16,7 @@ from trainguard.coord.store import StoreProcess, connect, parse_addr
 from trainguard.errors import ConfigError, RestartError, RetryLimitError
 from trainguard.restart._launch import Launch, is_local_address
 from trainguard.restart.policy.layout import Layout
+from trainguard.restart.state import RoundOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -252,11 +253,11 @@ class Session:
     def complete(self, n: int, active: int) -> None:
         """Count this rank's function as returned; the last one marks the round complete."""
         if int(self.coord.add(self.keys.done(n), 1)) == active:
-            self.coord.compare_set(self.keys.stop(n), "", encode({"why": "complete"}))
+            self.coord.compare_set(self.keys.stop(n), "", RoundOutcome.complete().encode())
 
-    def stop(self, n: int, outcome: dict[str, Any]) -> bool:
+    def stop(self, n: int, outcome: RoundOutcome) -> bool:
         """Propose ``outcome`` for round ``n``; True if it was the first (it wins)."""
-        value = encode(outcome)
+        value = outcome.encode()
         return bytes(self.coord.compare_set(self.keys.stop(n), "", value)) == value
 
     # leaving -------------------------------------------------------------------------------

@@ -31,9 +31,9 @@ from typing import Any
 
 from trainguard import events
 from trainguard.coord.barrier import wait_forever
-from trainguard.coord.keys import Keyspace, decode, encode
+from trainguard.coord.keys import Keyspace
 from trainguard.restart.abort import abort_distributed
-from trainguard.restart.state import RestartInterrupt
+from trainguard.restart.state import RestartInterrupt, RoundOutcome
 
 __all__ = ["Monitor"]
 
@@ -67,7 +67,7 @@ class Monitor:
         store: Any,
         keys: Keyspace,
         thread_id: int,
-        on_abort: Callable[[int, dict[str, Any]], None] | None = None,
+        on_abort: Callable[[int, RoundOutcome], None] | None = None,
         abort_timeout: float = 5.0,
         on_stuck: Callable[[int], None] | None = None,
         kick: Callable[[int], None] | None = None,
@@ -88,7 +88,7 @@ class Monitor:
         self._in_fn = False
         self._injected = False
         self._watching: int | None = None
-        self._outcome: dict[str, Any] | None = None
+        self._outcome: RoundOutcome | None = None
         self._outcome_ready = threading.Event()
         self.aborted_round: int | None = None
         self.abort_info: dict[str, Any] = {}
@@ -105,7 +105,7 @@ class Monitor:
             self._watching = n
         self._jobs.put(n)
 
-    def wait_outcome(self, timeout: float | None) -> dict[str, Any] | None:
+    def wait_outcome(self, timeout: float | None) -> RoundOutcome | None:
         """The outcome of the watched round, or None after ``timeout`` seconds.
 
         Waits in short slices so that a signal (Ctrl-C) is handled promptly.
@@ -117,7 +117,7 @@ class Monitor:
         return self._outcome
 
     @property
-    def outcome(self) -> dict[str, Any] | None:
+    def outcome(self) -> RoundOutcome | None:
         return self._outcome if self._outcome_ready.is_set() else None
 
     def enter_fn(self, n: int) -> None:
@@ -153,9 +153,7 @@ class Monitor:
             n = self._watching if not self._outcome_ready.is_set() else None
         if n is not None:
             with contextlib.suppress(Exception):
-                self._store.compare_set(
-                    self._keys.stop(n), "", encode({"why": "end", "reason": "closed"})
-                )
+                self._store.compare_set(self._keys.stop(n), "", RoundOutcome.end("closed").encode())
         self._jobs.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -195,13 +193,13 @@ class Monitor:
             if n is None:
                 return
             try:
-                outcome = decode(wait_forever(self._store, self._keys.stop(n)))
+                outcome = RoundOutcome.decode(wait_forever(self._store, self._keys.stop(n)))
             except Exception as exc:
-                outcome = {"why": "end", "reason": f"store lost: {exc}"}
-            outcome["seen"] = time.monotonic()
-            if outcome.get("why") != "complete" and self.aborted_round != n:
+                outcome = RoundOutcome.end(f"store lost: {exc}")
+            seen = time.monotonic()
+            if outcome.why != "complete" and self.aborted_round != n:
                 try:
-                    self._abort(n, outcome)
+                    self._abort(n, outcome, seen)
                 except Exception:  # never leave the main thread waiting for the outcome
                     logger.exception("aborting round %d failed", n)
             with self._lock:
@@ -209,13 +207,13 @@ class Monitor:
                 self._watching = None
             self._outcome_ready.set()
 
-    def _abort(self, n: int, outcome: dict[str, Any]) -> None:
+    def _abort(self, n: int, outcome: RoundOutcome, seen: float) -> None:
         # The main thread may be running Python: hand the GIL over at once, not after the
         # default 5 ms switch interval at every system call of the abort.
         interval = sys.getswitchinterval()
         sys.setswitchinterval(1e-5)
         try:
-            self._abort_round(n, outcome)
+            self._abort_round(n, outcome, seen)
         finally:
             sys.setswitchinterval(interval)
 
@@ -243,7 +241,7 @@ class Monitor:
         with self._cond:
             self._cond.wait_for(lambda: not self._in_fn, self.settle_s)
 
-    def _abort_round(self, n: int, outcome: dict[str, Any]) -> None:
+    def _abort_round(self, n: int, outcome: RoundOutcome, seen: float) -> None:
         with self._lock:
             self.aborted_round = n
         start = time.monotonic()
@@ -265,11 +263,11 @@ class Monitor:
         events.emit(
             "abort",
             duration=time.monotonic() - start,
-            cause=outcome.get("why"),
-            fault_rank=outcome.get("rank"),
+            cause=outcome.why,
+            fault_rank=outcome.rank,
             interrupted=self._injected,
             sockets=info.get("sockets"),
             shutdown_s=info.get("shutdown_s"),
             destroy_s=info.get("destroy_s"),
-            waited_s=start - outcome.get("seen", start),
+            waited_s=start - seen,
         )

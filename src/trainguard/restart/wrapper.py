@@ -52,7 +52,7 @@ from trainguard.restart._sidecar import Sidecar
 from trainguard.restart.abort import GroupSockets, destroy_groups
 from trainguard.restart.monitor import Monitor
 from trainguard.restart.policy.retry import RetryController
-from trainguard.restart.state import RestartInterrupt, RoundState, describe
+from trainguard.restart.state import RestartInterrupt, RoundOutcome, RoundState, describe
 from trainguard.restart.watchdog import Watchdog
 
 __all__ = ["CallWrapper", "Wrapper"]
@@ -328,7 +328,7 @@ class _Run:
                 with contextlib.suppress(Exception):
                     self.session.stop(
                         self.state.round,
-                        {"why": "end", "rank": self.launch.rank, "reason": "left with an error"},
+                        RoundOutcome.end("left with an error", rank=self.launch.rank),
                     )
             raise
         finally:
@@ -384,23 +384,22 @@ class _Run:
                 world_size=self.state.world_size,
             )
             outcome, value, fault = self._round(n, ready)
-            why = outcome.get("why")
-            if why == "complete":
+            if outcome.why == "complete":
                 error = self._hook("finalize", self.state)
                 if error is not None:
                     raise error
                 return value if self.state.active else None
-            if why == "end":
-                rank = outcome.get("rank")
-                reason = outcome.get("reason") or outcome.get("error", "")
+            if outcome.why == "end":
+                rank = outcome.rank
+                reason = outcome.reason or outcome.error or ""
                 raise JobEndedError(
                     f"the job ended in round {n}: rank {rank} {reason}; not restarted",
-                    causes={int(rank): str(reason)} if rank is not None else None,
+                    causes={rank: reason} if rank is not None else None,
                 )
             destroy_groups()
             GroupSockets.take()
             self.state = self.state.replace(
-                faults={int(outcome.get("rank", -1)): str(outcome.get("error", ""))}
+                faults={outcome.rank if outcome.rank is not None else -1: outcome.error or ""}
             )
             leaving = (
                 self._hook("finalize", self.state)
@@ -464,17 +463,10 @@ class _Run:
 
     def _hang(self, store: Any, n: int, why: str) -> None:
         """Watchdog thread: record a hang (or the sidecar's loss) as round ``n``'s fault."""
-        outcome = {
-            "why": "fault",
-            "rank": self.launch.rank,
-            "error": why,
-            "type": "Hang" if why.startswith("hang") else "SidecarLost",
-            "time": time.time(),
-        }
-        from trainguard.coord.keys import encode
-
+        kind = "Hang" if why.startswith("hang") else "SidecarLost"
+        outcome = RoundOutcome.fault(self.launch.rank, why, kind)
         try:
-            store.compare_set(self.session.keys.stop(n), "", encode(outcome))
+            store.compare_set(self.session.keys.stop(n), "", outcome.encode())
         except Exception as exc:
             logger.error("could not record the fault %r: %s", why, exc)
 
@@ -509,12 +501,12 @@ class _Run:
             self.sidecar.send({"bye": 1})
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def _abort_hook(self, n: int, outcome: dict[str, Any]) -> None:
+    def _abort_hook(self, n: int, outcome: RoundOutcome) -> None:
         if self.cfg.abort is not None:
             self.cfg.abort(self.state)
 
     # one round ----------------------------------------------------------------------------
-    def _round(self, n: int, ready: dict[str, Any]) -> tuple[dict[str, Any], Any, str | None]:
+    def _round(self, n: int, ready: dict[str, Any]) -> tuple[RoundOutcome, Any, str | None]:
         monitor = self.monitor
         assert monitor is not None
         state = self.state
@@ -558,12 +550,11 @@ class _Run:
                     self._leave_fn()
                     self.session.stop(
                         n,
-                        {
-                            "why": "end",
-                            "rank": state.initial_rank,
-                            "reason": f"raised {type(exc).__qualname__}",
-                            "error": describe(exc),
-                        },
+                        RoundOutcome.end(
+                            f"raised {type(exc).__qualname__}",
+                            rank=state.initial_rank,
+                            error=describe(exc),
+                        ),
                     )
                     events.emit("end", error=describe(exc))
                     raise
@@ -592,14 +583,9 @@ class _Run:
         if self.monitor.aborted_round == n:
             logger.debug("rank %d: %s after the round was aborted", self.launch.rank, desc)
             return None
-        outcome = {
-            "why": "fault",
-            "rank": self.launch.rank,
-            "error": desc,
-            "type": type(exc).__qualname__,
-            "time": time.time(),
-        }
-        first = self.session.stop(n, outcome)
+        first = self.session.stop(
+            n, RoundOutcome.fault(self.launch.rank, desc, type(exc).__qualname__)
+        )
         if first:
             logger.warning("rank %d: fault in round %d: %s", self.launch.rank, n, desc)
             events.emit("fault", error=desc, type=type(exc).__qualname__)
@@ -621,15 +607,12 @@ class _Run:
         )
         events.emit("interrupt_swallowed", raised_at=interrupt.raised_at, swallowed_at=where)
 
-    def _wait(self, n: int, timeout: float | None, what: str) -> dict[str, Any]:
+    def _wait(self, n: int, timeout: float | None, what: str) -> RoundOutcome:
         assert self.monitor is not None
         start = time.monotonic()
         outcome = self.monitor.wait_outcome(timeout)
         if outcome is None:
-            self.session.stop(
-                n,
-                {"why": "end", "rank": self.launch.rank, "reason": f"{what} timed out"},
-            )
+            self.session.stop(n, RoundOutcome.end(f"{what} timed out", rank=self.launch.rank))
             raise BarrierTimeoutError(
                 f"round {n}: the {what} wait timed out after {timeout:g} s; raise "
                 f"{'completion_timeout' if what == 'completion' else 'barrier_timeout'} or "
