@@ -59,7 +59,7 @@ def _fault(kind: str, marker: Path) -> None:
 
 
 def _sidecar_pid() -> int:
-    pid = child_pid(os.getpid(), b"trainguard.restart._sidecar_main")
+    pid = child_pid(os.getpid(), b"trainguard.restart.sidecar")
     assert pid is not None, "no sidecar process found"
     return pid
 
@@ -235,7 +235,8 @@ def barrier_death_job(victim: int, when: str, out_dir: str) -> dict[str, Any]:
         def open_and_trap(self: Any) -> None:
             original(self)
             marker = Path(out_dir, f"fault-{victim}")
-            self.coord = _DieAtBarrier(self.coord, self.keys, victim, self.world, when, marker)
+            book = self.book  # the barrier's store calls go through the round book
+            book.store = _DieAtBarrier(book.store, self.keys, victim, self.world, when, marker)
 
         Session.open = open_and_trap  # type: ignore[method-assign]
     return fault_job(10, -1, -1, "none", out_dir, {"barrier_timeout": 20, "store_timeout": 10})

@@ -34,8 +34,7 @@ import time
 import traceback
 import typing
 from collections.abc import Callable
-from datetime import timedelta
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from trainguard import events
 from trainguard.coord.store import connect, parse_addr
@@ -46,18 +45,22 @@ from trainguard.errors import (
     RetryLimitError,
     SidecarLostError,
 )
-from trainguard.restart import _config, _launch
+from trainguard.restart import _launch
 from trainguard.restart._session import Session
-from trainguard.restart._sidecar import Sidecar
 from trainguard.restart.abort import GroupSockets, destroy_groups
+from trainguard.restart.config import WrapperConfig
+from trainguard.restart.config import signature as config_signature
 from trainguard.restart.monitor import Monitor
-from trainguard.restart.policy.retry import RetryController
+from trainguard.restart.sidecar import Sidecar, SidecarConfig
 from trainguard.restart.state import RestartInterrupt, RoundOutcome, RoundState, describe
 from trainguard.restart.watchdog import Watchdog
 
 __all__ = ["CallWrapper", "Wrapper"]
 
 logger = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+S = TypeVar("S")
 
 _call_counter = itertools.count()
 _active_calls = threading.local()
@@ -152,6 +155,21 @@ def _kick(thread_id: int) -> None:
     signal.pthread_kill(thread_id, signal.SIGUSR2)
 
 
+def _arguments_of(
+    config: Callable[P, WrapperConfig],
+) -> Callable[[Callable[Concatenate[S, ...], None]], Callable[Concatenate[S, P], None]]:
+    """``__init__(self, **kwargs)`` takes ``config``'s keyword arguments: for type checkers
+    (``P``) and for ``inspect.signature``/``help`` (``__signature__``)."""
+
+    def give(init: Callable[Concatenate[S, ...], None]) -> Callable[Concatenate[S, P], None]:
+        this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        params = config_signature().parameters.values()
+        init.__signature__ = inspect.Signature([this, *params], return_annotation=None)  # type: ignore[attr-defined]
+        return init
+
+    return give
+
+
 def _call_param(fn: Callable[..., Any]) -> str | None:
     try:
         hints = typing.get_type_hints(fn)
@@ -167,86 +185,17 @@ def _call_param(fn: Callable[..., Any]) -> str | None:
 class Wrapper:
     """Decorator: restart the function in-process, on every rank, whenever any rank faults.
 
-    All arguments are keyword-only and checked here (a bad one raises :class:`ConfigError`
-    naming the fix). Timeouts take seconds or a ``timedelta``.
-
-    Args:
-        store: None (rank 0 starts a store process at MASTER_ADDR:MASTER_PORT, or the store
-            named by ``TRAINGUARD_STORE_ADDR`` or torchrun's agent store is used), a
-            ``"host:port"`` of an existing store, or a ``torch.distributed.TCPStore``.
-        rank_assignment: ``Layout -> Layout`` (default :class:`ShiftRanks`).
-        rank_filter: ``Layout -> Layout`` choosing the active ranks; the others are spares.
-        initialize, finalize, health_check, abort: hooks ``RoundState -> None``. An exception
-            from ``health_check`` or ``finalize`` removes this rank from the job (re-raised
-            after it left cleanly); one from ``initialize`` is a fault of the round; ``abort``
-            runs in the monitor thread after torch.distributed was aborted (the function may
-            have been interrupted already).
-        retry: a :class:`RetryController`; or ``max_rounds`` as a shorthand.
-        barrier_timeout: the longest a rank waits for the others at a round's barrier.
-        completion_timeout: the longest a rank whose function returned waits for the others.
-        store_timeout: timeout of connecting to the store and of single store operations.
-        abort_timeout: how long a rank's function may stay blocked after its round was
-            aborted; past it the rank leaves the job and its process ends (shorter than
-            ``barrier_timeout``, so the others are not held at the next barrier).
-        soft_timeout: no progress inside the function for this long (the main thread's
-            position did not move, or no ``call.ping()`` once the function pinged) is a hang:
-            the round is aborted and restarted, this rank included.
-        hard_timeout: no progress for this long (or a thread holding the GIL so that no
-            other thread runs): the sidecar kills the process (SIGTERM, then SIGKILL after
-            ``termination_grace_time``) and the others go on without it.
-        heartbeat_interval, heartbeat_timeout: each rank's sidecar beats in the store every
-            interval; a rank whose beats stop for ``heartbeat_timeout`` (a lost node) is
-            declared gone by the others' sidecars.
-        sidecar: start the sidecar process (default True; False only for debugging: then
-            deaths, hard hangs and lost nodes are not detected).
+    ``Wrapper(**arguments)`` takes the fields of :class:`WrapperConfig` as keyword arguments
+    and checks them at once (:attr:`config`); the decorated function, called on every rank,
+    runs the protocol of :mod:`trainguard.restart.wrapper`.
     """
 
-    def __init__(
-        self,
-        *,
-        store: Any = None,
-        rank_assignment: Callable[[Any], Any] | None = None,
-        rank_filter: Callable[[Any], Any] | None = None,
-        initialize: Callable[[RoundState], Any] | None = None,
-        finalize: Callable[[RoundState], Any] | None = None,
-        health_check: Callable[[RoundState], Any] | None = None,
-        abort: Callable[[RoundState], Any] | None = None,
-        retry: RetryController | None = None,
-        max_rounds: int | None = None,
-        barrier_timeout: float | timedelta = 120,
-        completion_timeout: float | timedelta = 120,
-        store_timeout: float | timedelta = 60,
-        abort_timeout: float | timedelta = 5,
-        soft_timeout: float | timedelta = 60,
-        hard_timeout: float | timedelta = 90,
-        termination_grace_time: float | timedelta = 5,
-        heartbeat_interval: float | timedelta = 1,
-        heartbeat_timeout: float | timedelta = 10,
-        sidecar: bool = True,
-    ) -> None:
-        self.config = _config.build(
-            store=store,
-            rank_assignment=rank_assignment,
-            rank_filter=rank_filter,
-            initialize=initialize,
-            finalize=finalize,
-            health_check=health_check,
-            abort=abort,
-            retry=retry,
-            max_rounds=max_rounds,
-            barrier_timeout=barrier_timeout,
-            completion_timeout=completion_timeout,
-            store_timeout=store_timeout,
-            abort_timeout=abort_timeout,
-            soft_timeout=soft_timeout,
-            hard_timeout=hard_timeout,
-            termination_grace_time=termination_grace_time,
-            heartbeat_interval=heartbeat_interval,
-            heartbeat_timeout=heartbeat_timeout,
-            sidecar=sidecar,
-        )
+    @_arguments_of(WrapperConfig)
+    def __init__(self, **kwargs: Any) -> None:
+        self.config = WrapperConfig(**kwargs)
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap ``fn``; the wrapped function takes ``fn``'s arguments but its CallWrapper."""
         if not callable(fn):
             raise ConfigError(f"Wrapper(...) decorates a function, got {fn!r}")
         param = _call_param(fn)
@@ -267,11 +216,21 @@ class Wrapper:
         return wrapped
 
 
+# help(Wrapper) documents the arguments with the text written where they are defined.
+_, _, _arguments_doc = (WrapperConfig.__doc__ or "").partition("\n")
+Wrapper.__doc__ = f"{Wrapper.__doc__ or ''}{_arguments_doc}"
+
+
 class _Run:
     """One call of a wrapped function on this rank."""
 
     def __init__(
-        self, cfg: Any, fn: Callable[..., Any], param: str | None, args: Any, kwargs: Any
+        self,
+        cfg: WrapperConfig,
+        fn: Callable[..., Any],
+        param: str | None,
+        args: Any,
+        kwargs: Any,
     ) -> None:
         self.cfg, self.fn, self.param, self.args, self.kwargs = cfg, fn, param, args, kwargs
         self.launch = _launch.detect()
@@ -436,26 +395,17 @@ class _Run:
         return None
 
     def _start_sidecar(self, log_dir: Any) -> Sidecar:
-        cfg, session = self.cfg, self.session
+        session = self.session
         assert session.coord_addr is not None
-        return Sidecar(
-            {
-                "rank": self.launch.rank,
-                "world": self.launch.world_size,
-                "job": session.keys.job,
-                "call": session.keys.call,
-                "host": session.coord_addr[0],
-                "port": session.coord_addr[1],
-                "log_dir": str(log_dir) if log_dir is not None else None,
-                "store_timeout": cfg.store_timeout,
-                "barrier_timeout": cfg.barrier_timeout,
-                "hard_timeout": cfg.hard_timeout,
-                "termination_grace_time": cfg.termination_grace_time,
-                "heartbeat_interval": cfg.heartbeat_interval,
-                "heartbeat_timeout": cfg.heartbeat_timeout,
-            },
-            (cfg.rank_assignment, cfg.rank_filter, cfg.retry),
-        ).start()
+        config = SidecarConfig.build(
+            self.cfg,
+            rank=self.launch.rank,
+            world=self.launch.world_size,
+            keys=session.keys,
+            addr=session.coord_addr,
+            log_dir=log_dir,
+        )
+        return Sidecar(config).start()
 
     def _progress_state(self) -> tuple[int, bool, Any]:
         monitor = self.monitor
