@@ -51,7 +51,7 @@ def _abort_round(monkeypatch: pytest.MonkeyPatch, settle_s: float, body: Any) ->
     monitor.settle_s = settle_s
 
     def abort() -> dict[str, Any]:
-        seen["in_fn"] = monitor._in_fn
+        seen["in_fn"] = monitor.in_function
         seen["time"] = time.monotonic()
         release.set()  # the sockets' shutdown releases a collective that was waiting
         return {}
