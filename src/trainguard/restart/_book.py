@@ -18,6 +18,7 @@ once however many extra adds death notices made (:meth:`RoundBook.take_arrival`)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from typing import Any
@@ -29,10 +30,11 @@ from trainguard.restart.policy._round import RoundPolicies
 from trainguard.restart.policy.layout import Layout
 
 
+@dataclasses.dataclass(eq=False)
 class RoundBook:
     """One writer's view of the barrier records of one wrapped call.
 
-    Args:
+    Attributes:
         store: this writer's store connection.
         keys: the call's keyspace.
         world: the initial world size.
@@ -40,28 +42,23 @@ class RoundBook:
         store_timeout: the longest the layout waits for the round's store address.
         roster: the ranks expected at the next barrier (active then spares); all at first.
         writer: the initial rank of the writer, -1 for a sidecar (recorded in the left marks).
+        previous_roster: the roster of the round before (whose keys are deleted).
+        gone: initial ranks that left the job -> why, as of the last published round.
     """
 
-    def __init__(
-        self,
-        store: Any,
-        keys: Keyspace,
-        world: int,
-        policies: RoundPolicies,
-        *,
-        store_timeout: float,
-        roster: tuple[int, ...] | None = None,
-        writer: int = -1,
-    ) -> None:
-        self.store = store
-        self.keys = keys
-        self.world = world
-        self.policies = policies
-        self.store_timeout = store_timeout
-        self.writer = writer
-        self.roster: tuple[int, ...] = tuple(range(world)) if roster is None else roster
+    store: Any
+    keys: Keyspace
+    world: int
+    policies: RoundPolicies
+    store_timeout: float
+    roster: tuple[int, ...] = ()
+    writer: int = -1
+    previous_roster: tuple[int, ...] = dataclasses.field(init=False)
+    gone: dict[int, str] = dataclasses.field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.roster = self.roster or tuple(range(self.world))
         self.previous_roster = self.roster
-        self.gone: dict[int, str] = {}
 
     def record(self, n: int, r: int, record: dict[str, Any]) -> dict[str, Any] | None:
         """Write rank ``r``'s record of round ``n`` unless one is there. Returns None when it

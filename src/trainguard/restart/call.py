@@ -38,23 +38,28 @@ class CallWrapper:
 
     @property
     def round(self) -> int:
+        """The restart round, 0 first."""
         return self.state.round
 
     @property
     def rank(self) -> int:
+        """This rank's rank in the round (the function runs on active ranks only)."""
         assert self.state.rank is not None
         return self.state.rank
 
     @property
     def world_size(self) -> int:
+        """The number of active ranks in the round."""
         return self.state.world_size
 
     @property
     def initial_rank(self) -> int:
+        """This process's rank at launch."""
         return self.state.initial_rank
 
     @property
     def initial_world_size(self) -> int:
+        """The world size at launch."""
         return self.state.initial_world_size
 
     @property
