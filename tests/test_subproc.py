@@ -11,7 +11,7 @@ import pytest
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-@pytest.mark.parametrize("module", ["trainguard.restart._sidecar_main", "trainguard.coord._server"])
+@pytest.mark.parametrize("module", ["trainguard.restart.sidecar", "trainguard.coord._server"])
 def test_entry_point_is_not_imported_before_it_runs(module: str) -> None:
     # An unreadable configuration: the module starts, fails at once, and says so.
     proc = subprocess.run(

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import trainguard.restart as tr
-from tests.restart._jobs import DIM, _grad, batch
+from tests.restart._jobs import sgd_steps
 
 TIMEOUTS = {
     "barrier_timeout": 60,
@@ -24,17 +24,6 @@ TIMEOUTS = {
     "heartbeat_interval": 0.2,
     "heartbeat_timeout": 30.0,
 }
-
-
-def reference(steps: int, switch: int, before: int, after: int, lr: float = 0.1) -> list[float]:
-    """Fault-free weights when steps ``< switch`` run on ``before`` ranks and the rest on
-    ``after`` ranks (each step: the mean of the ranks' gradients)."""
-    w = torch.zeros(DIM + 1, dtype=torch.float64)
-    for step in range(steps):
-        world = before if step < switch else after
-        grads = [_grad(w, *batch(step, rank, world)) for rank in range(world)]
-        w = w - lr * torch.stack(grads).sum(0) / world
-    return w.tolist()
 
 
 def _fault(kind: str, marker: Path) -> None:
@@ -59,7 +48,7 @@ def _fault(kind: str, marker: Path) -> None:
 
 
 def _sidecar_pid() -> int:
-    pid = child_pid(os.getpid(), b"trainguard.restart._sidecar_main")
+    pid = child_pid(os.getpid(), b"trainguard.restart.sidecar")
     assert pid is not None, "no sidecar process found"
     return pid
 
@@ -118,23 +107,12 @@ def fault_job(
             }
         )
         dist.init_process_group("gloo")
-        latest = torch.tensor([max(history) if history else -1], dtype=torch.int64)
-        dist.all_reduce(latest, op=dist.ReduceOp.MIN)
-        start = int(latest.item())
-        w = history[start].clone() if start >= 0 else torch.zeros(DIM + 1, dtype=torch.float64)
-        for step in range(start + 1, steps):
+
+        def fault(step: int) -> None:
             if call.initial_rank == victim and step == fault_step and call.round == 0:
                 _fault(kind, marker)
-            g = _grad(w, *batch(step, call.rank, call.world_size))
-            dist.all_reduce(g)
-            with call.atomic():
-                w = w - lr * g / call.world_size
-                history[step] = w.clone()
-                for old in [s for s in history if s < step - 3]:
-                    del history[old]
-            call.ping()
-        dist.destroy_process_group()
-        return w.tolist()
+
+        return sgd_steps(call, history, steps, lr=lr, before_step=fault)
 
     result = train()
     return {"weights": result, "rounds": rounds}
@@ -235,7 +213,8 @@ def barrier_death_job(victim: int, when: str, out_dir: str) -> dict[str, Any]:
         def open_and_trap(self: Any) -> None:
             original(self)
             marker = Path(out_dir, f"fault-{victim}")
-            self.coord = _DieAtBarrier(self.coord, self.keys, victim, self.world, when, marker)
+            book = self.book  # the barrier's store calls go through the round book
+            book.store = _DieAtBarrier(book.store, self.keys, victim, self.world, when, marker)
 
         Session.open = open_and_trap  # type: ignore[method-assign]
     return fault_job(10, -1, -1, "none", out_dir, {"barrier_timeout": 20, "store_timeout": 10})

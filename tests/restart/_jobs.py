@@ -6,6 +6,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,16 @@ def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]
     return x, y
 
 
-def reference(steps: int, world: int, lr: float = 0.1) -> list[float]:
-    """The fault-free result, computed in one process (mean of the ranks' gradients)."""
+def reference(
+    steps: int, world: int, *, lr: float = 0.1, switch: int | None = None, after: int | None = None
+) -> list[float]:
+    """The fault-free result, computed in one process (each step: the mean of the ranks'
+    gradients). Steps from ``switch`` on run on ``after`` ranks instead of ``world``."""
     w = torch.zeros(DIM + 1, dtype=torch.float64)
     for step in range(steps):
-        grads = []
-        for rank in range(world):
-            grads.append(_grad(w, *batch(step, rank, world)))
-        w = w - lr * torch.stack(grads).sum(0) / world
+        n = after if after is not None and switch is not None and step >= switch else world
+        grads = [_grad(w, *batch(step, rank, n)) for rank in range(n)]
+        w = w - lr * torch.stack(grads).sum(0) / n
     return w.tolist()
 
 
@@ -43,6 +46,39 @@ def _grad(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     loss.backward()
     assert w.grad is not None
     return w.grad.detach()
+
+
+def sgd_steps(
+    call: tr.CallWrapper,
+    history: dict[int, torch.Tensor],
+    steps: int,
+    *,
+    lr: float = 0.1,
+    before_step: Callable[[int], None] | None = None,
+) -> list[float]:
+    """The body of the tests' training function, on the round's initialized process group.
+
+    Resumes from the newest step that every rank has in ``history`` (in-memory checkpoints of
+    the last few steps, kept across rounds by the caller), then runs the remaining steps with
+    one all_reduce each; ``before_step(step)`` may inject a fault. Destroys the process group
+    and returns the weights."""
+    latest = torch.tensor([max(history) if history else -1], dtype=torch.int64)
+    dist.all_reduce(latest, op=dist.ReduceOp.MIN)
+    start = int(latest.item())
+    w = history[start].clone() if start >= 0 else torch.zeros(DIM + 1, dtype=torch.float64)
+    for step in range(start + 1, steps):
+        if before_step is not None:
+            before_step(step)
+        g = _grad(w, *batch(step, call.rank, call.world_size))
+        dist.all_reduce(g)
+        with call.atomic():
+            w = w - lr * g / call.world_size
+            history[step] = w.clone()
+            for old in [s for s in history if s < step - 3]:
+                del history[old]
+        call.ping()
+    dist.destroy_process_group()
+    return w.tolist()
 
 
 def train_job(
@@ -69,23 +105,12 @@ def train_job(
         rounds.append(
             {"round": call.round, "rank": dist.get_rank(), "world": dist.get_world_size()}
         )
-        latest = torch.tensor([max(history) if history else -1], dtype=torch.int64)
-        dist.all_reduce(latest, op=dist.ReduceOp.MIN)
-        start = int(latest.item())
-        w = history[start].clone() if start >= 0 else torch.zeros(DIM + 1, dtype=torch.float64)
-        for step in range(start + 1, steps):
+
+        def fault(step: int) -> None:
             if call.initial_rank == fault_rank and step == fault_step and call.round < fault_rounds:
                 raise ValueError(f"injected fault at step {step}")
-            g = _grad(w, *batch(step, call.rank, call.world_size))
-            dist.all_reduce(g)
-            with call.atomic():
-                w = w - lr * g / call.world_size
-                history[step] = w.clone()
-                for old in [s for s in history if s < step - 3]:
-                    del history[old]
-            call.ping()
-        dist.destroy_process_group()
-        return w.tolist()
+
+        return sgd_steps(call, history, steps, lr=lr, before_step=fault)
 
     result = train()
     return {"weights": result, "rounds": rounds, "env_rank": os.environ.get("RANK")}

@@ -76,3 +76,38 @@ def test_slurm_variables_are_mapped() -> None:
     assert (launch.rank, launch.world_size, launch.local_rank) == (5, 8, 1)
     assert launch.master_addr == "n10" and launch.master_port == 24242
     assert launch.job == "4242"
+
+
+def test_wrapper_takes_exactly_the_config_fields_with_their_defaults() -> None:
+    import dataclasses
+    import inspect
+
+    params = inspect.signature(tr.Wrapper).parameters
+    fields = [f for f in dataclasses.fields(tr.WrapperConfig) if f.init]
+    assert list(params) == [f.name for f in fields]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params.values())
+    assert params["barrier_timeout"].default == 120 and params["sidecar"].default is True
+    assert "heartbeat_timeout" in (tr.Wrapper.__doc__ or "")
+    config = tr.Wrapper().config
+    assert config.barrier_timeout == 120.0 and isinstance(config.rank_assignment, tr.ShiftRanks)
+    assert tr.Wrapper(max_rounds=3).config.policies.retry.max_rounds == 3  # type: ignore[union-attr]
+    with pytest.raises(TypeError):
+        tr.Wrapper(barrier_timeot=3)  # type: ignore[call-arg]
+
+
+def test_sidecar_config_round_trips_through_json() -> None:
+    import json
+
+    from trainguard.coord.keys import Keyspace
+    from trainguard.restart.sidecar import SidecarConfig
+
+    cfg = tr.WrapperConfig(rank_filter=tr.MaxActiveWorldSize(2), heartbeat_interval=0.5)
+    sent = SidecarConfig.build(
+        cfg, rank=1, world=4, keys=Keyspace("job", 2), addr=("h", 5), log_dir=None
+    )
+    received = SidecarConfig.from_json(json.loads(json.dumps(sent.to_json())))
+    assert received == sent and received.keys.prefix == "tg/job/2/"
+    assert received.heartbeat_interval == 0.5
+    assert isinstance(received.round_policies().rank_filter, tr.MaxActiveWorldSize)
+    with pytest.raises(KeyError, match="parent"):
+        SidecarConfig.from_json({k: v for k, v in sent.to_json().items() if k != "parent"})

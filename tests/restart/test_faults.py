@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests._dist import run_ranks
-from tests.restart import _faults
+from tests.restart import _faults, _jobs
 
 STEPS = 10
 FAULT_STEP = 4
@@ -24,7 +24,7 @@ def _run(victim: int, kind: str, tmp_path, overrides=None):
 
 def _check_shrunk(results, victim: int, fault_time: float, *, within: float) -> None:
     """The survivors restarted without ``victim`` (ShiftRanks: world 3) and finished right."""
-    expected = _faults.reference(STEPS, FAULT_STEP, 4, 3)
+    expected = _jobs.reference(STEPS, 4, switch=FAULT_STEP, after=3)
     survivors = [r for r in range(4) if r != victim]
     for new_rank, rank in enumerate(survivors):
         value = results[rank].get()
@@ -58,7 +58,7 @@ def test_dead_process_survivors_restart_without_it_at_once(
 @pytest.mark.parametrize("kind", ["sleep", "spin"])
 def test_soft_hang_aborts_and_restarts_every_rank(kind: str, tmp_path) -> None:
     results, fault_time = _run(2, kind, tmp_path)
-    expected = _faults.reference(STEPS, FAULT_STEP, 4, 4)
+    expected = _jobs.reference(STEPS, 4, switch=FAULT_STEP, after=4)
     for rank, r in enumerate(results):
         value = r.get()
         assert value["weights"] == pytest.approx(expected, rel=1e-12, abs=1e-12)
@@ -100,7 +100,7 @@ def test_spare_takes_the_dead_ranks_number_and_training_is_unchanged(tmp_path) -
         timeout=120,
     )
     assert results[1].exitcode == -9
-    expected = _faults.reference(STEPS, FAULT_STEP, 4, 4)
+    expected = _jobs.reference(STEPS, 4, switch=FAULT_STEP, after=4)
     for rank in (0, 2, 3, 4):
         value = results[rank].get()
         assert value["weights"] == expected  # bit for bit: every rank number reads its shard
@@ -125,7 +125,7 @@ def test_dead_sidecar_takes_its_rank_out_with_a_clear_error(tmp_path) -> None:
     r2 = results[2]
     assert r2.exc_type == "trainguard.errors.SidecarLostError", r2.traceback
     assert "sidecar process died" in (r2.error or "")
-    expected = _faults.reference(STEPS, FAULT_STEP, 4, 3)
+    expected = _jobs.reference(STEPS, 4, switch=FAULT_STEP, after=3)
     for new_rank, rank in enumerate((0, 1, 3)):
         value = results[rank].get()
         assert value["weights"] == pytest.approx(expected, rel=1e-12, abs=1e-12)
@@ -193,7 +193,7 @@ def test_hard_timeout_kills_on_time_while_the_store_is_stopped(tmp_path) -> None
     assert results[1].exitcode in (-15, -9)
     value = results[0].get()
     assert value["weights"] == pytest.approx(
-        _faults.reference(STEPS, FAULT_STEP, 2, 1), rel=1e-12, abs=1e-12
+        _jobs.reference(STEPS, 2, switch=FAULT_STEP, after=1), rel=1e-12, abs=1e-12
     )
     assert [(x["round"], x["rank"], x["world"]) for x in value["rounds"]] == [(0, 0, 2), (1, 0, 1)]
     assert "hard timeout" in (tmp_path / "sidecar-1.log").read_text()
@@ -208,7 +208,7 @@ def test_death_inside_the_barrier_does_not_hold_the_others(when: str, tmp_path) 
     results = run_ranks(_faults.barrier_death_job, 4, args=(2, when, str(tmp_path)), timeout=120)
     assert results[2].exitcode == -9
     died = float((tmp_path / "fault-2").read_text())
-    expected = _faults.reference(10, 0, 4, 3)
+    expected = _jobs.reference(10, 4, switch=0, after=3)
     for new_rank, rank in enumerate((0, 1, 3)):
         value = results[rank].get()
         assert value["weights"] == pytest.approx(expected, rel=1e-12, abs=1e-12)

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 import trainguard.restart.monitor as monitor_module
-from trainguard.coord.keys import Keyspace, encode
+from trainguard.coord.keys import Keyspace
 from trainguard.restart.monitor import Monitor
-from trainguard.restart.state import RestartInterrupt
+from trainguard.restart.state import RestartInterrupt, RoundOutcome
 
 
 class _Store:
@@ -51,7 +51,7 @@ def _abort_round(monkeypatch: pytest.MonkeyPatch, settle_s: float, body: Any) ->
     monitor.settle_s = settle_s
 
     def abort() -> dict[str, Any]:
-        seen["in_fn"] = monitor._in_fn
+        seen["in_fn"] = monitor.in_function
         seen["time"] = time.monotonic()
         release.set()  # the sockets' shutdown releases a collective that was waiting
         return {}
@@ -60,7 +60,7 @@ def _abort_round(monkeypatch: pytest.MonkeyPatch, settle_s: float, body: Any) ->
     monitor.watch(0)
     monitor.enter_fn(0)
     try:
-        store.set(keys.stop(0), encode({"why": "fault", "rank": 1}))
+        store.set(keys.stop(0), RoundOutcome.fault(1, "ValueError: x", "ValueError").encode())
         seen["start"] = time.monotonic()
         with pytest.raises(RestartInterrupt):
             body(release)
@@ -68,7 +68,7 @@ def _abort_round(monkeypatch: pytest.MonkeyPatch, settle_s: float, body: Any) ->
         monitor.leave_fn()
     outcome = monitor.wait_outcome(10)
     monitor.close()
-    assert outcome is not None and outcome["why"] == "fault"
+    assert outcome is not None and outcome.why == "fault" and outcome.rank == 1
     return seen
 
 

@@ -41,14 +41,14 @@ def wait_key(store: Any, key: str, timeout: float, *, what: str = "") -> bytes:
         raise CoordinationError(f"store failed while waiting for {what or key}: {exc}") from exc
 
 
-def wait_forever(store: Any, key: str, stop: Callable[[], bool] | None = None) -> bytes:
+def wait_forever(store: Any, key: str) -> bytes:
     """Block until ``key`` is set, however long that takes (in one-day waits)."""
     while True:
         try:
             store.wait([key], _LONG)
             return bytes(store.get(key))
         except Exception as exc:
-            if not _is_timeout(exc) or (stop is not None and stop()):
+            if not _is_timeout(exc):
                 raise
 
 

@@ -15,6 +15,7 @@ torch; the first call does.
 
 from __future__ import annotations
 
+from trainguard.restart.config import WrapperConfig
 from trainguard.restart.policy import (
     ActiveWorldSizeDivisibleBy,
     Compose,
@@ -41,4 +42,5 @@ __all__ = [
     "RoundState",
     "ShiftRanks",
     "Wrapper",
+    "WrapperConfig",
 ]

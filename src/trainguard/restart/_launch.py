@@ -17,15 +17,6 @@ from collections.abc import Iterator, Mapping
 from trainguard import _env
 from trainguard.errors import ConfigError
 
-ROUND_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_USE_AGENT_STORE",
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class Launch:

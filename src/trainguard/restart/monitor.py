@@ -7,20 +7,25 @@ round ``n`` (driven by the main thread):
    ``wait([stop(n)])``: no polling, it wakes within one store round trip of the outcome.
 2. Outcome ``complete``: nothing to do. Outcome ``fault`` or ``end``: the monitor waits for
    any :meth:`atomic` section to finish; if the main thread is inside the function, raises
-   :class:`RestartInterrupt` in it (``PyThreadState_SetAsyncExc``) and gives it a moment
-   (``settle_s``) to leave; then aborts torch.distributed (:mod:`.abort`) and runs the user's
-   ``abort`` hook. The interrupt comes first so that a main thread running Python code does
+   :class:`RestartInterrupt` in it (:mod:`._interrupt`) and gives it a moment (``settle_s``)
+   to leave; then aborts torch.distributed (:mod:`.abort`) and calls
+   :attr:`MonitorHooks.aborted` (the user's ``abort`` hook). The interrupt comes first so that a main thread running Python code does
    not start a collective while the abort tears the group down (see
    :meth:`Monitor._interrupt_first`). A round is aborted at most once, whatever happens
    afterwards.
-3. The main thread collects the outcome with :meth:`wait_outcome` before it goes on, so the
+3. A main thread that does not leave the function within ``abort_timeout`` of the abort is
+   reported to :attr:`MonitorHooks.stuck` (that rank then leaves the job).
+4. The main thread collects the outcome with :meth:`wait_outcome` before it goes on, so the
    monitor never acts on a round the main thread has left.
+
+The main thread tells the monitor where it is with :meth:`Monitor.enter_fn` /
+:meth:`Monitor.leave_fn` (read back as :attr:`Monitor.in_function`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import dataclasses
 import logging
 import queue
 import sys
@@ -31,21 +36,32 @@ from typing import Any
 
 from trainguard import events
 from trainguard.coord.barrier import wait_forever
-from trainguard.coord.keys import Keyspace, decode, encode
+from trainguard.coord.keys import Keyspace
+from trainguard.restart._interrupt import cancel_in, raise_in
 from trainguard.restart.abort import abort_distributed
-from trainguard.restart.state import RestartInterrupt
+from trainguard.restart.state import RestartInterrupt, RoundOutcome
 
-__all__ = ["Monitor"]
+__all__ = ["Monitor", "MonitorHooks"]
 
 logger = logging.getLogger(__name__)
 
 
-def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> int:
-    return int(
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None
-        )
-    )
+@dataclasses.dataclass(frozen=True)
+class MonitorHooks:
+    """What the monitor thread calls back into (each optional).
+
+    Attributes:
+        aborted: ``(round, outcome)`` after torch.distributed was aborted (the user's
+            ``abort`` hook); its exceptions are logged, never raised.
+        stuck: ``(round)`` when the main thread did not leave the function within
+            ``abort_timeout`` of the abort.
+        kick: ``(thread id)`` wakes the main thread from a blocking call so that the
+            interrupt is raised (:class:`~trainguard.restart._interrupt.Kick`).
+    """
+
+    aborted: Callable[[int, RoundOutcome], None] | None = None
+    stuck: Callable[[int], None] | None = None
+    kick: Callable[[int], None] | None = None
 
 
 class Monitor:
@@ -54,9 +70,10 @@ class Monitor:
     Args:
         store: a dedicated client connection (used by the monitor thread only).
         keys: the call's keyspace.
-        thread_id: the thread that runs the wrapped function.
-        on_abort: called in the monitor thread after torch.distributed was aborted (the
-            user's ``abort`` hook); its exceptions are logged, never raised.
+        thread_id: the thread that runs the wrapped function (:attr:`main_thread_id`).
+        hooks: the calls back into the wrapper.
+        abort_timeout: how long the main thread may take to leave the function after the
+            abort before :attr:`MonitorHooks.stuck` is called.
         settle_s: how long the abort waits for an interrupted main thread to leave the
             function before it shuts the group's sockets down (a thread blocked in a
             collective cannot leave: this is the delay it adds to such an abort).
@@ -67,20 +84,17 @@ class Monitor:
         store: Any,
         keys: Keyspace,
         thread_id: int,
-        on_abort: Callable[[int, dict[str, Any]], None] | None = None,
+        *,
+        hooks: MonitorHooks | None = None,
         abort_timeout: float = 5.0,
-        on_stuck: Callable[[int], None] | None = None,
-        kick: Callable[[int], None] | None = None,
         settle_s: float = 0.02,
     ) -> None:
-        self._kick = kick
+        self._hooks = hooks or MonitorHooks()
         self.settle_s = settle_s
         self._store = store
         self._keys = keys
         self._tid = thread_id
-        self._on_abort = on_abort
         self._abort_timeout = abort_timeout
-        self._on_stuck = on_stuck
         self._jobs: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -88,10 +102,9 @@ class Monitor:
         self._in_fn = False
         self._injected = False
         self._watching: int | None = None
-        self._outcome: dict[str, Any] | None = None
+        self._outcome: RoundOutcome | None = None
         self._outcome_ready = threading.Event()
         self.aborted_round: int | None = None
-        self.abort_info: dict[str, Any] = {}
         self._thread = threading.Thread(target=self._run, name="trainguard-monitor", daemon=True)
         self._thread.start()
 
@@ -105,7 +118,7 @@ class Monitor:
             self._watching = n
         self._jobs.put(n)
 
-    def wait_outcome(self, timeout: float | None) -> dict[str, Any] | None:
+    def wait_outcome(self, timeout: float | None) -> RoundOutcome | None:
         """The outcome of the watched round, or None after ``timeout`` seconds.
 
         Waits in short slices so that a signal (Ctrl-C) is handled promptly.
@@ -117,8 +130,19 @@ class Monitor:
         return self._outcome
 
     @property
-    def outcome(self) -> dict[str, Any] | None:
+    def outcome(self) -> RoundOutcome | None:
+        """The watched round's outcome once the monitor acted on it, else None."""
         return self._outcome if self._outcome_ready.is_set() else None
+
+    @property
+    def in_function(self) -> bool:
+        """True while the main thread is inside the wrapped function."""
+        return self._in_fn
+
+    @property
+    def main_thread_id(self) -> int:
+        """The thread that runs the wrapped function."""
+        return self._tid
 
     def enter_fn(self, n: int) -> None:
         """Mark the function as entered; raises RestartInterrupt if round ``n`` is aborted."""
@@ -132,7 +156,7 @@ class Monitor:
         with self._lock:
             self._in_fn = False
             if self._injected:
-                _set_async_exc(self._tid, None)
+                cancel_in(self._tid)
             self._cond.notify_all()
 
     @contextlib.contextmanager
@@ -153,9 +177,7 @@ class Monitor:
             n = self._watching if not self._outcome_ready.is_set() else None
         if n is not None:
             with contextlib.suppress(Exception):
-                self._store.compare_set(
-                    self._keys.stop(n), "", encode({"why": "end", "reason": "closed"})
-                )
+                self._store.compare_set(self._keys.stop(n), "", RoundOutcome.end("closed").encode())
         self._jobs.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -171,14 +193,15 @@ class Monitor:
         the job instead.
         """
         deadline = time.monotonic() + self._abort_timeout
-        if self._kick is not None:
+        kick = self._hooks.kick
+        if kick is not None:
             # A blocking call (time.sleep, a wait on a lock) holds the interrupt back until it
             # returns; a signal makes it run Python code in the main thread, which raises it.
             with self._cond:
                 self._cond.wait_for(lambda: not (self._in_fn and self._injected), 0.05)
                 if self._in_fn and self._injected:
                     with contextlib.suppress(Exception):
-                        self._kick(self._tid)
+                        kick(self._tid)
         with self._cond:
             while self._in_fn and self._injected:
                 remaining = deadline - time.monotonic()
@@ -186,8 +209,8 @@ class Monitor:
                     break
                 self._cond.wait(remaining)
             stuck = self._in_fn and self._injected
-        if stuck and self._on_stuck is not None:
-            self._on_stuck(n)
+        if stuck and self._hooks.stuck is not None:
+            self._hooks.stuck(n)
 
     def _run(self) -> None:
         while True:
@@ -195,13 +218,13 @@ class Monitor:
             if n is None:
                 return
             try:
-                outcome = decode(wait_forever(self._store, self._keys.stop(n)))
+                outcome = RoundOutcome.decode(wait_forever(self._store, self._keys.stop(n)))
             except Exception as exc:
-                outcome = {"why": "end", "reason": f"store lost: {exc}"}
-            outcome["seen"] = time.monotonic()
-            if outcome.get("why") != "complete" and self.aborted_round != n:
+                outcome = RoundOutcome.end(f"store lost: {exc}")
+            seen = time.monotonic()
+            if outcome.why != "complete" and self.aborted_round != n:
                 try:
-                    self._abort(n, outcome)
+                    self._abort(n, outcome, seen)
                 except Exception:  # never leave the main thread waiting for the outcome
                     logger.exception("aborting round %d failed", n)
             with self._lock:
@@ -209,13 +232,13 @@ class Monitor:
                 self._watching = None
             self._outcome_ready.set()
 
-    def _abort(self, n: int, outcome: dict[str, Any]) -> None:
+    def _abort(self, n: int, outcome: RoundOutcome, seen: float) -> None:
         # The main thread may be running Python: hand the GIL over at once, not after the
         # default 5 ms switch interval at every system call of the abort.
         interval = sys.getswitchinterval()
         sys.setswitchinterval(1e-5)
         try:
-            self._abort_round(n, outcome)
+            self._abort_round(n, outcome, seen)
         finally:
             sys.setswitchinterval(interval)
 
@@ -234,16 +257,16 @@ class Monitor:
         with self._lock:
             if not self._in_fn:
                 return
-            self._injected = _set_async_exc(self._tid, RestartInterrupt) == 1
+            self._injected = raise_in(self._tid)
             if not self._injected:
                 return
-        if self._kick is not None:
+        if self._hooks.kick is not None:
             with contextlib.suppress(Exception):
-                self._kick(self._tid)
+                self._hooks.kick(self._tid)
         with self._cond:
             self._cond.wait_for(lambda: not self._in_fn, self.settle_s)
 
-    def _abort_round(self, n: int, outcome: dict[str, Any]) -> None:
+    def _abort_round(self, n: int, outcome: RoundOutcome, seen: float) -> None:
         with self._lock:
             self.aborted_round = n
         start = time.monotonic()
@@ -252,24 +275,23 @@ class Monitor:
                 self._cond.wait()
         self._interrupt_first()
         info = abort_distributed()
-        if self._on_abort is not None:
+        if self._hooks.aborted is not None:
             try:
-                self._on_abort(n, outcome)
+                self._hooks.aborted(n, outcome)
             except Exception:
                 logger.exception("the abort hook raised (ignored)")
         with self._lock:
             if self._in_fn and not self._injected:
-                self._injected = _set_async_exc(self._tid, RestartInterrupt) == 1
-        self.abort_info = info
+                self._injected = raise_in(self._tid)
         self._check_released(n)
         events.emit(
             "abort",
             duration=time.monotonic() - start,
-            cause=outcome.get("why"),
-            fault_rank=outcome.get("rank"),
+            cause=outcome.why,
+            fault_rank=outcome.rank,
             interrupted=self._injected,
             sockets=info.get("sockets"),
             shutdown_s=info.get("shutdown_s"),
             destroy_s=info.get("destroy_s"),
-            waited_s=start - outcome.get("seen", start),
+            waited_s=start - seen,
         )

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
+import time
 import traceback
 from collections.abc import Mapping
 from types import FrameType, MappingProxyType
+from typing import Literal
 
-__all__ = ["RestartInterrupt", "RoundState", "describe"]
+__all__ = ["RestartInterrupt", "RoundOutcome", "RoundState", "describe"]
+
+#: how a round ended: every active rank returned, a fault (restart), or the job ends.
+Why = Literal["fault", "complete", "end"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +59,95 @@ class RoundState:
 
     def replace(self, **changes: object) -> RoundState:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundOutcome:
+    """How round ``n`` ended: the value of the round's stop key in the store.
+
+    Any rank (or a sidecar writing a death notice) proposes an outcome with ``compare_set``;
+    the first proposal wins and every rank's monitor acts on it (:mod:`.monitor`). Built with
+    :meth:`fault`, :meth:`end` or :meth:`complete`; stored as JSON by :meth:`encode` (unset
+    fields left out) and read back by :meth:`decode`.
+
+    Attributes:
+        why: ``"complete"`` (every active rank returned), ``"fault"`` (restart the round) or
+            ``"end"`` (the job ends: a rank left with an error, a wait timed out...).
+        rank: the initial rank that faulted or ended the job (None when no rank did).
+        reason: why the job ended (``end``).
+        error: one-line description of the exception (see :func:`describe`) or of the fault.
+        type: the fault's kind: the exception's type name, ``Hang``, ``SidecarLost``,
+            ``RankGone``.
+        time: wall-clock time (``time.time()``) of the fault.
+    """
+
+    why: Why
+    rank: int | None = None
+    reason: str | None = None
+    error: str | None = None
+    type: str | None = None
+    time: float | None = None
+
+    @classmethod
+    def fault(cls, rank: int, error: str, kind: str) -> RoundOutcome:
+        """Rank ``rank`` faulted (``error``, of kind ``kind``): the round restarts."""
+        return cls("fault", rank=rank, error=error, type=kind, time=time.time())
+
+    @classmethod
+    def end(cls, reason: str, *, rank: int | None = None, error: str | None = None) -> RoundOutcome:
+        """The job ends for ``reason`` (caused by ``rank``, when a rank did)."""
+        return cls("end", rank=rank, reason=reason, error=error)
+
+    @classmethod
+    def complete(cls) -> RoundOutcome:
+        """Every active rank's function returned."""
+        return cls("complete")
+
+    def encode(self) -> bytes:
+        """Compact JSON of the fields that are set (what the stop key holds)."""
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        return json.dumps(fields, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> RoundOutcome:
+        """Inverse of :meth:`encode`; never raises.
+
+        A value that is not a valid outcome (not JSON, an unknown ``why``, a field of the wrong
+        type) decodes to an ``end`` outcome whose reason quotes it: a monitor must never crash
+        on what it reads, and a round whose outcome nobody can read cannot be restarted safely.
+        Unknown fields are ignored.
+        """
+        try:
+            value = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            value = None
+        problem = _invalid(value)
+        if problem is not None:
+            text = raw if isinstance(raw, str) else bytes(raw).decode(errors="replace")
+            return cls.end(f"unreadable round outcome in the store ({problem}): {text[:200]!r}")
+        return cls(**{f.name: value.get(f.name) for f in dataclasses.fields(cls)})
+
+
+_OUTCOME_TYPES: dict[str, tuple[type, ...]] = {
+    "rank": (int,),
+    "reason": (str,),
+    "error": (str,),
+    "type": (str,),
+    "time": (int, float),
+}
+
+
+def _invalid(value: object) -> str | None:
+    """What makes ``value`` (decoded JSON) not an outcome; None when it is one."""
+    if not isinstance(value, dict):
+        return "not a JSON object"
+    if value.get("why") not in ("fault", "complete", "end"):
+        return f"why={value.get('why')!r}"
+    for name, types in _OUTCOME_TYPES.items():
+        field = value.get(name)
+        if field is not None and (isinstance(field, bool) or not isinstance(field, types)):
+            return f"{name}={field!r}"
+    return None
 
 
 class RestartInterrupt(BaseException):

@@ -1,22 +1,18 @@
 """The training process's handle of its sidecar process.
 
-The sidecar (one small process per rank, :mod:`._sidecar_main`) outlives its training
-process: it writes the death notice when that process dies, enforces the hard timeout and
-sends this rank's heartbeats. :class:`Sidecar` starts it with ``python -m
-trainguard.restart._sidecar_main CONFIG_JSON`` (a fresh interpreter that does not import the
-user's ``__main__``), waits for its handshake line, feeds it lines on its stdin (``{"round"}``
-after each barrier, ``{"hb"}`` from the watchdog thread, ``{"bye"}`` at the end) and reaps it.
-Its log is ``<events dir or tmp>/sidecar-<rank>.log`` (:func:`log_path`).
+:class:`Sidecar` starts it with ``python -m trainguard.restart.sidecar CONFIG_JSON`` (a fresh
+interpreter that does not import the user's ``__main__``, see :mod:`trainguard._subproc`),
+waits for its handshake line, feeds it lines on its stdin (``{"round"}`` after each barrier,
+``{"hb"}`` from the watchdog thread, ``{"bye"}`` at the end) and reaps it. Its log is
+``<events dir or tmp>/sidecar-<rank>.log`` (:func:`log_path`).
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import logging
 import os
-import pickle
 import select
 import subprocess
 import tempfile
@@ -25,6 +21,7 @@ from typing import IO, Any
 
 from trainguard import _subproc
 from trainguard.errors import CoordinationError
+from trainguard.restart.sidecar._config import SidecarConfig
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +33,7 @@ def log_path(directory: str | os.PathLike[str] | None, rank: int) -> Path:
 class Sidecar:
     """Training-process side: start, send lines, notice the sidecar's death, stop."""
 
-    def __init__(self, config: dict[str, Any], policies: Any) -> None:
-        try:
-            config["policies"] = base64.b64encode(pickle.dumps(policies)).decode()
-        except Exception:  # lambdas: a sidecar that has to lay a round out uses ShiftRanks
-            config["policies"] = None
-        config["parent"] = os.getpid()
+    def __init__(self, config: SidecarConfig) -> None:
         self.config = config
         self.proc: subprocess.Popen[bytes] | None = None
         self._stdin: IO[bytes] | None = None
@@ -49,7 +41,7 @@ class Sidecar:
 
     def start(self) -> Sidecar:
         self.proc = _subproc.start_module(
-            "trainguard.restart._sidecar_main", self.config, stdin=subprocess.PIPE
+            "trainguard.restart.sidecar", self.config.to_json(), stdin=subprocess.PIPE
         )
         self._stdin = self.proc.stdin
         return self
@@ -67,7 +59,7 @@ class Sidecar:
             self.stop(0.0)
             raise CoordinationError(
                 f"the sidecar process could not start: {reply.get('error')}; see "
-                f"{log_path(self.config['log_dir'], self.config['rank'])}"
+                f"{log_path(self.config.log_dir, self.config.rank)}"
             )
 
     def alive(self) -> bool:

@@ -1,8 +1,9 @@
-"""The sidecar process: ``python -m trainguard.restart._sidecar_main CONFIG_JSON``.
+"""The sidecar process: ``python -m trainguard.restart.sidecar CONFIG_JSON``.
 
-One per rank, started by the wrapper (:class:`trainguard.restart._sidecar.Sidecar`); a fresh
+One per rank, started by the wrapper (:class:`trainguard.restart.sidecar.Sidecar`); a fresh
 interpreter that shares nothing with a crashing training process. This module is its entry
 point only: nothing imports it, so ``python -m`` runs it without importing it twice.
+``CONFIG_JSON`` is a :class:`~trainguard.restart.sidecar.SidecarConfig`.
 
 1. It connects to the coordination store and prints one JSON handshake line on stdout.
 2. The training process writes JSON lines on its stdin: ``{"round": n, "roster": [...]}`` after
@@ -42,22 +43,22 @@ import time
 from typing import Any
 
 from trainguard import events
-from trainguard.coord.keys import Keyspace
 from trainguard.coord.store import connect
-from trainguard.restart._notice import write_notice
-from trainguard.restart._sidecar import log_path
+from trainguard.restart.sidecar._config import SidecarConfig
+from trainguard.restart.sidecar._handle import log_path
+from trainguard.restart.sidecar._notice import write_notice
 
 logger = logging.getLogger("trainguard.restart.sidecar")
 
 
 class _Watch:
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: SidecarConfig) -> None:
         self.cfg = cfg
-        self.rank = int(cfg["rank"])
-        self.world = int(cfg["world"])
-        self.parent = int(cfg["parent"])
-        self.keys = Keyspace(cfg["job"], cfg["call"])
-        self.coord = connect(cfg["host"], cfg["port"], timeout=cfg["store_timeout"])
+        self.rank = cfg.rank
+        self.world = cfg.world
+        self.parent = cfg.parent
+        self.keys = cfg.keys
+        self.coord = connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
         self.beat_store = self.coord.clone()
         self.pidfd = os.pidfd_open(self.parent)
         self.lock = threading.Lock()  # guards the fields below, shared by the threads
@@ -81,7 +82,7 @@ class _Watch:
 
     # tg-hard: the hard timeout, no store access -------------------------------------------
     def enforce_hard_timeout(self) -> None:
-        hard = float(self.cfg["hard_timeout"])
+        hard = self.cfg.hard_timeout
         while not self.done.is_set():
             now = time.monotonic()
             with self.lock:  # the clock starts at the handshake, before the first line
@@ -97,7 +98,7 @@ class _Watch:
             self.done.wait(max(0.001, hard - max(silent, stalled)))
 
     def kill_parent(self, why: str) -> None:
-        grace = float(self.cfg["termination_grace_time"])
+        grace = self.cfg.termination_grace_time
         self.killed = f"killed by its sidecar at the hard timeout ({why})"
         events.emit("hard_timeout", reason=why, pid=self.parent)
         logger.error("hard timeout: %s; SIGTERM to %d", why, self.parent)
@@ -111,7 +112,7 @@ class _Watch:
 
     # tg-beats: heartbeats and verdicts ------------------------------------------------------
     def beats(self) -> None:
-        interval = float(self.cfg["heartbeat_interval"])
+        interval = self.cfg.heartbeat_interval
         next_beat = time.monotonic()
         while not self.done.wait(max(0.0, next_beat - time.monotonic())):
             next_beat = max(next_beat + interval, time.monotonic())
@@ -131,8 +132,8 @@ class _Watch:
             return
         values = store.multi_get([self.hb_key(r) for r in others])
         now = time.monotonic()
-        timeout = float(self.cfg["heartbeat_timeout"])
-        if now - self.last_beat > max(timeout / 2, 2 * float(self.cfg["heartbeat_interval"])):
+        timeout = self.cfg.heartbeat_timeout
+        if now - self.last_beat > max(timeout / 2, 2 * self.cfg.heartbeat_interval):
             # This process saw nothing for a while (the store did not answer, or this process
             # got no CPU): that time says nothing about the others. Start their clocks afresh.
             self.seen = {}
@@ -171,10 +172,10 @@ class _Watch:
         logger.warning(
             "rank %d gone in round %d (%s); notice written in %.1f ms (counted: %s)",
             r,
-            done["gone_round"],
+            done.gone_round,
             cause,
-            1000 * done["duration"],
-            done["counted"],
+            1000 * done.duration,
+            done.counted,
         )
 
     # main thread ---------------------------------------------------------------------------
@@ -233,7 +234,7 @@ class _Watch:
             self.notice(self.coord, self.rank, n, roster, cause)
         # Notices about others still running go on up to the barrier timeout; a beat stuck in
         # a store call is not waited for (the process exits under it).
-        deadline = time.monotonic() + float(self.cfg["barrier_timeout"])
+        deadline = time.monotonic() + self.cfg.barrier_timeout
         for thread in self.notices:
             thread.join(max(0.0, deadline - time.monotonic()))
         threads[1].join(0.5)
@@ -241,13 +242,13 @@ class _Watch:
 
 
 def main(argv: list[str]) -> int:
-    cfg = json.loads(argv[1])
-    path = log_path(cfg["log_dir"], cfg["rank"])
+    cfg = SidecarConfig.from_json(json.loads(argv[1]))
+    path = log_path(cfg.log_dir, cfg.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(
         filename=path,
         level=logging.INFO,
-        format=f"%(asctime)s sidecar rank {cfg['rank']} pid %(process)d %(levelname)s %(message)s",
+        format=f"%(asctime)s sidecar rank {cfg.rank} pid %(process)d %(levelname)s %(message)s",
     )
     try:
         watch = _Watch(cfg)
@@ -255,9 +256,9 @@ def main(argv: list[str]) -> int:
         logger.exception("could not start")
         print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
         return 1
-    if cfg["log_dir"]:  # the events directory: the sidecar's detections are events too
-        events.configure(cfg["log_dir"], rank=cfg["rank"])
-    logger.info("watching pid %d", cfg["parent"])
+    if cfg.log_dir:  # the events directory: the sidecar's detections are events too
+        events.configure(cfg.log_dir, rank=cfg.rank)
+    logger.info("watching pid %d", cfg.parent)
     watch.last_line = time.monotonic()
     print(json.dumps({"ok": True, "pid": os.getpid()}), flush=True)
     sys.stdout.close()

@@ -1,0 +1,171 @@
+"""The round book: the records of the rounds' barriers in the store, and who left the job.
+
+Two kinds of writers keep it, each with a :class:`RoundBook` of its own over its own store
+connection: a rank's :class:`~trainguard.restart._session.Session` (it arrives at each barrier,
+may lay the round out, counts itself out at the end), and a sidecar writing a death notice
+(:mod:`trainguard.restart.sidecar._notice`: it turns a gone rank's arrival into a departure,
+may lay the round out, counts that rank out).
+
+A rank arrives in two steps: its record (``compare_set``, so that a death notice cannot be
+overwritten) and then one ``add`` to the round's counter. A rank may die between the two, or
+right after them, before it laid the round out. So the count only says when to look: whoever
+counts at least as many arrivals as the roster holds checks that every record is in, lays the
+round out from the records and publishes it with ``compare_set`` (the first layout wins; later
+ones read it). The last ``add`` always sees every record, so the round is published exactly
+once however many extra adds death notices made (:meth:`RoundBook.take_arrival`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from typing import Any
+
+from trainguard.coord import barrier
+from trainguard.coord.keys import Keyspace, decode, encode
+from trainguard.errors import RetryLimitError
+from trainguard.restart.policy._round import RoundPolicies
+from trainguard.restart.policy.layout import Layout
+
+
+@dataclasses.dataclass(eq=False)
+class RoundBook:
+    """One writer's view of the barrier records of one wrapped call.
+
+    Attributes:
+        store: this writer's store connection.
+        keys: the call's keyspace.
+        world: the initial world size.
+        policies: how the round is laid out when this writer publishes it.
+        store_timeout: the longest the layout waits for the round's store address.
+        roster: the ranks expected at the next barrier (active then spares); all at first.
+        writer: the initial rank of the writer, -1 for a sidecar (recorded in the left marks).
+        previous_roster: the roster of the round before (whose keys are deleted).
+        gone: initial ranks that left the job -> why, as of the last published round.
+    """
+
+    store: Any
+    keys: Keyspace
+    world: int
+    policies: RoundPolicies
+    store_timeout: float
+    roster: tuple[int, ...] = ()
+    writer: int = -1
+    previous_roster: tuple[int, ...] = dataclasses.field(init=False)
+    gone: dict[int, str] = dataclasses.field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.roster = self.roster or tuple(range(self.world))
+        self.previous_roster = self.roster
+
+    def record(self, n: int, r: int, record: dict[str, Any]) -> dict[str, Any] | None:
+        """Write rank ``r``'s record of round ``n`` unless one is there. Returns None when it
+        was written, else the record found (a notice declared ``r`` gone first)."""
+        value = encode(record)
+        current = bytes(self.store.compare_set(self.keys.member(n, r), "", value))
+        return None if current == value else dict(decode(current))
+
+    def arrive(self, n: int) -> bytes | None:
+        """Count one arrival; if every record is in, publish the round. Returns the published
+        round when this call found or made it, else None (wait for it)."""
+        if int(self.store.add(self.keys.arrive(n), 1)) < len(self.roster):
+            return None
+        if not self.store.check([self.keys.member(n, r) for r in self.roster]):
+            return None  # a rank wrote no record yet: its own add comes later
+        payload = self._lay_out(n)
+        published = bytes(self.store.compare_set(self.keys.ready(n), "", payload))
+        if published == payload:
+            self._delete_round(n - 1)  # after publishing: off the others' critical path
+        return published
+
+    def enter(self, ready: dict[str, Any]) -> None:
+        """Follow the published round ``ready``: its ranks are the next barrier's roster."""
+        self.previous_roster = self.roster
+        self.roster = tuple(ready["active"]) + tuple(ready["spare"])
+        self.gone = {int(k): v for k, v in ready["gone"].items()}
+
+    def _lay_out(self, n: int) -> bytes:
+        """Run by the last arriver: read every record, apply the policies, publish."""
+        raws = self.store.multi_get([self.keys.member(n, r) for r in self.roster])
+        records = [decode(raw) for raw in raws]
+        gone = dict(self.gone)
+        present: set[int] = set()
+        faults: dict[int, str] = {}
+        info: dict[int, dict[str, str]] = {}
+        for rec in records:
+            r = int(rec["r"])
+            if rec.get("fault"):
+                faults[r] = rec["fault"]
+            if rec.get("leave"):
+                gone[r] = rec["leave"]
+            else:
+                present.add(r)
+                info[r] = {"host": str(rec["host"]), "local_rank": str(rec["local_rank"])}
+        layout = Layout.start(
+            round=n,
+            initial_world_size=self.world,
+            previous=self.roster,
+            present=present,
+            info=info,
+        )
+        end = None
+        try:
+            layout = self.policies.apply(layout)
+        except RetryLimitError as exc:
+            end = str(exc)
+        except Exception as exc:
+            end = f"a rank assignment or filter policy raised {type(exc).__name__}: {exc}"
+        pg = (
+            barrier.wait_key(self.store, self.keys.pg_addr(n), self.store_timeout)
+            if present
+            else b""
+        )
+        return encode(
+            {
+                "round": n,
+                "active": list(layout.active) if end is None else [],
+                "spare": list(layout.spares) if end is None else sorted(present),
+                "gone": {str(k): v for k, v in gone.items()},
+                "faults": {str(k): v for k, v in faults.items()},
+                "pg": pg.decode(),
+                "end": end,
+            }
+        )
+
+    def _delete_round(self, n: int) -> None:
+        """Delete round ``n``'s keys: every rank of it has reached round ``n+1``'s barrier."""
+        if n < 0:
+            return
+        for key in self.keys.round_keys(n, self.previous_roster):
+            with contextlib.suppress(Exception):
+                self.store.delete_key(key)
+
+    def take_arrival(self, n: int, r: int, cause: str) -> bool:
+        """Make rank ``r``'s arrival at round ``n``'s barrier a departure (``r`` is gone), in
+        whichever state ``r`` left it: no record, its record without its count, or both (it
+        may even have been the last arrival and died before publishing the round).
+
+        Idempotent: an extra count is harmless (see the module docstring). Returns True when
+        ``r`` had arrived on its own: a round published before its record was turned into a
+        departure still holds ``r`` (the caller then follows ``r`` into that round)."""
+        leave = encode({"r": r, "host": "", "local_rank": -1, "leave": cause, "fault": None})
+        key = self.keys.member(n, r)
+        current = bytes(self.store.compare_set(key, "", leave))
+        arrived = False
+        while current != leave and not decode(current).get("leave"):
+            arrived = True
+            current = bytes(self.store.compare_set(key, current, leave))
+        self.arrive(n)
+        return arrived
+
+    def count_out(self, r: int) -> bool:
+        """Count rank ``r`` as having left the job, once whoever calls it; True for the call
+        that counted it. The last rank to leave lets the store process exit."""
+        mark = encode({"by": self.writer, "pid": os.getpid(), "ns": time.monotonic_ns()})
+        if bytes(self.store.compare_set(self.keys.left_mark(r), "", mark)) != mark:
+            return False
+        if int(self.store.add(self.keys.left, 1)) >= self.world:
+            self.store.set(self.keys.exit, b"done")
+        return True

@@ -1,0 +1,68 @@
+"""How the monitor thread interrupts the main thread.
+
+Two steps: :func:`raise_in` schedules :class:`RestartInterrupt` in the main thread
+(``PyThreadState_SetAsyncExc``: raised at its next bytecode), and :meth:`Kick.send` sends it
+SIGUSR2 so that a blocking call (``time.sleep``, a wait on a lock) returns to run Python code,
+where the interrupt is raised. The kick needs a handler, installed for the wrapped call by
+:meth:`Kick.install` (only possible from the main thread) and removed by :meth:`Kick.restore`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+
+from trainguard.restart.state import RestartInterrupt
+
+#: a signal handler as ``signal.signal`` returns it.
+Handler = Callable[[int, FrameType | None], object] | int | None
+
+
+def raise_in(thread_id: int) -> bool:
+    """Schedule a RestartInterrupt in ``thread_id``; True when it was scheduled."""
+    return _set_async_exc(thread_id, RestartInterrupt) == 1
+
+
+def cancel_in(thread_id: int) -> None:
+    """Withdraw a scheduled interrupt that was not raised yet."""
+    _set_async_exc(thread_id, None)
+
+
+def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> int:
+    return int(
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None
+        )
+    )
+
+
+def _noop(signum: int, frame: FrameType | None) -> None:
+    """Runs Python code in the main thread so that a pending restart interrupt is raised."""
+
+
+class Kick:
+    """SIGUSR2 to wake the main thread from a blocking call, while the wrapped call runs.
+
+    :meth:`install` returns None when this is not the main thread (no handler can be set:
+    the interrupt then lands when the blocking call returns on its own).
+    """
+
+    def __init__(self, previous: Handler) -> None:
+        self._previous = previous
+
+    @classmethod
+    def install(cls) -> Kick | None:
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        return cls(signal.signal(signal.SIGUSR2, _noop))
+
+    def restore(self) -> None:
+        previous = self._previous
+        signal.signal(signal.SIGUSR2, previous if previous is not None else signal.SIG_DFL)
+
+    @staticmethod
+    def send(thread_id: int) -> None:
+        signal.pthread_kill(thread_id, signal.SIGUSR2)

@@ -1,0 +1,421 @@
+"""One call of a wrapped function on one rank: its rounds, and what one fault sets off.
+
+The methods of :class:`WrappedCall` read in the order things happen. One fault, top to bottom:
+
+1. :meth:`WrappedCall._round`: the function raises on some rank. That rank proposes the
+   round's outcome, a fault (:meth:`_fault`: ``Session.stop``, first proposal wins). A hang
+   seen by the watchdog (:meth:`_hang`) or a death seen by a sidecar proposes one the same way.
+2. Every rank's monitor thread wakes on the outcome (:mod:`.monitor`): it interrupts the
+   function (``RestartInterrupt``), aborts torch.distributed and calls :meth:`_aborted` (the
+   user's ``abort`` hook). A main thread that stays blocked is reported to :meth:`_stuck`:
+   that rank leaves the job and its process ends.
+3. The main thread, out of the function, collects the outcome (:meth:`_wait`).
+4. :meth:`_rounds` then tears the round's groups down, runs ``finalize`` and
+   ``health_check`` (a rank whose hook raised leaves at the next barrier) and goes to the
+   next round's barrier with the fault in its record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from trainguard import events
+from trainguard.errors import BarrierTimeoutError, JobEndedError, RetryLimitError, SidecarLostError
+from trainguard.restart import _launch
+from trainguard.restart._interrupt import Kick
+from trainguard.restart._session import Session
+from trainguard.restart.abort import GroupSockets, destroy_groups
+from trainguard.restart.call import CallWrapper
+from trainguard.restart.config import WrapperConfig
+from trainguard.restart.monitor import Monitor, MonitorHooks
+from trainguard.restart.sidecar import Sidecar, SidecarConfig
+from trainguard.restart.state import RestartInterrupt, RoundOutcome, RoundState, describe
+from trainguard.restart.watchdog import Watchdog
+
+logger = logging.getLogger(__name__)
+
+_call_counter = itertools.count()  # wrapped calls made by this process (keyspace of each)
+
+
+class WrappedCall:
+    """One call of a wrapped function on this rank (built and run by the Wrapper)."""
+
+    def __init__(
+        self,
+        cfg: WrapperConfig,
+        fn: Callable[..., Any],
+        param: str | None,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+    ) -> None:
+        self.cfg, self.fn, self.param, self.args, self.kwargs = cfg, fn, param, args, kwargs
+        self.launch = _launch.detect()
+        self.session = Session(self.launch, next(_call_counter), cfg)
+        self.monitor: Monitor | None = None
+        self.sidecar: Sidecar | None = None
+        self.watchdog: Watchdog | None = None
+        self.call: CallWrapper | None = None
+        self.left_early = False
+        self.state = RoundState(
+            round=0, initial_rank=self.launch.rank, initial_world_size=self.launch.world_size
+        )
+
+    # the call -----------------------------------------------------------------------------
+    def run(self) -> Any:
+        """Every round until one completes (its value) or the job ends (an exception)."""
+        start = time.monotonic()
+        log = events.get_log()
+        saved_context = (log.rank, log.round)
+        events.set_context(rank=self.launch.rank, round=0)
+        GroupSockets.install()
+        finished = False
+        kick = Kick.install()
+        try:
+            self._start(log.directory, kick)
+            value = self._rounds()
+            finished = True
+            events.emit("complete", duration=time.monotonic() - start, rounds=self.state.round + 1)
+            return value
+        except BaseException:
+            # Make sure the others learn that this rank is gone from the round it was in.
+            if self.monitor is not None and self.monitor.outcome is None:
+                with contextlib.suppress(Exception):
+                    self.session.stop(
+                        self.state.round,
+                        RoundOutcome.end("left with an error", rank=self.launch.rank),
+                    )
+            raise
+        finally:
+            self._stop(kick, finished)
+            log.rank, log.round = saved_context
+
+    def _start(self, log_dir: Any, kick: Kick | None) -> None:
+        """Connect, start the sidecar, the monitor thread and the watchdog thread."""
+        cfg = self.cfg
+        self.session.open()
+        if cfg.sidecar:
+            self.sidecar = self._start_sidecar(log_dir)
+        hooks = MonitorHooks(
+            aborted=self._aborted,
+            stuck=self._stuck,
+            kick=kick.send if kick is not None else None,
+        )
+        self.monitor = Monitor(
+            self.session.watch_store,
+            self.session.keys,
+            threading.get_ident(),
+            hooks=hooks,
+            abort_timeout=cfg.abort_timeout,
+        )
+        if self.sidecar is not None:
+            self.sidecar.handshake(cfg.store_timeout)
+        hang_store = self.session.coord.clone()
+        self.watchdog = Watchdog(
+            thread_id=threading.get_ident(),
+            state=self._progress_state,
+            on_hang=lambda n, why: self._hang(hang_store, n, why),
+            soft_timeout=cfg.soft_timeout,
+            interval=min(0.1, cfg.soft_timeout / 20),
+            sidecar=self.sidecar,
+        )
+
+    def _stop(self, kick: Kick | None, finished: bool) -> None:
+        """Stop the threads and the sidecar, leave the job, drop the store connections."""
+        if self.watchdog is not None:
+            self.watchdog.close()
+            self.watchdog = None
+        if self.monitor is not None:
+            self.monitor.close()
+        destroy_groups()
+        GroupSockets.uninstall()
+        self.session.leave()
+        if self.sidecar is not None:
+            self.sidecar.stop()
+            self.sidecar = None
+        if kick is not None:
+            kick.restore()
+        barrier_timeout = self.cfg.barrier_timeout
+        timeout = barrier_timeout if finished else min(10.0, barrier_timeout)
+        self.session.close(early=self.left_early, timeout=timeout)
+        self.monitor = None
+
+    def _rounds(self) -> Any:
+        leaving = self._hook("health_check", self.state)
+        fault: str | None = None
+        n = 0
+        while True:
+            ready = self.session.barrier(
+                n, leaving=describe(leaving) if leaving else None, fault=fault
+            )
+            if ready is None:
+                assert leaving is not None
+                self.left_early = True
+                raise leaving
+            self._enter(n, ready)
+            outcome, value, fault = self._round(n, ready)
+            if outcome.why == "complete":
+                error = self._hook("finalize", self.state)
+                if error is not None:
+                    raise error
+                return value if self.state.active else None
+            if outcome.why == "end":
+                rank = outcome.rank
+                reason = outcome.reason or outcome.error or ""
+                raise JobEndedError(
+                    f"the job ended in round {n}: rank {rank} {reason}; not restarted",
+                    causes={rank: reason} if rank is not None else None,
+                )
+            # a fault: this rank restarts
+            destroy_groups()
+            GroupSockets.take()
+            self.state = self.state.replace(
+                faults={outcome.rank if outcome.rank is not None else -1: outcome.error or ""}
+            )
+            leaving = (
+                self._hook("finalize", self.state)
+                or self._hook("health_check", self.state)
+                or self._sidecar_lost()
+            )
+            n += 1
+
+    def _enter(self, n: int, ready: dict[str, Any]) -> None:
+        """Take round ``n`` as published; raise if the job stops there."""
+        self.state = self._state(n, ready)
+        if self.sidecar is not None:
+            self.sidecar.send({"round": n, "roster": list(self.session.roster)})
+        events.set_context(round=n)
+        if ready["end"]:
+            causes = {**self.state.gone, **self.state.faults}
+            lost = "; ".join(f"rank {r}: {why}" for r, why in sorted(self.state.gone.items()))
+            raise RetryLimitError(
+                ready["end"] + (f"; ranks lost: {lost}" if lost else ""), causes=causes
+            )
+        events.emit(
+            "round_start",
+            active=list(self.state.active_ranks),
+            spares=list(self.state.spare_ranks),
+            rank_in_round=self.state.rank,
+            world_size=self.state.world_size,
+        )
+
+    # one round ----------------------------------------------------------------------------
+    def _round(self, n: int, ready: dict[str, Any]) -> tuple[RoundOutcome, Any, str | None]:
+        """Round ``n`` on this rank: (its outcome, the function's value, this rank's fault)."""
+        monitor = self.monitor
+        assert monitor is not None
+        state = self.state
+        RestartInterrupt.last = None
+        monitor.watch(n)
+        if not state.active:
+            return self._wait(n, None, "spare"), None, None
+        call = CallWrapper(state, monitor, ready["pg"], self.cfg.store_timeout)
+        self.call = call
+        kwargs = dict(self.kwargs)
+        if self.param is not None:
+            kwargs[self.param] = call
+        value: Any = None
+        fault: str | None = None
+        returned = False
+        try:
+            with _launch.round_environment(self._round_env(ready["pg"])):
+                try:
+                    if self.cfg.initialize is not None:
+                        self.cfg.initialize(state)
+                    monitor.enter_fn(n)
+                    try:
+                        value = self.fn(*self.args, **kwargs)
+                    finally:
+                        self._leave_fn()
+                    returned = True
+                except RestartInterrupt:
+                    self._leave_fn()
+                except Exception as exc:
+                    self._leave_fn()
+                    fault = self._fault(n, exc)
+                except BaseException as exc:
+                    self._leave_fn()
+                    self._end(n, exc)
+                    raise
+        finally:
+            self.call = None
+            call._close()
+        self._check_swallowed(returned)
+        if returned:
+            self.session.complete(n, state.world_size)
+            return self._wait(n, self.cfg.completion_timeout, "completion"), value, None
+        return self._wait(n, self.cfg.barrier_timeout, "abort"), None, fault
+
+    def _round_env(self, pg: str) -> dict[str, str]:
+        """The launcher's variables for this round (the round's own store at ``pg``)."""
+        host, _, port = pg.rpartition(":")
+        return {
+            "RANK": str(self.state.rank),
+            "WORLD_SIZE": str(self.state.world_size),
+            "LOCAL_RANK": str(self.launch.local_rank),
+            "MASTER_ADDR": host,
+            "MASTER_PORT": port,
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }
+
+    def _fault(self, n: int, exc: Exception) -> str | None:
+        """The function raised: propose a fault; its description when this rank's was first."""
+        assert self.monitor is not None
+        desc = describe(exc)
+        if self.monitor.aborted_round == n:
+            logger.debug("rank %d: %s after the round was aborted", self.launch.rank, desc)
+            return None
+        kind = type(exc).__qualname__
+        if self.session.stop(n, RoundOutcome.fault(self.launch.rank, desc, kind)):
+            logger.warning("rank %d: fault in round %d: %s", self.launch.rank, n, desc)
+            events.emit("fault", error=desc, type=kind)
+            return desc
+        logger.debug("rank %d: %s after another rank's fault", self.launch.rank, desc)
+        return None
+
+    def _end(self, n: int, exc: BaseException) -> None:
+        """The function raised a BaseException that is not ours: the job ends."""
+        reason = f"raised {type(exc).__qualname__}"
+        outcome = RoundOutcome.end(reason, rank=self.state.initial_rank, error=describe(exc))
+        self.session.stop(n, outcome)
+        events.emit("end", error=describe(exc))
+
+    def _aborted(self, n: int, outcome: RoundOutcome) -> None:
+        """Monitor thread, after torch.distributed was aborted: the user's ``abort`` hook."""
+        if self.cfg.abort is not None:
+            self.cfg.abort(self.state)
+
+    def _stuck(self, n: int) -> None:
+        """Monitor thread: the main thread did not leave the function after the abort.
+
+        This rank leaves the job at round ``n+1``'s barrier (so the others go on without it)
+        and its process ends: a thread blocked in the collective library cannot be recovered.
+        """
+        monitor = self.monitor
+        frame = sys._current_frames().get(monitor.main_thread_id) if monitor else None
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
+        reason = (
+            f"still blocked in the function {self.cfg.abort_timeout:g} s after the abort of "
+            f"round {n}; the process ends"
+        )
+        logger.error("rank %d: %s; main thread at:\n%s", self.launch.rank, reason, stack)
+        events.emit("abort_stuck", stack=stack[-2000:])
+        with contextlib.suppress(Exception):
+            self.session.barrier(n + 1, leaving=reason, fault=None)
+            self.session.leave()
+        if self.sidecar is not None:
+            self.sidecar.send({"bye": 1})
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _wait(self, n: int, timeout: float | None, what: str) -> RoundOutcome:
+        """Main thread: the round's outcome, once the monitor acted on it."""
+        assert self.monitor is not None
+        start = time.monotonic()
+        outcome = self.monitor.wait_outcome(timeout)
+        if outcome is None:
+            self.session.stop(n, RoundOutcome.end(f"{what} timed out", rank=self.launch.rank))
+            raise BarrierTimeoutError(
+                f"round {n}: the {what} wait timed out after {timeout:g} s; raise "
+                f"{'completion_timeout' if what == 'completion' else 'barrier_timeout'} or "
+                "look for a stuck rank"
+            )
+        events.emit("outcome_wait", duration=time.monotonic() - start, what=what)
+        return outcome
+
+    # the watchdog's side ------------------------------------------------------------------
+    def _progress_state(self) -> tuple[int, bool, CallWrapper | None]:
+        monitor = self.monitor
+        return self.state.round, bool(monitor is not None and monitor.in_function), self.call
+
+    def _hang(self, store: Any, n: int, why: str) -> None:
+        """Watchdog thread: record a hang (or the sidecar's loss) as round ``n``'s fault."""
+        kind = "Hang" if why.startswith("hang") else "SidecarLost"
+        outcome = RoundOutcome.fault(self.launch.rank, why, kind)
+        try:
+            store.compare_set(self.session.keys.stop(n), "", outcome.encode())
+        except Exception as exc:
+            logger.error("could not record the fault %r: %s", why, exc)
+
+    def _sidecar_lost(self) -> BaseException | None:
+        lost = self.watchdog.lost if self.watchdog is not None else None
+        if lost is None:
+            return None
+        return SidecarLostError(
+            f"rank {self.launch.rank}: {lost}; it left the job rather than run without "
+            "protection (see its sidecar-<rank>.log in the events directory or tmp)",
+            causes={self.launch.rank: lost},
+        )
+
+    # helpers ------------------------------------------------------------------------------
+    def _state(self, n: int, ready: dict[str, Any]) -> RoundState:
+        active = tuple(ready["active"])
+        irank = self.launch.rank
+        return RoundState(
+            round=n,
+            initial_rank=irank,
+            initial_world_size=self.launch.world_size,
+            rank=active.index(irank) if irank in active else None,
+            world_size=len(active),
+            active_ranks=active,
+            spare_ranks=tuple(ready["spare"]),
+            gone={int(k): v for k, v in ready["gone"].items()},
+            faults={int(k): v for k, v in ready["faults"].items()},
+        )
+
+    def _hook(self, name: str, state: RoundState) -> BaseException | None:
+        hook = getattr(self.cfg, name)
+        if hook is None:
+            return None
+        try:
+            hook(state)
+        except Exception as exc:
+            logger.error("rank %d: %s raised %s; leaving the job", state.initial_rank, name, exc)
+            events.emit(f"{name}_failed", error=describe(exc))
+            return exc
+        return None
+
+    def _start_sidecar(self, log_dir: Any) -> Sidecar:
+        session = self.session
+        assert session.coord_addr is not None
+        config = SidecarConfig.build(
+            self.cfg,
+            rank=self.launch.rank,
+            world=self.launch.world_size,
+            keys=session.keys,
+            addr=session.coord_addr,
+            log_dir=log_dir,
+        )
+        return Sidecar(config).start()
+
+    def _leave_fn(self) -> None:
+        """Leave the function; a restart interrupt arriving meanwhile is absorbed."""
+        assert self.monitor is not None
+        for _ in range(3):
+            try:
+                self.monitor.leave_fn()
+                return
+            except RestartInterrupt:
+                continue
+
+    def _check_swallowed(self, returned: bool) -> None:
+        interrupt = RestartInterrupt.last
+        if interrupt is None or not returned:
+            return
+        where = interrupt.swallowed_at()
+        logger.warning(
+            "rank %d: the restart interrupt raised at %s was swallowed at %s; let "
+            "BaseException propagate (catch Exception instead)",
+            self.launch.rank,
+            interrupt.raised_at,
+            where,
+        )
+        events.emit("interrupt_swallowed", raised_at=interrupt.raised_at, swallowed_at=where)

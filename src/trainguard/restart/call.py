@@ -1,0 +1,109 @@
+"""The CallWrapper: what the wrapped function receives about its round, and its two calls.
+
+The Wrapper builds one :class:`CallWrapper` per round on each active rank and passes it to
+the function through the parameter annotated ``CallWrapper`` (:func:`call_param`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+import typing
+from collections.abc import Callable
+from typing import Any
+
+from trainguard.coord.store import connect, parse_addr
+from trainguard.restart.monitor import Monitor
+from trainguard.restart.state import RoundState
+
+__all__ = ["CallWrapper", "call_param"]
+
+
+class CallWrapper:
+    """Handed to the wrapped function (declare a parameter annotated ``CallWrapper``).
+
+    Attributes ``round``, ``rank``, ``world_size``, ``initial_rank``, ``initial_world_size``
+    describe the current round; :attr:`state` is the full :class:`RoundState`.
+    """
+
+    def __init__(self, state: RoundState, monitor: Monitor, pg_addr: str, timeout: float):
+        self.state = state
+        self._monitor = monitor
+        self._pg_addr = pg_addr
+        self._timeout = timeout
+        self._store: Any = None
+        self.pings = 0
+        self.last_ping = time.monotonic()
+
+    @property
+    def round(self) -> int:
+        """The restart round, 0 first."""
+        return self.state.round
+
+    @property
+    def rank(self) -> int:
+        """This rank's rank in the round (the function runs on active ranks only)."""
+        assert self.state.rank is not None
+        return self.state.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of active ranks in the round."""
+        return self.state.world_size
+
+    @property
+    def initial_rank(self) -> int:
+        """This process's rank at launch."""
+        return self.state.initial_rank
+
+    @property
+    def initial_world_size(self) -> int:
+        """The world size at launch."""
+        return self.state.initial_world_size
+
+    @property
+    def store(self) -> Any:
+        """A client of this round's own store (fresh each round; dropped when it ends).
+
+        For ``init_process_group(backend, store=call.store, rank=call.rank,
+        world_size=call.world_size)``.
+        """
+        if self._store is None:
+            host, port = parse_addr(self._pg_addr)
+            self._store = connect(host, port, timeout=self._timeout)
+        return self._store
+
+    def ping(self) -> None:
+        """Report progress (cheap: a counter and a clock read).
+
+        The watchdog thread reads the pings: once the function has pinged, a round without a
+        ping for ``soft_timeout`` is a hang even when the main thread's position keeps moving
+        (a loop in Python code), and the round is aborted and restarted.
+        """
+        self.pings += 1
+        self.last_ping = time.monotonic()
+
+    def atomic(self) -> contextlib.AbstractContextManager[None]:
+        """A block that a restart never interrupts: the abort waits until it ends.
+
+        Keep it short, and never wait on other ranks inside it (their fault would leave this
+        rank waiting with nothing to release it).
+        """
+        return self._monitor.atomic()
+
+    def _close(self) -> None:
+        self._store = None
+
+
+def call_param(fn: Callable[..., Any]) -> str | None:
+    """The name of ``fn``'s parameter annotated ``CallWrapper``, if it has one."""
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:
+        hints = {}
+    for name, param in inspect.signature(fn).parameters.items():
+        ann = hints.get(name, param.annotation)
+        if ann is CallWrapper or (isinstance(ann, str) and ann.split(".")[-1] == "CallWrapper"):
+            return name
+    return None

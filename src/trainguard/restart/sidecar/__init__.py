@@ -1,0 +1,18 @@
+"""The sidecar: a second process per rank that outlives its training process.
+
+A training process that crashes, hangs holding the GIL or loses its node cannot report it.
+So each rank's wrapped call starts one small process next to it (``python -m
+trainguard.restart.sidecar``, :mod:`.__main__`), a fresh interpreter that shares nothing with
+it: it writes the death notice when the training process dies (:mod:`._notice`), enforces the
+hard timeout, and beats this rank's heartbeat in the store (declaring silent ranks gone).
+
+- :class:`Sidecar`: the training process's handle (start, handshake, lines, stop).
+- :class:`SidecarConfig`: what the sidecar is told on its command line.
+"""
+
+from __future__ import annotations
+
+from trainguard.restart.sidecar._config import SidecarConfig
+from trainguard.restart.sidecar._handle import Sidecar, log_path
+
+__all__ = ["Sidecar", "SidecarConfig", "log_path"]
