@@ -13,7 +13,7 @@ from datetime import timedelta
 
 from trainguard.errors import ConfigError
 
-__all__ = ["Timeout", "seconds", "shorter", "optional_seconds"]
+__all__ = ["Timeout", "optional_seconds", "seconds", "shorter"]
 
 #: what a timeout argument may be.
 Timeout = float | int | timedelta
