@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from trainguard.coord.store import StoreProcess
 
@@ -26,3 +29,21 @@ def host_store_then_hang(job: str, port: int, conn) -> None:
     assert server.proc is not None
     conn.send(server.proc.pid)
     time.sleep(600)  # killed by the test
+
+
+def in_threads(fn: Callable[[int], Any], n: int) -> dict[int, Any]:
+    """``fn(rank)`` for each of ``n`` participants, each in a thread; rank -> its result."""
+    out: dict[int, Any] = {}
+
+    def run(r: int) -> None:
+        try:
+            out[r] = fn(r)
+        except Exception as exc:  # the test looks at it
+            out[r] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
