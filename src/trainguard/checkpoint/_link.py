@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from trainguard.errors import ConfigError
 
 if TYPE_CHECKING:
-    from torch.distributed import Store
+    from torch._C._distributed_c10d import Store
 
 
 def resolve(

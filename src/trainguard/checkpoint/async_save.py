@@ -31,7 +31,7 @@ from trainguard.checkpoint.writer import WriteJob, WriteResult, WriterProcess
 from trainguard.errors import CheckpointError, CheckpointWriteError, ConfigError, WriterDied
 
 if TYPE_CHECKING:
-    from torch.distributed import Store
+    from torch._C._distributed_c10d import Store
 
 __all__ = ["AsyncCheckpointer", "SaveHandle", "SaveInfo", "latest", "load", "part_name"]
 

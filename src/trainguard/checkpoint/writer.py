@@ -319,7 +319,8 @@ class WriterProcess:
             if self._conn in ready or self._conn.poll():
                 msg = self._conn.recv()
                 if msg[0] == "done":
-                    return msg[1]
+                    result: WriteResult = msg[1]
+                    return result
         except (EOFError, OSError):
             pass
         self._proc.join(1)

@@ -20,7 +20,7 @@ from trainguard.coord.keys import decode, encode
 from trainguard.errors import CoordinationError
 
 if TYPE_CHECKING:
-    from torch.distributed import Store
+    from torch._C._distributed_c10d import Store
 
 __all__ = ["gather"]
 

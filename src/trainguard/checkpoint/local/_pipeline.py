@@ -39,7 +39,7 @@ from trainguard.coord.commit import COMMITTED, FAILED, CommitRound, Outcome
 from trainguard.errors import CheckpointWriteError, WriterDied
 
 if TYPE_CHECKING:
-    from torch.distributed import Store
+    from torch._C._distributed_c10d import Store
 
 logger = logging.getLogger(__name__)
 

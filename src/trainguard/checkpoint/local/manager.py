@@ -41,7 +41,7 @@ from trainguard.errors import (
 )
 
 if TYPE_CHECKING:
-    from torch.distributed import Store
+    from torch._C._distributed_c10d import Store
 
 __all__ = ["LocalCheckpointManager"]
 
