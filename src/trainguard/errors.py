@@ -17,9 +17,11 @@ Every error the library raises on purpose derives from :class:`TrainguardError`:
         ├── CheckpointUncommittedError   a multi-rank checkpoint has no commit marker
         ├── CheckpointPickleError        a leaf needs pickle and pickle was not allowed
         ├── CheckpointNotFoundError      no complete local checkpoint can be recovered
-        └── CheckpointReplicationMismatchError
-                                         a local checkpoint was saved with another
-                                         replication setting
+        ├── CheckpointReplicationMismatchError
+        │                                a local checkpoint was saved with another
+        │                                replication setting
+        └── WriterDied                   the checkpoint writer process ended or was killed
+                                         while a job was pending (also a RuntimeError)
 
 Later modules add subclasses under these branches. A failure that one rank detects surfaces
 as the *same* type on every rank; ``causes`` maps each rank that reported a cause to a short
@@ -50,6 +52,7 @@ __all__ = [
     "RetryLimitError",
     "SidecarLostError",
     "TrainguardError",
+    "WriterDied",
 ]
 
 
@@ -154,3 +157,9 @@ class CheckpointReplicationMismatchError(CheckpointError):
     """A local checkpoint was saved with another replication setting than the manager's. The
     message names both settings and the ways out (same setting, ``allow_replication_change``,
     or a fresh root)."""
+
+
+class WriterDied(CheckpointError, RuntimeError):
+    """The checkpoint writer process ended (or was killed because it did not finish in time)
+    while a job was pending. The checkpointers turn it into a failed save and start a new
+    writer for the next one. Also a ``RuntimeError``, as it was before it joined this tree."""

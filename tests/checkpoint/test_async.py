@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -236,8 +237,6 @@ def test_writer_is_light_and_low_priority(tmp_path: Path) -> None:
 
 
 def test_explicit_store_makes_a_committed_directory(tmp_path: Path) -> None:
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
@@ -273,3 +272,43 @@ def test_example_runs(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "resumed run matches the uninterrupted one: True" in out.stdout
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_close_gives_up_on_a_stuck_writer_and_kills_it(tmp_path: Path, no_leaks) -> None:
+    ckpt = AsyncCheckpointer(close_timeout=timedelta(seconds=2))
+    ckpt.save({"w": torch.ones(10)}, tmp_path / "good")
+    ckpt.wait()
+    pid = ckpt.writer_pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)  # like a writer stuck in fsync: it never answers
+    ckpt.save({"w": torch.ones(1 << 20)}, tmp_path / "stuck")
+    started = time.monotonic()
+    with pytest.raises(CheckpointWriteError, match=r"close_timeout=2 s.*killed"):
+        ckpt.close()
+    assert 2 <= time.monotonic() - started < 15
+    assert _gone(pid)
+    assert latest(tmp_path) == tmp_path / "good"
+    assert not (tmp_path / "stuck").exists() and not (tmp_path / "stuck.tmp").exists()
+
+
+def test_timeouts_take_seconds_or_a_timedelta(tmp_path: Path) -> None:
+    with AsyncCheckpointer(
+        commit_timeout=timedelta(minutes=1), start_timeout=30, close_timeout=timedelta(seconds=90)
+    ) as ckpt:
+        assert (ckpt.commit_timeout, ckpt.close_timeout) == (60.0, 90.0)
+        ckpt.save({"w": torch.ones(3)}, tmp_path / "t", overlap=True)
+        ckpt.wait_staged(timedelta(seconds=30))
+        ckpt.wait(timedelta(seconds=30))
+        with pytest.raises(ConfigError, match="timeout"):
+            ckpt.wait(timedelta(0))
+    for bad in ({"commit_timeout": 0}, {"close_timeout": timedelta(0)}, {"start_timeout": "1"}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            AsyncCheckpointer(**bad)

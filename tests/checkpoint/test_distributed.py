@@ -244,3 +244,58 @@ def test_close_abandon_fails_a_pending_commit_at_once_on_every_rank(tmp_path: Pa
     assert (tmp_path / "step1" / "COMMITTED").exists()
     assert not (tmp_path / "step2" / "COMMITTED").exists()
     assert r0["latest"] == r1["latest"] == str(tmp_path / "step1")
+
+
+class _LateReports:
+    """A store client of one rank whose commit reports arrive ``delay`` seconds late: the rank
+    is alive, just slower than the others' commit_timeout."""
+
+    def __init__(self, store, delay: list[float]) -> None:
+        self._store, self._delay = store, delay
+
+    def clone(self):
+        return _LateReports(self._store.clone(), self._delay)
+
+    def set(self, key: str, value) -> None:
+        if "/done/" in key:  # the first step of a report
+            time.sleep(self._delay[0])
+        self._store.set(key, value)
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+
+def test_a_late_rank_cannot_commit_what_a_timed_out_rank_gave_up(tmp_path: Path) -> None:
+    """Rank 0 waits commit_timeout for rank 1's report, gives up and removes its part. Rank 1's
+    report then completes the count: it must not write COMMITTED (the directory would lack rank
+    0's part); the outcome "failed" was decided once, by rank 0, for both (issue 12, item 1)."""
+    import torch
+    import torch.distributed as dist
+
+    from trainguard.checkpoint import AsyncCheckpointer, latest, load
+    from trainguard.errors import CheckpointWriteError
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    delay = [0.0]
+    r0 = AsyncCheckpointer(store=store, rank=0, world_size=2, commit_timeout=1)
+    r1 = AsyncCheckpointer(store=_LateReports(store, delay), rank=1, world_size=2, commit_timeout=1)
+    with r0, r1:
+        for rank, ckpt in enumerate((r0, r1)):
+            ckpt.save(_state(rank, 1), tmp_path / "step1")
+        r0.wait()
+        r1.wait()
+        delay[0] = 3.0  # rank 1's report of step2 lands 2 s after rank 0 gave up
+        for rank, ckpt in enumerate((r0, r1)):
+            ckpt.save(_state(rank, 2), tmp_path / "step2")
+        errors = []
+        for ckpt in (r0, r1):
+            with pytest.raises(CheckpointWriteError) as err:
+                ckpt.wait()
+            errors.append(err.value.causes)
+    assert errors[0] == errors[1] and list(errors[0]) == [1], errors
+    assert "did not report" in errors[0][1]
+    assert not (tmp_path / "step2" / "COMMITTED").exists()
+    assert not (tmp_path / "step2" / "COMMITTED.tmp").exists()
+    assert os.listdir(tmp_path / "step2") == []  # decided "failed": no rank keeps its part
+    assert latest(tmp_path) == tmp_path / "step1"
+    assert torch.equal(load(tmp_path / "step1", rank=1)["w"], _state(1, 1)["w"])

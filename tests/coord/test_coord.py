@@ -13,7 +13,7 @@ import pytest
 
 from tests._dist import free_port
 from tests.coord import _helpers
-from trainguard.coord import Keyspace, StoreProcess, arrive, connect, decode, encode, wait_key
+from trainguard.coord import CommitRound, Keyspace, connect, decode, encode, wait_key
 from trainguard.errors import BarrierTimeoutError, CoordinationError
 
 
@@ -38,26 +38,6 @@ def test_keyspace_separates_jobs_calls_and_rounds() -> None:
     assert decode(encode({"x": [1, "y"]})) == {"x": [1, "y"]}
     with pytest.raises(ValueError):
         Keyspace("a/b")
-
-
-@pytest.fixture()
-def store_process():
-    port = free_port()
-    server = StoreProcess(
-        job="t",
-        call=0,
-        coord_host="127.0.0.1",
-        coord_port=port,
-        host_coord=True,
-        advertise_host="127.0.0.1",
-        world_size=2,
-        timeout=30,
-    ).start()
-    client = connect("127.0.0.1", port, timeout=30)
-    yield server, client
-    client.set(Keyspace("t").exit, b"test over")
-    server.close(timeout=10)
-    assert server.proc is not None and server.proc.returncode == 0
 
 
 def test_round_stores_are_precreated_and_closed_when_the_next_round_starts(store_process):
@@ -87,6 +67,8 @@ def test_round_stores_are_precreated_and_closed_when_the_next_round_starts(store
 
 
 def test_barrier_wakes_every_rank_once_the_last_arrives(store_process):
+    """A commit round is the barrier of the coordination layer: every participant reports, the
+    last one decides, and every participant wakes within a round trip of that decision."""
     _, client = store_process
     n = 4
     woke: dict[int, float] = {}
@@ -95,10 +77,12 @@ def test_barrier_wakes_every_rank_once_the_last_arrives(store_process):
     def rank(i: int) -> None:
         store = client.clone()
         time.sleep(0.05 * i)
-        value, last, _ = arrive(store, "b/count", "b/done", n, on_last=lambda: b"go", timeout=10)
+        round_ = CommitRound(store, "b", rank=i, world_size=n)
+        decided = round_.report()
+        outcome = decided or round_.wait(10)
         woke[i] = time.monotonic()
-        assert value == b"go"
-        if last:
+        assert outcome.committed
+        if decided is not None:
             leaders.append(i)
 
     threads = [threading.Thread(target=rank, args=(i,)) for i in range(n)]
@@ -110,8 +94,8 @@ def test_barrier_wakes_every_rank_once_the_last_arrives(store_process):
     assert max(woke.values()) - woke[n - 1] < 0.05  # woken within a round trip, no polling
     with pytest.raises(BarrierTimeoutError, match="raise the timeout"):
         wait_key(client, "never/set", 0.2, what="a test barrier")
-    with pytest.raises(CoordinationError, match="arrivals"):
-        arrive(client, "b/count", "b/done", n, on_last=lambda: b"", timeout=1)
+    with pytest.raises(CoordinationError, match="reports"):
+        CommitRound(client, "b", rank=0, world_size=n).report()
 
 
 def test_store_survives_the_process_that_started_it() -> None:
@@ -141,20 +125,11 @@ def test_store_survives_the_process_that_started_it() -> None:
             starter.join()
 
 
-def test_store_process_reports_a_taken_port() -> None:
+def test_store_process_reports_a_taken_port(make_store_process) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        server = StoreProcess(
-            job="x",
-            call=0,
-            coord_host="127.0.0.1",
-            coord_port=port,
-            host_coord=True,
-            advertise_host="127.0.0.1",
-            world_size=1,
-            timeout=5,
-        )
+        server = make_store_process("x", port, world_size=1, timeout=5)
         with pytest.raises(CoordinationError, match="could not start"):
             server.start()

@@ -1,117 +1,177 @@
-"""Commit of a multi-rank checkpoint, counted in a torch.distributed Store.
+"""The commit of a multi-rank checkpoint: the ``COMMITTED`` marker and the commit thread.
 
-Every rank calls :func:`report` once per checkpoint, after its part is durable or has failed.
-The protocol costs each rank O(1) store operations (plus one ``check`` per rank for the last
-arriver), uses no collective on the training process group, and decides the outcome once::
+A checkpoint directory saved by N ranks is committed once every rank's part is durable. Each
+save is one :class:`~trainguard.coord.commit.CommitRound` (every rank reports; the outcome is
+decided once, by ``compare_set``; every rank acts only on that outcome). The rank whose report
+completes the round checks that every rank reported its part durable, writes
+``COMMITTED.tmp`` (fsynced) *before* it decides, and only once "committed" is the decision
+renames it to ``COMMITTED``, then publishes the outcome: a rank that sees "committed" finds the
+marker in place. A rank that gives up waiting (``commit_timeout``) or abandons the save decides
+"failed" first, so a late rank can never commit it; and no rank removes its part unless the
+decided outcome is "failed".
 
-    rank r failed    -> set  P/err/r = reason
-    every rank       -> n = add(P/count, 1)
-    the rank with n == world_size (the last to arrive) decides:
-        no err/* key -> write the commit marker (tmp, fsync, rename, fsync dir)
-        set P/outcome = {"ok": ..., "causes": {rank: reason}}
-    every rank       -> wait(P/outcome) and read it
-    every rank       -> add(P/seen, 1); the last one deletes P's keys
-
-The outcome is set with ``compare_set`` (first writer wins), so :func:`abandon` (a rank that
-gives the checkpoint up, e.g. after a restart made it moot) wakes every waiting rank at once
-with a failure instead of leaving them to wait for a dead rank until ``timeout``.
-
-The store client given must not be shared with a thread that needs it meanwhile: ``wait``
-holds a TCPStore client for its whole duration (pass ``store.clone()``).
+:class:`Committer` runs the rounds of one :class:`~trainguard.checkpoint.AsyncCheckpointer`
+in a thread of its own, in save order: every rank reports its saves in the same order (a save
+that failed or was skipped before reaching the writer is reported too), or two ranks could each
+wait for an outcome that needs the other's next report.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import json
+import logging
 import os
+import queue
+import threading
 import time
-from datetime import timedelta
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from trainguard.checkpoint._link import StoreLink
 from trainguard.checkpoint.fileformat import fsync_dir
+from trainguard.coord.commit import CommitRound, Outcome
+
+logger = logging.getLogger(__name__)
 
 MARKER = "COMMITTED"
 
 
-def write_marker(directory: str, info: dict[str, Any]) -> None:
-    """Atomically create ``directory/COMMITTED`` holding ``info`` as JSON, durably."""
-    path = os.path.join(directory, MARKER)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(info, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, path)
-    fsync_dir(directory)
-
-
 def remove_marker(directory: str) -> None:
+    """Remove ``directory``'s commit marker, if any."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(directory, MARKER))
 
 
-def report(
-    store: Any,
-    prefix: str,
-    *,
-    rank: int,
-    world_size: int,
-    error: str | None,
-    directory: str,
-    marker_info: dict[str, Any],
-    timeout: float,
-) -> dict[int, str]:
-    """Report this rank's result and wait for the outcome; returns failed rank -> reason.
+class _Marker:
+    """The commit marker of one directory, written in the three steps of a commit round."""
 
-    An empty result means the checkpoint is committed (the marker exists). A timeout means some
-    rank never reported (it died or hangs): the missing ranks are named as causes.
+    def __init__(self, directory: str, info: dict[str, Any]) -> None:
+        self.path = os.path.join(directory, MARKER)
+        self.tmp = self.path + ".tmp"
+        self.info = info
+
+    def prepare(self) -> None:
+        """Write ``COMMITTED.tmp`` durably (everything that can fail, before the decision)."""
+        with open(self.tmp, "w") as f:
+            json.dump({**self.info, "time": time.time()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def act(self) -> None:
+        """Rename it into place: the directory is committed."""
+        try:
+            os.rename(self.tmp, self.path)
+        except OSError:
+            self.discard()
+            raise
+        try:
+            fsync_dir(os.path.dirname(self.path))
+        except OSError as exc:  # the marker is there; only its durability is in doubt
+            logger.warning("fsync of %s after the commit failed: %s", self.path, exc)
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.tmp)
+
+
+@dataclasses.dataclass
+class Report:
+    """One rank's report of one save, as the commit thread takes it.
+
+    ``file`` is this rank's part (None for a save that failed or was skipped before it reached
+    the writer: this rank already knows, the report keeps the others from waiting for it).
+    ``done`` receives the causes (rank -> why; empty when committed).
     """
-    if error is not None:
-        store.set(f"{prefix}/err/{rank}", error)
-    store.set(f"{prefix}/done/{rank}", "1")
-    arrived = store.add(f"{prefix}/count", 1)
-    if arrived == world_size:
-        causes: dict[int, str] = {}
-        for r in range(world_size):
-            if store.check([f"{prefix}/err/{r}"]):
-                causes[r] = store.get(f"{prefix}/err/{r}").decode(errors="replace")
-        if not causes:
-            try:
-                write_marker(directory, {**marker_info, "time": time.time()})
-            except OSError as exc:
-                causes[rank] = f"commit marker could not be written: {exc}"
-        decision = json.dumps({"causes": causes})
-        if _decide(store, prefix, decision) != decision and not causes:
-            remove_marker(directory)  # a rank abandoned this checkpoint first: not committed
-    try:
-        store.wait([f"{prefix}/outcome"], timedelta(seconds=timeout))
-    except Exception as exc:  # DistStoreError on timeout; name who never reported
-        missing = [r for r in range(world_size) if not store.check([f"{prefix}/done/{r}"])]
-        return {
-            r: f"did not report its part within {timeout} s (died or hung?)" for r in missing
-        } or {rank: f"waiting for the commit outcome failed: {exc}"}
-    outcome = json.loads(store.get(f"{prefix}/outcome"))
-    if store.add(f"{prefix}/seen", 1) == world_size:
-        keys = ["count", "outcome", "seen"] + [
-            f"{kind}/{r}" for r in range(world_size) for kind in ("err", "done")
-        ]
+
+    key: str
+    path: str
+    error: str | None
+    file: str | None = None
+    format: str | None = None
+    done: Callable[[dict[int, str]], None] | None = None
+
+
+class Committer:
+    """The commit thread of one checkpointer; see the module docstring.
+
+    Args:
+        link: the checkpointer's place in the store (its key prefix).
+        rank, world_size: this rank and the number of ranks that save.
+        timeout: seconds a rank waits for the others' reports (``commit_timeout``).
+    """
+
+    def __init__(self, link: StoreLink, *, rank: int, world_size: int, timeout: float) -> None:
+        self.link = link
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self._store = link.client()
+        self._occurrences: dict[str, int] = {}
+        self._queue: queue.SimpleQueue[Report | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, name="trainguard-ckpt-commit", daemon=True
+        )
+        self._thread.start()
+
+    def key(self, path: str) -> str:
+        """Store prefix of the next save to ``path``: the path and how often this rank saved to
+        it. Every rank computes the same key for the same save, whatever it did with earlier
+        ones (a rank that skips or fails a save still reports it), so a late rank can never
+        count toward the wrong checkpoint."""
+        n = self._occurrences.get(path, 0)
+        self._occurrences[path] = n + 1
+        digest = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:16]
+        return f"{self.link.prefix}/{digest}/{n}"
+
+    def put(self, report: Report) -> None:
+        self._queue.put(report)
+
+    def abandon(self, keys: Iterable[str], reason: str) -> None:
+        """Fail the rounds at ``keys`` on every rank unless they are decided already."""
+        store = self.link.client()  # the thread's client may be held by a wait
         for key in keys:
-            with contextlib.suppress(Exception):
-                store.delete_key(f"{prefix}/{key}")
-    return {int(r): str(v) for r, v in outcome["causes"].items()}
+            try:
+                CommitRound(store, key, rank=self.rank, world_size=self.world_size).abandon(reason)
+            except Exception as exc:  # the store is gone: the round fails on its own
+                logger.info("could not abandon the commit at %s: %s", key, exc)
 
+    def close(self) -> None:
+        """Finish the reports queued so far, then stop the thread."""
+        self._queue.put(None)
+        self._thread.join()
 
-def _decide(store: Any, prefix: str, outcome: str) -> str:
-    """Set ``P/outcome`` unless it is set already; returns the outcome that holds."""
-    held = store.compare_set(f"{prefix}/outcome", "", outcome)
-    return held.decode() if isinstance(held, bytes) else str(held)
+    def _run(self) -> None:
+        while True:
+            report = self._queue.get()
+            if report is None:
+                return
+            outcome = self._commit(report)
+            if report.file is None or report.done is None:
+                continue  # this rank already knows (save() raised or returned None)
+            if isinstance(outcome, str):
+                report.done({self.rank: outcome})
+                continue
+            if outcome.failed and report.error is None:
+                with contextlib.suppress(OSError):  # decided "failed": leave no part behind
+                    os.unlink(report.file)
+            report.done(dict(outcome.causes))
 
-
-def abandon(store: Any, prefix: str, *, rank: int, reason: str) -> bool:
-    """Fail the checkpoint at ``prefix`` on every rank unless its outcome is decided already.
-
-    Returns True when this call decided it. Ranks waiting in :func:`report` wake at once and
-    see ``reason`` as this rank's cause; the commit marker is never written (or is removed)."""
-    outcome = json.dumps({"causes": {str(rank): reason}})
-    return _decide(store, prefix, outcome) == outcome
+    def _commit(self, report: Report) -> Outcome | str:
+        """One round; a description of the failure when the store failed (then nothing is
+        known about the outcome: the part stays)."""
+        round_ = CommitRound(self._store, report.key, rank=self.rank, world_size=self.world_size)
+        marker = _Marker(report.path, {"world_size": self.world_size, "format": report.format})
+        try:
+            outcome = round_.report(
+                report.error, prepare=marker.prepare, act=marker.act, discard=marker.discard
+            )
+            if outcome is None:
+                outcome = round_.wait(self.timeout)
+            round_.close()
+            return outcome
+        except Exception as exc:
+            logger.warning("commit of %s: the store failed: %s", report.path, exc)
+            return f"store failed during commit: {exc}"

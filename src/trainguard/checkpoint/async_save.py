@@ -8,8 +8,6 @@ file durable. See :class:`AsyncCheckpointer` for the protocol.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
 import itertools
 import json
 import logging
@@ -18,101 +16,34 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainguard import events
-from trainguard.checkpoint import _commit
+from trainguard import _timeouts, events
+from trainguard.checkpoint import _commit, _link
+from trainguard.checkpoint._formats import FORMATS
 from trainguard.checkpoint._load import latest, load, part_name
+from trainguard.checkpoint._saves import Job, SaveHandle, SaveInfo
 from trainguard.checkpoint.fileformat import place
 from trainguard.checkpoint.layout import flatten
-from trainguard.checkpoint.staging import Stager, StagingBuffer
-from trainguard.checkpoint.writer import WriteJob, WriterDied, WriteResult, WriterProcess
-from trainguard.errors import (
-    CheckpointError,
-    CheckpointWriteError,
-    ConfigError,
-)
+from trainguard.checkpoint.staging import Stager
+from trainguard.checkpoint.writer import WriteJob, WriteResult, WriterProcess
+from trainguard.errors import CheckpointError, CheckpointWriteError, ConfigError, WriterDied
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 __all__ = ["AsyncCheckpointer", "SaveHandle", "SaveInfo", "latest", "load", "part_name"]
 
-# load and latest live in _load.py (one concept per module); they are part of this API.
+# load and latest live in _load.py, SaveHandle and SaveInfo in _saves.py (one concept per
+# module); they are part of this API.
 
 logger = logging.getLogger(__name__)
 
-_FORMATS = ("trainguard", "torch")
 _IF_BUSY = ("wait", "skip")
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveInfo:
-    """What the callbacks receive about one save."""
-
-    path: str  # the checkpoint (a file, or the directory of a multi-rank checkpoint)
-    file: str  # this rank's file
-    rank: int
-    world_size: int
-    nbytes: int  # bytes of tensor data staged
-    file_bytes: int  # size of this rank's file
-    staged_seconds: float  # time from save() to the state being in host memory
-    durable_seconds: float  # time from save() to this rank's file being durable
-    write_seconds: float  # time the writer spent on the file
-
-    @property
-    def throughput(self) -> float:
-        """Bytes per second the writer achieved on this rank's file."""
-        return self.file_bytes / self.write_seconds if self.write_seconds > 0 else 0.0
-
-
-class SaveHandle:
-    """Returned by :meth:`AsyncCheckpointer.save`; tells where one save is."""
-
-    def __init__(self, seq: int, path: str, file: str) -> None:
-        self.seq, self.path, self.file = seq, path, file
-        self.staged = threading.Event()
-        self.written = threading.Event()  # the writer is done with the staging buffer
-        self.finished = threading.Event()  # committed or failed
-        self.error: CheckpointError | None = None
-        self.info: SaveInfo | None = None
-        self.commit_key = ""  # the store prefix of its multi-rank commit
-
-    @property
-    def committed(self) -> bool:
-        return self.finished.is_set() and self.error is None
-
-    def __repr__(self) -> str:
-        state = "committed" if self.committed else "failed" if self.error else "pending"
-        return f"SaveHandle({self.path!r}, {state})"
-
-
-@dataclasses.dataclass
-class _Job:
-    handle: SaveHandle
-    flat: Any
-    placed: list[Any]
-    buffer: StagingBuffer
-    format: str
-    overlap: bool
-    on_durable: Callable[[SaveInfo], None] | None
-    on_commit: Callable[[SaveInfo], None] | None
-    requested: float
-    cuda_stream: Any = None
-    retired: StagingBuffer | None = None  # a buffer this job's larger one replaced
-    commit_key: str = ""
-    staged_at: float = 0.0
-    nbytes: int = 0
-
-
-@dataclasses.dataclass
-class _CommitItem:
-    """One report to the store: for a job, or (job None) for a save that failed or was skipped
-    before it reached the writer, so that the other ranks do not wait for this rank's part."""
-
-    job: _Job | None
-    key: str
-    path: str
-    error: str | None
+_SLICE = 0.25  # seconds between looks at a close() that gives up, while the writer works
+_GRACE = 30.0  # seconds close() waits for given-up saves to fail
 
 
 class AsyncCheckpointer:
@@ -136,7 +67,14 @@ class AsyncCheckpointer:
       calling thread and raises the error of a failed one. :meth:`wait` blocks until every
       pending save is committed or failed. ``save()`` also raises pending errors first.
     - :meth:`close` (or leaving the ``with`` block) waits for pending saves, stops the writer
-      and frees everything: no thread, process, shared memory or file descriptor remains.
+      and frees everything: no thread, process, shared memory or file descriptor remains. It
+      waits at most ``close_timeout``: a writer stuck in I/O is then killed and close() raises.
+
+    Multi-rank commit (see :mod:`trainguard.checkpoint._commit`): each save is one round of
+    :class:`trainguard.coord.commit.CommitRound`. The outcome is decided once; the rank that
+    completes the round writes the marker only after checking every part was reported durable,
+    a rank that times out decides "failed" first (so a late rank cannot commit it), and no
+    part is removed unless the decided outcome is "failed".
 
     Args:
         store: a torch.distributed Store for the commit count (default: the default process
@@ -145,9 +83,13 @@ class AsyncCheckpointer:
         staging_threads: threads that copy into the staging buffer (default: up to 4).
         pin_memory: register staging buffers as pinned memory when CUDA is available.
         fsync: make files durable (turn off only for benchmarks of memory-only storage).
-        commit_timeout: seconds a rank waits for the other ranks' parts before failing.
+        commit_timeout: how long a rank waits for the other ranks' parts before it fails the
+            checkpoint (seconds or a ``timedelta``).
         writer_nice: nice increment of the writer process.
-        start_timeout: seconds to wait for the writer process to start.
+        start_timeout: how long to wait for the writer process to start.
+        close_timeout: how long :meth:`close` waits for pending saves (their writes and
+            commits) before it gives them up: it kills the writer (e.g. stuck in ``fsync``),
+            fails their commits on every rank and raises :class:`CheckpointWriteError`.
         key_prefix: prefix of the store keys this checkpointer uses. With several ranks, every
             rank must create its checkpointers in the same order (each gets a generation number
             from the store, so keys of an earlier checkpointer never count for a later one).
@@ -156,81 +98,55 @@ class AsyncCheckpointer:
     def __init__(
         self,
         *,
-        store: Any = None,
+        store: Store | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         staging_threads: int | None = None,
         pin_memory: bool = True,
         fsync: bool = True,
-        commit_timeout: float = 300.0,
+        commit_timeout: _timeouts.Timeout = 300.0,
         writer_nice: int = 10,
-        start_timeout: float = 120.0,
+        start_timeout: _timeouts.Timeout = 120.0,
+        close_timeout: _timeouts.Timeout = 900.0,
         key_prefix: str = "trainguard/ckpt",
     ) -> None:
         if staging_threads is not None and staging_threads < 1:
             raise ConfigError("staging_threads must be >= 1 (or None for the default)")
-        if commit_timeout <= 0 or start_timeout <= 0:
-            raise ConfigError("commit_timeout and start_timeout must be positive seconds")
+        self.commit_timeout = _timeouts.seconds("commit_timeout", commit_timeout)
+        start = _timeouts.seconds("start_timeout", start_timeout)
+        self.close_timeout = _timeouts.seconds("close_timeout", close_timeout)
         if not 0 <= writer_nice <= 19:
             raise ConfigError("writer_nice must be between 0 and 19")
-        import torch.distributed as dist
-
-        initialized = dist.is_available() and dist.is_initialized()
-        if store is None and initialized:
-            store = dist.distributed_c10d._get_default_store()
-        if store is not None:
-            if rank is None or world_size is None:
-                if not initialized:
-                    raise ConfigError(
-                        "with a store, pass rank= and world_size= (or initialize torch.distributed)"
-                    )
-                rank = dist.get_rank() if rank is None else rank
-                world_size = dist.get_world_size() if world_size is None else world_size
-            if not 0 <= rank < world_size:
-                raise ConfigError(f"rank={rank} is not in range(world_size={world_size})")
-        elif rank not in (None, 0) or world_size not in (None, 1):
-            raise ConfigError("rank/world_size need a store or an initialized torch.distributed")
-        self.distributed = store is not None
-        self.rank = rank or 0
-        self.world_size = world_size or 1
+        given, self.rank, self.world_size = _link.resolve(store, rank, world_size)
+        self.distributed = given is not None
         self.fsync = fsync
-        self.commit_timeout = commit_timeout
         self._stager = Stager(
             threads=staging_threads or min(4, os.cpu_count() or 1), pin=pin_memory
         )
-        self._writer = WriterProcess(nice=writer_nice, start_timeout=start_timeout)
+        self._writer = WriterProcess(nice=writer_nice, start_timeout=start)
         self._seq = itertools.count()
-        # jobs, and reports of saves that never reached the writer, in save order: every rank
-        # must report its saves to the store in the same order, or two ranks could each wait
-        # for an outcome that needs the other's next report
-        self._jobs: queue.SimpleQueue[_Job | _CommitItem | None] = queue.SimpleQueue()
-        self._results: queue.SimpleQueue[tuple[str, _Job]] = queue.SimpleQueue()
+        # jobs, and reports of saves that never reached the writer, in save order (see _commit)
+        self._jobs: queue.SimpleQueue[Job | _commit.Report | None] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[tuple[str, Job]] = queue.SimpleQueue()
         self._pending: list[SaveHandle] = []
-        self._last: _Job | None = None
+        self._last: Job | None = None
         self._hooks: list[Any] = []
         self._closed = False
-        self._store = None
-        self._key_base = key_prefix
-        if self.distributed:
-            generation = (store.add(f"{key_prefix}/instances", 1) - 1) // self.world_size
-            self._key_base = f"{key_prefix}/{generation}"
-            # a client of our own: a pending wait() holds a TCPStore client for its duration
-            self._store = store.clone() if hasattr(store, "clone") else store
-            self._store_origin = store  # keeps rank 0's store server alive while we need it
+        self._giving_up = threading.Event()  # close() gave up: kill a writer that is still busy
+        link = None
+        if given is not None:
+            link = _link.StoreLink.join(given, key_prefix=key_prefix, world_size=self.world_size)
         try:
             self._writer.start()
         except WriterDied as exc:
             raise CheckpointWriteError(str(exc)) from exc
         self._thread = threading.Thread(target=self._run, name="trainguard-ckpt", daemon=True)
         self._thread.start()
-        self._committer: threading.Thread | None = None
-        self._commits: queue.SimpleQueue[_CommitItem | None] = queue.SimpleQueue()
-        self._occurrences: dict[str, int] = {}
-        if self.distributed:
-            self._committer = threading.Thread(
-                target=self._run_commits, name="trainguard-ckpt-commit", daemon=True
+        self._committer: _commit.Committer | None = None
+        if link is not None:
+            self._committer = _commit.Committer(
+                link, rank=self.rank, world_size=self.world_size, timeout=self.commit_timeout
             )
-            self._committer.start()
 
     # ------------------------------------------------------------------ training-thread API
 
@@ -255,8 +171,8 @@ class AsyncCheckpointer:
         need ``pickle=True`` (and ``allow_pickle=True`` to load). ``format="torch"`` writes a
         file that ``torch.load(weights_only=True)`` reads.
         """
-        if format not in _FORMATS:
-            raise ConfigError(f"format={format!r}; use one of {_FORMATS}")
+        if format not in FORMATS:
+            raise ConfigError(f"format={format!r}; use one of {FORMATS}")
         if if_busy not in _IF_BUSY:
             raise ConfigError(f"if_busy={if_busy!r}; use one of {_IF_BUSY}")
         self._check_open()
@@ -264,7 +180,7 @@ class AsyncCheckpointer:
         self.poll()
         path = os.fspath(path)
         events.emit("ckpt_requested", path=path, overlap=overlap, format=format)
-        key = self._commit_key(path)
+        key = self._committer.key(path) if self._committer is not None else ""
         last = self._last
         if last is not None and not last.handle.written.is_set():
             if if_busy == "skip":
@@ -274,7 +190,7 @@ class AsyncCheckpointer:
                 )
                 if self.distributed:  # the other ranks' parts of it cannot be committed
                     reason = f"skipped the save (if_busy='skip'): {last.handle.path} was busy"
-                    self._jobs.put(_CommitItem(None, key, path, reason))
+                    self._jobs.put(_commit.Report(key, path, reason))
                 return None
             last.handle.written.wait()
         try:
@@ -284,7 +200,7 @@ class AsyncCheckpointer:
             seq = next(self._seq)
             file = os.path.join(path, part_name(self.rank, format)) if self.distributed else path
             handle = SaveHandle(seq, path, file)
-            job = _Job(
+            job = Job(
                 handle, flat, placed, buffer, format, overlap, on_durable, on_commit, requested
             )
             job.commit_key = handle.commit_key = key
@@ -295,25 +211,22 @@ class AsyncCheckpointer:
                 self._stage(job)
         except Exception as exc:  # raised here; the other ranks learn it through the store
             if self.distributed:
-                self._jobs.put(_CommitItem(None, key, path, f"{type(exc).__name__}: {exc}"))
+                self._jobs.put(_commit.Report(key, path, f"{type(exc).__name__}: {exc}"))
             raise
         self._last = job
         self._pending.append(handle)
         self._jobs.put(job)
         return handle
 
-    def wait_staged(self, timeout: float | None = None) -> None:
+    def wait_staged(self, timeout: _timeouts.Timeout | None = None) -> None:
         """Block until the latest save's state is in host memory (the fence for overlap=True).
 
         After it returns the state may change. A failed staging is reported by :meth:`poll`.
         """
+        limit = _timeouts.optional_seconds("timeout", timeout)
         job = self._last
-        if job is None:
-            return
-        if not job.handle.staged.wait(timeout):
-            raise CheckpointWriteError(
-                f"staging of {job.handle.path} did not finish in {timeout} s"
-            )
+        if job is not None and not job.handle.staged.wait(limit):
+            raise CheckpointWriteError(f"staging of {job.handle.path} did not finish in {limit} s")
 
     def protect(self, optimizer: torch.optim.Optimizer) -> None:
         """Fence ``optimizer.step()`` on staging: the step waits until a pending overlapped
@@ -344,13 +257,16 @@ class AsyncCheckpointer:
         if first is not None:
             raise first
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until every pending save is committed or failed, then :meth:`poll`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for handle in list(self._pending):
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not handle.finished.wait(remaining):
-                raise CheckpointWriteError(f"checkpoint {handle.path} not done within {timeout} s")
+    def wait(self, timeout: _timeouts.Timeout | None = None) -> None:
+        """Block until every pending save is committed or failed, then :meth:`poll`.
+
+        ``timeout`` (seconds or a ``timedelta``; None: no bound) raises
+        :class:`CheckpointWriteError` when a save is not done by then (it goes on).
+        """
+        limit = _timeouts.optional_seconds("timeout", timeout)
+        late = self._late(None if limit is None else time.monotonic() + limit)
+        if late is not None:
+            raise CheckpointWriteError(f"checkpoint {late.path} not done within {limit} s")
         self.poll()
 
     def close(self, *, abandon: bool = False) -> None:
@@ -361,15 +277,22 @@ class AsyncCheckpointer:
         may be dead) gives up the saves not yet committed instead of waiting for the other
         ranks: their commit fails at once on every rank, naming this rank's abandonment as the
         cause, and no error is raised here. The previous committed checkpoint stays the latest.
+
+        Waits at most ``close_timeout`` for pending saves: past it, the writer is killed (a
+        write stuck in I/O), the saves fail on every rank and :class:`CheckpointWriteError`
+        says so (with ``abandon=True`` too, then only logged).
         """
         if self._closed:
             return
+        deadline = time.monotonic() + self.close_timeout
         error: BaseException | None = None
         try:
             if abandon:
-                self._abandon()
-            elif self._thread.is_alive():
-                self.wait()
+                self._abandon(deadline)
+            elif self._thread.is_alive() and self._late(deadline) is not None:
+                self._give_up()
+            else:
+                self.poll()
         except BaseException as exc:
             error = exc
         finally:
@@ -377,25 +300,43 @@ class AsyncCheckpointer:
         if error is not None:
             raise error
 
-    def _abandon(self) -> None:
+    def _late(self, deadline: float | None) -> SaveHandle | None:
+        """The first pending save not finished (committed or failed) by ``deadline``, if any."""
+        for handle in list(self._pending):
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not handle.finished.wait(remaining):
+                return handle
+        return None
+
+    def _abandon(self, deadline: float) -> None:
         pending = [h for h in self._pending if not h.finished.is_set()]
-        if self.distributed and pending:
-            store = self._store_origin.clone() if hasattr(self._store_origin, "clone") else None
-            for handle in pending:
-                try:
-                    _commit.abandon(
-                        store or self._store_origin,
-                        handle.commit_key,
-                        rank=self.rank,
-                        reason="abandoned: rank closed the checkpointer with abandon=True",
-                    )
-                except Exception as exc:  # the store is gone: the commit fails on its own
-                    logger.info("could not abandon %s: %s", handle.path, exc)
+        if self._committer is not None and pending:
+            reason = "abandoned: rank closed the checkpointer with abandon=True"
+            self._committer.abandon([h.commit_key for h in pending], reason)
             events.emit("ckpt_abandoned", paths=[h.path for h in pending])
-        for handle in pending:
-            handle.finished.wait(timeout=self.commit_timeout)
+        try:
+            if self._late(deadline) is not None:
+                self._give_up()
+        except CheckpointWriteError as exc:
+            logger.warning("%s", exc)
         with contextlib.suppress(CheckpointError):
             self.poll()
+
+    def _give_up(self) -> None:
+        """close_timeout has passed: kill the writer, fail the pending saves, raise."""
+        pending = [h for h in self._pending if not h.finished.is_set()]
+        reason = f"close() gave up after close_timeout={self.close_timeout:g} s"
+        self._giving_up.set()  # the background thread kills a writer still at work
+        if self._committer is not None:
+            self._committer.abandon([h.commit_key for h in pending], reason)
+        self._late(time.monotonic() + _GRACE)  # they fail at once now
+        events.emit("ckpt_close_timeout", paths=[h.path for h in pending])
+        raise CheckpointWriteError(
+            f"{reason}: the checkpoint(s) {[h.path for h in pending]} were still being written "
+            "or committed; the writer process was killed (stuck in I/O?) and they failed on "
+            "every rank. The previous checkpoint is still the latest; raise close_timeout if "
+            "the storage is this slow"
+        )
 
     def __enter__(self) -> AsyncCheckpointer:
         return self
@@ -428,18 +369,18 @@ class AsyncCheckpointer:
         self._jobs.put(None)
         self._thread.join()
         if self._committer is not None:
-            self._commits.put(None)
-            self._committer.join()
+            self._committer.close()
         self._writer.stop()
         if self._last is not None and self._last.retired is not None:
             self._last.retired.close()
         self._stager.close()
         self._last = None
 
-    def _stage(self, job: _Job) -> None:
+    def _stage(self, job: Job) -> None:
         started = time.monotonic()
         if job.cuda_stream is not None:
             torch.cuda.current_stream().wait_stream(job.cuda_stream)  # see Stager.stage
+        assert job.flat is not None
         job.nbytes = self._stager.stage(job.flat.entries, job.placed)
         job.staged_at = time.monotonic()
         job.handle.staged.set()
@@ -457,8 +398,9 @@ class AsyncCheckpointer:
             job = self._jobs.get()
             if job is None:
                 return
-            if isinstance(job, _CommitItem):
-                self._commits.put(job)
+            if isinstance(job, _commit.Report):
+                assert self._committer is not None
+                self._committer.put(job)
                 continue
             try:
                 if not job.handle.staged.is_set():
@@ -475,34 +417,18 @@ class AsyncCheckpointer:
                 job.handle.staged.set()
                 job.handle.written.set()
             if error is None:
-                now = time.monotonic()
-                job.handle.info = SaveInfo(
-                    path=job.handle.path,
-                    file=job.handle.file,
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    nbytes=job.nbytes,
-                    file_bytes=result.nbytes,
-                    staged_seconds=job.staged_at - job.requested,
-                    durable_seconds=now - job.requested,
-                    write_seconds=result.seconds,
-                )
-                events.emit(
-                    "ckpt_durable",
-                    duration=now - job.requested,
-                    bytes=result.nbytes,
-                    write_seconds=result.seconds,
-                    throughput=job.handle.info.throughput,
-                    path=job.handle.path,
-                )
+                job.durable(result, rank=self.rank, world_size=self.world_size)
                 self._results.put(("durable", job))
-            if self.distributed:
-                self._commits.put(_CommitItem(job, job.commit_key, job.handle.path, error))
+            if self._committer is not None:
+                self._committer.put(self._report(job, error))
             else:
                 self._finish(job, {} if error is None else {0: error})
 
-    def _write(self, job: _Job) -> WriteResult:
+    def _write(self, job: Job) -> WriteResult:
+        if self._giving_up.is_set():
+            raise CheckpointWriteError("close() gave up before this save was written")
         file = job.handle.file
+        assert job.flat is not None
         os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
         if self.distributed:
             _commit.remove_marker(job.handle.path)
@@ -523,10 +449,12 @@ class AsyncCheckpointer:
             )
         )
         try:
-            result = self._writer.result()
+            result = self._result(file)
         except WriterDied:
             with contextlib.suppress(OSError):
                 os.unlink(file + ".tmp")
+            if self._giving_up.is_set():
+                raise
             try:  # replace it now, so the next save does not wait for a start
                 self._writer.start()
             except WriterDied as exc:
@@ -535,64 +463,27 @@ class AsyncCheckpointer:
         assert result is not None and result.job_id == job.handle.seq
         return result
 
-    def _commit_key(self, path: str) -> str:
-        """Store prefix for this save: the path and how often this rank has saved to it.
-
-        Every rank computes the same key for the same save, whatever it did with earlier ones
-        (a rank that skips or fails a save still reports it), so a late rank can never count
-        toward the wrong checkpoint.
-        """
-        if not self.distributed:
-            return ""
-        n = self._occurrences.get(path, 0)
-        self._occurrences[path] = n + 1
-        digest = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:16]
-        return f"{self._key_base}/{digest}/{n}"
-
-    def _run_commits(self) -> None:
+    def _result(self, file: str) -> WriteResult:
+        """The writer's answer for ``file``; no bound while open (a write takes what the
+        storage needs), but once close() gives up the writer is killed (WriterDied)."""
         while True:
-            item = self._commits.get()
-            if item is None:
-                return
-            try:
-                causes = _commit.report(
-                    self._store,
-                    item.key,
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    error=item.error,
-                    directory=item.path,
-                    marker_info={
-                        "world_size": self.world_size,
-                        "format": item.job.format if item.job else None,
-                    },
-                    timeout=self.commit_timeout,
+            result = self._writer.result(timeout=_SLICE)
+            if result is not None:
+                return result
+            if self._giving_up.is_set():
+                self._writer.kill()
+                raise WriterDied(
+                    f"the checkpoint writer did not finish {file} within close_timeout="
+                    f"{self.close_timeout:g} s and was killed"
                 )
-            except Exception as exc:
-                causes = {self.rank: f"store failed during commit: {exc}"}
-            if item.job is None:
-                continue  # this rank already knows (save() raised or returned None)
-            if causes and item.error is None:  # another rank failed: leave no part behind
-                with contextlib.suppress(OSError):
-                    os.unlink(item.job.handle.file)
-            self._finish(item.job, causes)
 
-    def _finish(self, job: _Job, causes: dict[int, str]) -> None:
-        handle = job.handle
-        if causes:
-            handle.error = CheckpointWriteError(
-                f"checkpoint {handle.path} failed; the previous checkpoint is still the latest",
-                causes=causes,
-            )
-            events.emit("ckpt_failed", path=handle.path, causes=causes)
-            self._results.put(("failed", job))
-        else:
-            events.emit(
-                "ckpt_committed",
-                duration=time.monotonic() - job.requested,
-                path=handle.path,
-                world_size=self.world_size,
-            )
-            self._results.put(("committed", job))
-        job.flat = None
-        handle.finished.set()
+    def _report(self, job: Job, error: str | None) -> _commit.Report:
+        def done(causes: dict[int, str]) -> None:
+            self._finish(job, causes)
+
+        path = job.handle.path
+        return _commit.Report(job.commit_key, path, error, job.handle.file, job.format, done)
+
+    def _finish(self, job: Job, causes: dict[int, str]) -> None:
+        self._results.put((job.finish(causes, world_size=self.world_size), job))
+        job.handle.finished.set()  # after the result is queued: wait() then poll() sees it

@@ -34,7 +34,7 @@ import torch
 from trainguard.checkpoint.fileformat import PlacedEntry
 from trainguard.checkpoint.layout import Entry
 
-__all__ = ["Stager", "StagingBuffer"]
+__all__ = ["Stager", "StagingBuffer", "regrow"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,17 @@ class StagingBuffer:
         return f"StagingBuffer(id={self.id}, nbytes={self.nbytes})"
 
 
+def regrow(buffer: StagingBuffer | None, nbytes: int, *, pin: bool) -> StagingBuffer | None:
+    """The growth policy of every reusable buffer: None when ``buffer`` holds ``nbytes``, else a
+    new buffer of at least ``nbytes`` and at least half as large again as ``buffer`` (so a
+    slowly growing state allocates rarely). The caller closes the old one when it is unused."""
+    if buffer is not None and buffer.nbytes >= nbytes:
+        return None
+    return StagingBuffer(
+        max(nbytes, int(buffer.nbytes * 1.5) if buffer is not None else 0), pin=pin
+    )
+
+
 class Stager:
     """Copies states into one reusable :class:`StagingBuffer`.
 
@@ -119,12 +130,13 @@ class Stager:
         nothing (the writer) uses it any more.
         """
         old = self.buffer
-        if old is not None and old.nbytes >= nbytes:
+        new = regrow(old, nbytes, pin=self.pin)
+        if new is None:
+            assert old is not None
             return old, None
-        grown = max(nbytes, int(old.nbytes * 1.5) if old is not None else 0)
-        self.buffer = StagingBuffer(grown, pin=self.pin)
-        logger.debug("staging buffer %d: %d MiB", self.buffer.id, self.buffer.nbytes >> 20)
-        return self.buffer, old
+        self.buffer = new
+        logger.debug("staging buffer %d: %d MiB", new.id, new.nbytes >> 20)
+        return new, old
 
     def stage(self, entries: Sequence[Entry], placed: Sequence[PlacedEntry]) -> int:
         """Copy every entry's source to its placed offset in the buffer; returns bytes copied.

@@ -11,7 +11,8 @@ Protocol, over one duplex pipe (parent -> writer, then the writer's reply)::
     parent  -> ("attach", buffer_id, nbytes) + the memfd    (send_handle) map a staging buffer
     parent  -> ("detach", buffer_id)                        unmap it
     parent  -> ("write", WriteJob)
-    writer  -> ("done", job_id, {"bytes", "seconds"})  or  ("error", job_id, {...})
+    writer  -> ("done", WriteResult)                        one per write, in order; a failed
+                                                            write has ok=False and the error
     parent  -> None                                         stop sentinel
     writer  -> ("bye",)
 
@@ -43,6 +44,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from trainguard.checkpoint.fileformat import PlacedEntry, fsync_dir, write_file
+from trainguard.errors import WriterDied
 
 __all__ = ["WriteJob", "WriteResult", "WriterDied", "WriterProcess"]
 
@@ -75,10 +77,6 @@ class WriteResult:
     seconds: float = 0.0
     error: str = ""
     errno: int | None = None
-
-
-class WriterDied(RuntimeError):
-    """The writer process ended while a job was pending."""
 
 
 # --------------------------------------------------------------------------- writer side
@@ -321,7 +319,8 @@ class WriterProcess:
             if self._conn in ready or self._conn.poll():
                 msg = self._conn.recv()
                 if msg[0] == "done":
-                    return msg[1]
+                    result: WriteResult = msg[1]
+                    return result
         except (EOFError, OSError):
             pass
         self._proc.join(1)

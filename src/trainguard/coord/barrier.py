@@ -1,44 +1,65 @@
-"""Waiting on keys and counting barriers over a ``torch.distributed.Store``.
+"""Waiting on keys of a ``torch.distributed.Store``, woken by the store (no polling).
 
-A barrier is one ``add()`` per arriving rank plus one ``wait()`` on a completion key that the
-last arriver sets, so every rank wakes within one store round trip of the last arrival and
-no rank polls. The number of expected arrivals is decided by the caller (ranks known to be
-gone are simply not expected).
+A ``Store.wait()`` on a client of its own wakes within one store round trip of the key being
+set. A wait that runs out of time raises ``torch.distributed.DistStoreError`` (torch 2.13: the
+store's timeouts; a lost connection raises ``DistNetworkError`` instead), which is how a timeout
+is told apart from a store that failed. Counting protocols built on these waits live in
+:mod:`trainguard.coord.commit` (report, decide once) and :mod:`trainguard.coord.gather`.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from trainguard.errors import BarrierTimeoutError, CoordinationError
 
-__all__ = ["arrive", "wait_forever", "wait_key"]
+__all__ = ["timed_out", "wait_all", "wait_forever", "wait_key"]
 
 _LONG = timedelta(days=1)
 
 
-def _is_timeout(exc: BaseException) -> bool:
-    return "timeout" in str(exc).lower() or "timed out" in str(exc).lower()
+def timed_out(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a store operation, says the operation ran out of time.
+
+    torch raises ``DistStoreError`` for a store timeout; other failures (a lost connection:
+    ``DistNetworkError``) are not timeouts.
+    """
+    from torch.distributed import DistStoreError
+
+    return isinstance(exc, DistStoreError)
+
+
+# the name wait_forever uses
+_is_timeout = timed_out
+
+
+def wait_all(store: Any, keys: list[str], timeout: float, *, what: str = "") -> bool:
+    """Block until every key of ``keys`` is set (woken by the store): True; False after
+    ``timeout`` seconds. Any other store failure raises :class:`CoordinationError`."""
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+        return True
+    except Exception as exc:
+        if timed_out(exc):
+            return False
+        raise CoordinationError(f"store failed while waiting for {what or keys[0]}: {exc}") from exc
 
 
 def wait_key(store: Any, key: str, timeout: float, *, what: str = "") -> bytes:
     """Block until ``key`` is set (woken by the store, no polling) and return its value.
 
-    Raises :class:`CoordinationError` naming ``what`` after ``timeout`` seconds.
+    Raises :class:`BarrierTimeoutError` naming ``what`` after ``timeout`` seconds.
     """
+    if not wait_all(store, [key], timeout, what=what):
+        raise BarrierTimeoutError(
+            f"{what or key} did not complete within {timeout:g} s; a rank may be stuck or "
+            "gone: raise the timeout or look at the other ranks' logs"
+        )
     try:
-        store.wait([key], timedelta(seconds=timeout))
         return bytes(store.get(key))
     except Exception as exc:
-        if _is_timeout(exc):
-            raise BarrierTimeoutError(
-                f"{what or key} did not complete within {timeout:g} s; a rank may be stuck or "
-                "gone: raise the timeout or look at the other ranks' logs"
-            ) from exc
-        raise CoordinationError(f"store failed while waiting for {what or key}: {exc}") from exc
+        raise CoordinationError(f"store failed while reading {what or key}: {exc}") from exc
 
 
 def wait_forever(store: Any, key: str) -> bytes:
@@ -50,34 +71,3 @@ def wait_forever(store: Any, key: str) -> bytes:
         except Exception as exc:
             if not _is_timeout(exc):
                 raise
-
-
-def arrive(
-    store: Any,
-    counter: str,
-    done: str,
-    expected: int,
-    *,
-    on_last: Callable[[], bytes],
-    timeout: float,
-    what: str = "barrier",
-) -> tuple[bytes, bool, float]:
-    """Count this rank in at ``counter`` and wait for ``done``.
-
-    The rank whose ``add`` makes the count reach ``expected`` calls ``on_last()`` and sets
-    ``done`` to what it returns. Returns ``(value of done, was_last, seconds waited)``.
-    Every expected rank calls this once per barrier.
-    """
-    start = time.monotonic()
-    count = int(store.add(counter, 1))
-    if count > expected:
-        raise CoordinationError(
-            f"{what}: {count} arrivals for {expected} expected; two jobs share a job token? "
-            "set TRAINGUARD_JOB_ID to a value unique to the job"
-        )
-    if count == expected:
-        value = on_last()
-        store.set(done, value)
-        return value, True, time.monotonic() - start
-    value = wait_key(store, done, timeout, what=what)
-    return value, False, time.monotonic() - start

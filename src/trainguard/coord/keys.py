@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from trainguard.errors import ConfigError
+
 __all__ = ["Keyspace", "decode", "encode"]
 
 
@@ -31,6 +33,9 @@ def decode(raw: bytes | str) -> Any:
 class Keyspace:
     """Key names of one wrapped call of one job.
 
+    Raises :class:`~trainguard.errors.ConfigError` (a ``ValueError``) for an empty token or one
+    holding ``/``.
+
     Args:
         job: the job token (letters, digits, ``-_.``); shared by every rank of the job.
         call: index of the wrapped call within each process (0 for the first).
@@ -38,7 +43,10 @@ class Keyspace:
 
     def __init__(self, job: str, call: int = 0) -> None:
         if not job or "/" in job:
-            raise ValueError(f"job token must be non-empty and contain no '/': {job!r}")
+            raise ConfigError(
+                f"job token must be non-empty and contain no '/': {job!r}; set "
+                "TRAINGUARD_JOB_ID to letters, digits and -_."
+            )
         self.job = job
         self.call = call
         self.prefix = f"tg/{job}/{call}/"

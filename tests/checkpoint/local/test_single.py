@@ -92,6 +92,21 @@ def test_one_rank_round_trip_and_nothing_leaks(tmp_path: Path) -> None:
         mgr.save(state, 6)
 
 
+def test_timeouts_take_seconds_or_a_timedelta(tmp_path: Path) -> None:
+    with LocalCheckpointManager(tmp_path / "a", timeout=timedelta(minutes=2)) as mgr:
+        assert mgr.timeout == 120.0
+        mgr.save({"w": torch.ones(3)}, 1)
+        mgr.wait(timedelta(seconds=30))
+        mgr.save({"w": torch.ones(3)}, 2)
+        mgr.wait(30)
+        with pytest.raises(ConfigError, match="timeout"):
+            mgr.wait(timedelta(seconds=-1))
+    with LocalCheckpointManager(tmp_path / "b", timeout=45) as mgr:
+        assert mgr.timeout == 45.0
+    with pytest.raises(ConfigError, match="timeout"):
+        LocalCheckpointManager(tmp_path / "c", timeout="45")
+
+
 def _dirs(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir())
 

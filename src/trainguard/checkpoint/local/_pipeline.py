@@ -8,12 +8,10 @@ received copy, and reports the outcome to the store. A save is *complete* once e
 reported it without error; retention then removes iterations older than the newest ``keep``
 complete ones (incomplete iterations never count, so they never cause a removal).
 
-Store keys per save (``S`` = the manager's prefix and the save's sequence number)::
-
-    S/err/<rank>   why this rank's part or copies failed (only on failure)
-    S/done/<rank>  this rank finished (ok or not)
-    S/count        how many ranks finished
-    S/seen         how many ranks have read the outcome; the last deletes S's keys
+Each save is one :class:`~trainguard.coord.commit.CommitRound` under ``<prefix>/save/<seq>``:
+every rank reports once its part and copies are durable (or failed), the last one decides, and
+every rank settles the save on that one outcome (read without waiting after each save, waited
+for by :meth:`SavePipeline.wait`), so that every rank counts the same iterations complete.
 """
 
 from __future__ import annotations
@@ -26,17 +24,22 @@ import os
 import queue
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainguard import events
+from trainguard.checkpoint._link import StoreLink
 from trainguard.checkpoint.fileformat import PlacedEntry
 from trainguard.checkpoint.local import _inventory
 from trainguard.checkpoint.local._transfer import Channel
-from trainguard.checkpoint.staging import StagingBuffer
-from trainguard.checkpoint.writer import WriteJob, WriterDied, WriterProcess
-from trainguard.errors import CheckpointWriteError
+from trainguard.checkpoint.staging import StagingBuffer, regrow
+from trainguard.checkpoint.writer import WriteJob, WriterProcess
+from trainguard.coord.commit import COMMITTED, FAILED, CommitRound, Outcome
+from trainguard.errors import CheckpointWriteError, WriterDied
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 logger = logging.getLogger(__name__)
 
@@ -55,29 +58,135 @@ class StagedSave:
     error: str | None = None
 
 
-class SavePipeline:
-    """Mixin holding the background thread's work; the manager sets these attributes."""
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Who this rank is in the local checkpoints, and where its files go."""
 
     rank: int
     world_size: int
     root: str
-    setting: str
+    setting: str  # the replication setting, stored in every part
     clique: list[int]
     keep: int
     fsync: bool
-    _channel: Channel | None
-    _writer: WriterProcess
-    _inventory: _inventory.Inventory
-    _recv_buffers: dict[int, StagingBuffer]
-    _bg_store: Any
-    _key: str
-    _lock: threading.Lock
-    _prune_lock: threading.Lock
-    _errors: list[str]
-    _failed: set[int]
-    _complete: set[int]
-    _unconfirmed: list[tuple[int, int]]
-    _jobs: queue.SimpleQueue[StagedSave | None]
+
+
+class SavePipeline:
+    """The background thread of one :class:`~.manager.LocalCheckpointManager`, and what it
+    knows about which iterations are complete.
+
+    The manager's thread calls :meth:`submit` (in save order), :meth:`wait`, :meth:`drain`,
+    :meth:`raise_errors`, :meth:`note_complete`, :meth:`drop_newer`, finally :meth:`close`
+    and, once the writer has stopped, :meth:`release`.
+    ``link`` is None with one rank (nothing to agree on).
+    """
+
+    def __init__(
+        self,
+        place: Place,
+        *,
+        writer: WriterProcess,
+        inventory: _inventory.Inventory,
+        channel: Channel | None,
+        link: StoreLink | None,
+    ) -> None:
+        self.place = place
+        self.rank, self.world_size, self.root = place.rank, place.world_size, place.root
+        self._writer = writer
+        self._inventory = inventory
+        self._channel = channel
+        self._link = link
+        self._bg_store = link.client() if link is not None else None  # this thread's
+        self._fg_store = link.client() if link is not None else None  # the caller's
+        self._recv_buffers: dict[int, StagingBuffer] = {}
+        self.last: StagedSave | None = None
+        self._errors: list[str] = []
+        self._complete: set[int] = set()
+        self._unconfirmed: list[tuple[int, int]] = []  # (seq, iteration) not yet settled
+        self._failed: set[int] = set()  # seqs that failed on this rank
+        self._waited: int | None = None  # the seq wait() waits for: wait() closes its round
+        self._lock = threading.Lock()
+        self._prune_lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[StagedSave | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="trainguard-local", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller's thread
+
+    def submit(self, job: StagedSave) -> None:
+        self.last = job
+        self._jobs.put(job)
+
+    def drain(self) -> None:
+        """Wait until the background thread is done with the last save."""
+        if self.last is not None:
+            self.last.done.wait()
+
+    def wait(self, limit: float) -> None:
+        """Block until the last save is settled on every rank (at most ``limit`` seconds for
+        its background work, then as long again for the other ranks), then apply retention."""
+        job = self.last
+        if job is None:
+            return
+        if not job.done.wait(limit):
+            raise CheckpointWriteError(f"iteration {job.iteration} not durable within {limit} s")
+        self.raise_errors()
+        with self._lock:
+            unsettled = (job.seq, job.iteration) in self._unconfirmed
+            self._waited = job.seq if unsettled else None
+        if self._fg_store is not None and unsettled:
+            # this rank's round stays open (its keys stay) until this wait closes it
+            round_ = self._round(self._fg_store, job.seq)
+            try:
+                outcome = round_.wait(limit)
+            finally:
+                with self._lock:
+                    self._waited = None
+            self._settle(job.seq, job.iteration, outcome)
+            round_.close()
+        self._confirm(self._fg_store)
+        self.raise_errors()
+        self._prune()
+
+    def raise_errors(self) -> None:
+        """Raise the failures of earlier saves (this rank's, or the others' as the outcome
+        named them) as one :class:`CheckpointWriteError`, once."""
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise CheckpointWriteError(
+                "a local checkpoint failed; the previous complete iteration is still the latest",
+                causes={self.rank: "; ".join(errors)},
+            )
+
+    def note_complete(self, iterations: list[int]) -> None:
+        with self._lock:
+            self._complete.update(iterations)
+
+    def drop_newer(self, iteration: int) -> list[int]:
+        """Remove iterations newer than ``iteration`` (see the manager's ``find_latest``)."""
+        with self._prune_lock:
+            removed = self._inventory.remove_newer(iteration)
+            with self._lock:
+                self._complete.difference_update(removed)
+        return removed
+
+    def close(self) -> None:
+        """Finish the saves queued so far, stop the thread, settle what can be settled."""
+        self._jobs.put(None)
+        self._thread.join()
+        with contextlib.suppress(Exception):
+            self._confirm(self._fg_store)
+            self._prune()
+
+    def release(self) -> None:
+        """Free the receive buffers (after the writer has stopped)."""
+        for buffer in self._recv_buffers.values():
+            buffer.close()
+        self._recv_buffers.clear()
+        if self.last is not None and self.last.retired is not None:
+            self.last.retired.close()
+        self.last = None
 
     # ------------------------------------------------------------------ background thread
 
@@ -107,12 +216,12 @@ class SavePipeline:
             "owner": str(self.rank),
             "iteration": str(job.iteration),
             "world_size": str(self.world_size),
-            "replication": self.setting,
+            "replication": self.place.setting,
             "skeleton": json.dumps(job.skeleton, separators=(",", ":")),
         }
         paths = [_inventory.part_path(self.root, job.iteration, self.rank, self.rank)]
         self._submit(job, job.buffer, paths[0], job.placed, meta)
-        peers = [m for m in self.clique if m != self.rank]
+        peers = [m for m in self.place.clique if m != self.rank]
         failure: BaseException | None = None
         if peers:
             started = time.monotonic()
@@ -176,7 +285,7 @@ class SavePipeline:
                 buffer_id=buffer.id,
                 placed=placed,
                 metadata=meta,
-                fsync=self.fsync,
+                fsync=self.place.fsync,
             )
         )
 
@@ -223,30 +332,29 @@ class SavePipeline:
 
     def _recv_buffer(self, peer: int, nbytes: int) -> StagingBuffer:
         buffer = self._recv_buffers.get(peer)
-        if buffer is not None and buffer.nbytes >= nbytes:
+        new = regrow(buffer, nbytes, pin=False)
+        if new is None:
+            assert buffer is not None
             return buffer
         if buffer is not None:
             self._writer.detach(buffer.id)
             buffer.close()
-        grown = max(nbytes, int(buffer.nbytes * 1.5) if buffer is not None else 0)
-        self._recv_buffers[peer] = StagingBuffer(grown, pin=False)
-        return self._recv_buffers[peer]
+        self._recv_buffers[peer] = new
+        return new
 
     # ------------------------------------------------------------------ completion, retention
 
-    def _done_key(self, seq: int) -> str:
-        return f"{self._key}/save/{seq}"
+    def _round(self, store: Store, seq: int) -> CommitRound:
+        assert self._link is not None
+        key = f"{self._link.prefix}/save/{seq}"
+        return CommitRound(store, key, rank=self.rank, world_size=self.world_size)
 
     def _report(self, job: StagedSave) -> None:
         with self._lock:
             self._unconfirmed.append((job.seq, job.iteration))
         if self._bg_store is not None:
-            key = self._done_key(job.seq)
             try:
-                if job.error is not None:
-                    self._bg_store.set(f"{key}/err/{self.rank}", job.error)
-                self._bg_store.set(f"{key}/done/{self.rank}", "1")
-                self._bg_store.add(f"{key}/count", 1)
+                self._round(self._bg_store, job.seq).report(job.error)
             except Exception as exc:
                 logger.warning("reporting iteration %d to the store failed: %s", job.iteration, exc)
         try:
@@ -255,57 +363,45 @@ class SavePipeline:
         except Exception as exc:  # retried by the next save, wait() and close()
             logger.debug("retention after iteration %d: %s", job.iteration, exc)
 
-    def _confirm(self, store: Any) -> None:
-        """Move saves that every rank has finished from unconfirmed to complete (or failed)."""
+    def _confirm(self, store: Store | None) -> None:
+        """Settle the saves whose outcome is published (never waits)."""
         with self._lock:
             pending = list(self._unconfirmed)
+            failed = set(self._failed)
         for seq, iteration in pending:
-            key = self._done_key(seq)
-            failed: dict[int, str] = {}
-            if store is not None:
-                if store.add(f"{key}/count", 0) < self.world_size:
-                    continue
-                for r in range(self.world_size):
-                    if store.check([f"{key}/err/{r}"]):
-                        failed[r] = store.get(f"{key}/err/{r}").decode(errors="replace")
-            elif seq in self._failed:
-                failed[self.rank] = "failed here"
-            with self._lock:
-                if (seq, iteration) not in self._unconfirmed:
-                    continue  # the other thread got there first
-                self._unconfirmed.remove((seq, iteration))
-                self._failed.discard(seq)
-                if not failed:
-                    self._complete.add(iteration)
-                elif all(r != self.rank for r in failed):
-                    self._errors.append(
-                        f"iteration {iteration} failed on rank(s) "
-                        + ", ".join(f"{r} ({why})" for r, why in sorted(failed.items()))
-                    )
-            if store is not None and store.add(f"{key}/seen", 1) == self.world_size:
-                for name in ["count", "seen"] + [
-                    f"{kind}/{r}" for r in range(self.world_size) for kind in ("done", "err")
-                ]:
-                    with contextlib.suppress(Exception):
-                        store.delete_key(f"{key}/{name}")
+            if store is None:  # one rank: its own result is the outcome
+                causes = {self.rank: "failed here"} if seq in failed else {}
+                self._settle(seq, iteration, Outcome(FAILED if causes else COMMITTED, causes, 0))
+                continue
+            round_ = self._round(store, seq)
+            outcome = round_.poll()
+            if outcome is not None and self._settle(seq, iteration, outcome):
+                round_.close()
 
-    def _missing(self, store: Any, seq: int) -> dict[int, str]:
-        key = self._done_key(seq)
-        if store is None:
-            return {}
-        return {
-            r: "did not finish its part and copies (dead or hung?)"
-            for r in range(self.world_size)
-            if not store.check([f"{key}/done/{r}"])
-        }
+    def _settle(self, seq: int, iteration: int, outcome: Outcome) -> bool:
+        """Record the outcome of save ``seq`` once (either thread may get there first).
+        True when this call settled it and its round is the caller's to close (not waited)."""
+        with self._lock:
+            if (seq, iteration) not in self._unconfirmed:
+                return False
+            self._unconfirmed.remove((seq, iteration))
+            self._failed.discard(seq)
+            if outcome.committed:
+                self._complete.add(iteration)
+            elif all(r != self.rank for r in outcome.causes):
+                self._errors.append(
+                    f"iteration {iteration} failed on rank(s) "
+                    + ", ".join(f"{r} ({why})" for r, why in sorted(outcome.causes.items()))
+                )
+            return self._waited != seq
 
     def _prune(self) -> None:
         with self._prune_lock:
             with self._lock:
                 complete = sorted(self._complete, reverse=True)
-            if len(complete) < self.keep:
+            if len(complete) < self.place.keep:
                 return
-            keep_from = complete[self.keep - 1]
+            keep_from = complete[self.place.keep - 1]
             removed = self._inventory.remove_older(keep_from)
             with self._lock:
                 self._complete.difference_update(removed)

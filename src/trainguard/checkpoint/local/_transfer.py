@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+import mmap
+import time
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
 import torch
+
+from trainguard import events
 
 logger = logging.getLogger(__name__)
 
@@ -108,3 +112,48 @@ class Channel:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(self.group)
         self.group = None
+
+
+def move_parts(
+    channel: Channel | None,
+    iteration: int,
+    sizes: Mapping[int, int],
+    transfers: Sequence[tuple[int, int, int]],
+    paths: Mapping[int, str],
+    *,
+    rank: int,
+) -> tuple[int, mmap.mmap] | None:
+    """Carry out this rank's share of a transfer plan (every rank calls it with the same plan).
+
+    ``transfers`` lists ``(owner, source, dest)``: the source sends its copy of owner's part
+    (a private map of ``paths[owner]``) to the destination, which receives ``sizes[owner]``
+    bytes. Returns ``(source, bytes)`` of the part this rank received, or None.
+    """
+    sends, recvs, maps = [], [], []
+    received = None
+    for owner, source, dest in transfers:
+        if source == rank:
+            with open(paths[owner], "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            maps.append(mm)
+            sends.append((dest, torch.frombuffer(mm, dtype=torch.uint8)))
+        if dest == rank:
+            buf = mmap.mmap(-1, sizes[owner])
+            received = (source, buf)
+            recvs.append((source, torch.frombuffer(buf, dtype=torch.uint8)))
+    if sends or recvs:
+        assert channel is not None
+        started = time.monotonic()
+        channel.exchange(sends, recvs)
+        events.emit(
+            "local_ckpt_transfer",
+            duration=time.monotonic() - started,
+            iteration=iteration,
+            sent=[(d, int(t.numel())) for d, t in sends],
+            received=[(s, int(t.numel())) for s, t in recvs],
+        )
+    del sends
+    for mm in maps:
+        with contextlib.suppress(BufferError):
+            mm.close()
+    return received

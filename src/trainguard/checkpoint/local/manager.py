@@ -7,36 +7,34 @@ the loss of a node loses no part. See :class:`LocalCheckpointManager` for the pr
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import mmap
 import os
-import queue
 import threading
 import time
-from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainguard import events
+from trainguard import _timeouts, events
+from trainguard.checkpoint import _link
 from trainguard.checkpoint.fileformat import load_buffer, load_file, place, verify_path
 from trainguard.checkpoint.layout import flatten
-from trainguard.checkpoint.local import _inventory
-from trainguard.checkpoint.local._exchange import allgather
-from trainguard.checkpoint.local._pipeline import SavePipeline, StagedSave
-from trainguard.checkpoint.local._transfer import Channel
+from trainguard.checkpoint.local import _choose, _inventory, _transfer
+from trainguard.checkpoint.local._pipeline import Place, SavePipeline, StagedSave
 from trainguard.checkpoint.local.replication import CliqueReplication, no_replication
-from trainguard.checkpoint.staging import Stager, StagingBuffer
-from trainguard.checkpoint.writer import WriterDied, WriterProcess
+from trainguard.checkpoint.staging import Stager
+from trainguard.checkpoint.writer import WriterProcess
+from trainguard.coord import decode, encode, gather
 from trainguard.errors import (
     CheckpointCorruptError,
     CheckpointError,
-    CheckpointNotFoundError,
-    CheckpointReplicationMismatchError,
     CheckpointWriteError,
     ConfigError,
+    WriterDied,
 )
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 __all__ = ["LocalCheckpointManager"]
 
@@ -45,14 +43,16 @@ logger = logging.getLogger(__name__)
 _ATTEMPTS = 3  # loads in a row whose received copies fail their checksums before giving up
 
 
-def _seconds(value: float | timedelta, name: str) -> float:
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not seconds > 0:
-        raise ConfigError(f"{name} must be positive seconds (or a timedelta), not {value!r}")
-    return seconds
+def _ranks() -> tuple[int, int]:
+    """This rank and the world size from torch.distributed (0 and 1 when not initialized)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
-class LocalCheckpointManager(SavePipeline):
+class LocalCheckpointManager:
     """Checkpoints on each rank's local storage, with copies on the other members of its clique.
 
     Every rank of the job calls every method together, in the same order: the constructor,
@@ -75,7 +75,9 @@ class LocalCheckpointManager(SavePipeline):
       restart that renumbered the ranks, rank ``r`` loads owner ``r``'s part.
     - Retention: once an iteration is complete on every rank, complete iterations beyond the
       newest ``keep`` are removed (and incomplete ones older than those); an incomplete newer
-      iteration never causes a complete older one to be removed.
+      iteration never causes a complete older one to be removed. Whether an iteration is
+      complete is decided once for every rank (:mod:`trainguard.coord.commit`), so every rank
+      keeps the same iterations.
 
     Args:
         root: this rank's local directory (ranks of one node may share it).
@@ -83,7 +85,8 @@ class LocalCheckpointManager(SavePipeline):
         keep: complete iterations to keep (>= 1).
         store: the torch.distributed Store (default: the default process group's).
         backend: transport for copies: ``"gloo"`` (default) or ``"nccl"``; a dedicated group.
-        timeout: seconds (or a timedelta) a rank waits for the others (store and transfers).
+        timeout: how long a rank waits for the others (store and transfers): seconds or a
+            ``timedelta``.
         staging_threads, pin_memory, fsync, writer_nice: as for ``AsyncCheckpointer``.
         allow_replication_change: load iterations saved with another replication setting
             instead of raising :class:`CheckpointReplicationMismatchError`.
@@ -96,9 +99,9 @@ class LocalCheckpointManager(SavePipeline):
         *,
         replication: CliqueReplication | None = None,
         keep: int = 2,
-        store: Any = None,
+        store: Store | None = None,
         backend: str | None = None,
-        timeout: float | timedelta = 300.0,
+        timeout: _timeouts.Timeout = 300.0,
         staging_threads: int | None = None,
         pin_memory: bool = True,
         fsync: bool = True,
@@ -118,29 +121,13 @@ class LocalCheckpointManager(SavePipeline):
             raise ConfigError("staging_threads must be >= 1 (or None for the default)")
         if not 0 <= writer_nice <= 19:
             raise ConfigError("writer_nice must be between 0 and 19")
-        self.timeout = _seconds(timeout, "timeout")
-        import torch.distributed as dist
-
-        initialized = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if initialized else 0
-        self.world_size = dist.get_world_size() if initialized else 1
-        if store is None and initialized:
-            store = dist.distributed_c10d._get_default_store()
+        self.timeout = _timeouts.seconds("timeout", timeout)
+        store, self.rank, self.world_size = _link.resolve(store, *_ranks())
         if self.world_size > 1 and store is None:
             raise ConfigError("several ranks need a store; initialize torch.distributed first")
         self.replication = replication or no_replication()
         self.setting = self.replication.describe()
-        self.clique = self.replication.clique_of(self.rank, self.world_size)
-        if len(self.clique) < self.replication.factor:
-            logger.warning(
-                "rank %d's clique %s has %d member(s) for factor %d (world size %d): its parts "
-                "have fewer copies",
-                self.rank,
-                self.clique,
-                len(self.clique),
-                self.replication.factor,
-                self.world_size,
-            )
+        self.clique = self._clique()
         self.root = os.path.abspath(os.fspath(root))
         self.keep = keep
         self.fsync = fsync
@@ -151,39 +138,45 @@ class LocalCheckpointManager(SavePipeline):
         #: After :meth:`load`: ``{"iteration", "source", "bytes"}``, where ``source`` is
         #: ``"local PATH"`` or ``"rank N"`` (the peer that sent this rank's part).
         self.last_load: dict[str, Any] | None = None
-        self._store = self._bg_store = None
-        self._key = key_prefix
+        link = None
         if store is not None and self.world_size > 1:
-            generation = (store.add(f"{key_prefix}/instances", 1) - 1) // self.world_size
-            self._key = f"{key_prefix}/{generation}"
-            self._store = store.clone() if hasattr(store, "clone") else store
-            self._bg_store = store.clone() if hasattr(store, "clone") else store
-            self._store_origin = store  # keeps rank 0's store server alive while we need it
-        self._channel: Channel | None = None
-        if self.world_size > 1:
-            self._channel = Channel(backend or "gloo", self.timeout)
+            link = _link.StoreLink.join(store, key_prefix=key_prefix, world_size=self.world_size)
+        self._link = link
+        self._store = link.client() if link is not None else None  # for gathers
+        self._channel = _transfer.Channel(backend or "gloo", self.timeout) if link else None
         self._stager = Stager(
             threads=staging_threads or min(4, os.cpu_count() or 1), pin=pin_memory
         )
-        self._recv_buffers: dict[int, StagingBuffer] = {}
         self._writer = WriterProcess(nice=writer_nice)
         self._calls = 0
         self._seq = 0
-        self._last: StagedSave | None = None
-        self._errors: list[str] = []
-        self._complete: set[int] = set()
-        self._unconfirmed: list[tuple[int, int]] = []  # (seq, iteration) not yet complete
-        self._failed: set[int] = set()  # seqs that failed on this rank
-        self._lock = threading.Lock()
-        self._prune_lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[StagedSave | None] = queue.SimpleQueue()
         try:
             self._writer.start()
         except WriterDied as exc:
-            self._release()
+            self._release(None)
             raise CheckpointWriteError(str(exc)) from exc
-        self._thread = threading.Thread(target=self._run, name="trainguard-local", daemon=True)
-        self._thread.start()
+        place = Place(self.rank, self.world_size, self.root, self.setting, self.clique, keep, fsync)
+        self._pipeline = SavePipeline(
+            place,
+            writer=self._writer,
+            inventory=self._inventory,
+            channel=self._channel,
+            link=link,
+        )
+
+    def _clique(self) -> list[int]:
+        clique = self.replication.clique_of(self.rank, self.world_size)
+        if len(clique) < self.replication.factor:
+            logger.warning(
+                "rank %d's clique %s has %d member(s) for factor %d (world size %d): its parts "
+                "have fewer copies",
+                self.rank,
+                clique,
+                len(clique),
+                self.replication.factor,
+                self.world_size,
+            )
+        return clique
 
     # ------------------------------------------------------------------ API
 
@@ -198,9 +191,8 @@ class LocalCheckpointManager(SavePipeline):
         if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
             raise ConfigError(f"iteration={iteration!r}: use an integer >= 0")
         requested = time.monotonic()
-        if self._last is not None:
-            self._last.done.wait()
-        self._raise_errors()
+        self._pipeline.drain()
+        self._pipeline.raise_errors()
         flat = flatten(state, pickle=pickle)
         placed, nbytes = place(flat.entries)
         buffer, retired = self._stager.ensure(nbytes)
@@ -209,8 +201,7 @@ class LocalCheckpointManager(SavePipeline):
             self._seq, iteration, flat.skeleton, placed, nbytes, buffer, retired, requested
         )
         self._seq += 1
-        self._last = job
-        self._jobs.put(job)
+        self._pipeline.submit(job)
         events.emit(
             "local_ckpt_save",
             duration=time.monotonic() - requested,
@@ -219,34 +210,15 @@ class LocalCheckpointManager(SavePipeline):
             root=self.root,
         )
 
-    def wait(self, timeout: float | timedelta | None = None) -> None:
+    def wait(self, timeout: _timeouts.Timeout | None = None) -> None:
         """Block until the last saved iteration is durable with every copy on every rank.
 
         Then applies retention. Raises :class:`CheckpointWriteError` naming the ranks whose
         part or copies failed, or that did not finish within ``timeout`` (default: the
         manager's). Every rank calls it (it reads the store only).
         """
-        limit = self.timeout if timeout is None else _seconds(timeout, "timeout")
-        job = self._last
-        if job is None:
-            return
-        if not job.done.wait(limit):
-            raise CheckpointWriteError(f"iteration {job.iteration} not durable within {limit} s")
-        self._raise_errors()
-        deadline = time.monotonic() + limit
-        while True:
-            self._confirm(self._store)
-            with self._lock:
-                if all(seq != job.seq for seq, _ in self._unconfirmed):
-                    break
-            if time.monotonic() > deadline:
-                raise CheckpointWriteError(
-                    f"iteration {job.iteration} was not complete on every rank within {limit} s",
-                    causes=self._missing(self._store, job.seq),
-                )
-            time.sleep(0.005)
-        self._raise_errors()
-        self._prune()
+        limit = _timeouts.optional_seconds("timeout", timeout)
+        self._pipeline.wait(self.timeout if limit is None else limit)
 
     def find_latest(self) -> int | None:
         """The newest iteration every owner's part of which a live rank holds, verified.
@@ -262,16 +234,14 @@ class LocalCheckpointManager(SavePipeline):
         """
         self._check_open()
         started = time.monotonic()
-        self._drain()
+        self._pipeline.drain()
         parts = self._inventory.scan()
         merged = self._gather("find", parts)
         candidates = _inventory.complete(merged, self.world_size)
-        self._complete.update(candidates)
+        self._pipeline.note_complete(candidates)
         found = candidates[0] if candidates else None
         if found is not None:
-            chosen = _inventory.choice(merged, found)
-            self._check_setting(chosen)
-            self._note_orphans(chosen)
+            self._accept(_inventory.choice(merged, found))
             self._drop_newer(found)
         events.emit(
             "local_ckpt_find_latest",
@@ -296,7 +266,7 @@ class LocalCheckpointManager(SavePipeline):
         """
         self._check_open()
         started = time.monotonic()
-        self._drain()
+        self._pipeline.drain()
         for attempt in range(_ATTEMPTS):
             parts = self._inventory.scan()  # hashes only files changed since last verified
             merged = self._gather("load", parts)
@@ -366,38 +336,23 @@ class LocalCheckpointManager(SavePipeline):
     def _drop_newer(self, iteration: int) -> None:
         """Remove iterations newer than the one every rank resumes from: they are incomplete
         everywhere (or abandoned), and a save of the same number must not meet stale copies."""
-        with self._prune_lock:
-            removed = self._inventory.remove_newer(iteration)
-            with self._lock:
-                self._complete.difference_update(removed)
+        removed = self._pipeline.drop_newer(iteration)
         if removed:
             logger.info("removed iterations %s, newer than the one resumed from", removed)
             events.emit("local_ckpt_pruned", removed=removed, newer_than=iteration)
 
     def _pick(self, merged: dict[int, dict[str, Any]], iteration: int) -> _inventory.Choice:
         """The iteration to load: ``iteration`` if complete, else the newest older complete."""
-        candidates = [it for it in _inventory.complete(merged, self.world_size) if it <= iteration]
-        if not candidates or candidates[0] != iteration:
-            reason = (
-                f"iteration {iteration} is not on any rank"
-                if iteration not in merged
-                else f"no rank holds a good copy of the part(s) of owner(s) "
-                f"{_inventory.missing_owners(merged[iteration], self.world_size)} of "
-                f"iteration {iteration}"
-            )
-            if not candidates:
-                raise CheckpointNotFoundError(
-                    f"nothing to load under {self.root} and its peers: {reason}, and no older "
-                    "iteration is complete"
-                )
-            logger.warning("%s; loading iteration %d instead", reason, candidates[0])
-            events.emit(
-                "local_ckpt_fallback", requested=iteration, loaded=candidates[0], reason=reason
-            )
-        chosen = _inventory.choice(merged, candidates[0])
-        self._check_setting(chosen)
-        self._note_orphans(chosen)
+        chosen = _choose.pick(merged, iteration, world_size=self.world_size, root=self.root)
+        self._accept(chosen)
         return chosen
+
+    def _accept(self, chosen: _inventory.Choice) -> None:
+        """Check the replication setting of the iteration resumed from; note orphaned parts."""
+        _choose.check_setting(
+            chosen, self.setting, allow=self.allow_replication_change, root=self.root
+        )
+        _choose.note_orphans(chosen, world_size=self.world_size, rank=self.rank)
 
     def close(self) -> None:
         """Finish pending saves, stop the writer and the thread, free buffers and the group.
@@ -407,13 +362,9 @@ class LocalCheckpointManager(SavePipeline):
         if self._closed:
             return
         self._closed = True
-        self._jobs.put(None)
-        self._thread.join()
-        with contextlib.suppress(Exception):
-            self._confirm(self._store)
-            self._prune()
-        self._release()
-        self._raise_errors()
+        self._pipeline.close()
+        self._release(self._pipeline)
+        self._pipeline.raise_errors()
 
     def __enter__(self) -> LocalCheckpointManager:
         return self
@@ -433,28 +384,11 @@ class LocalCheckpointManager(SavePipeline):
         if self._closed:
             raise CheckpointError("this LocalCheckpointManager is closed; create a new one")
 
-    def _raise_errors(self) -> None:
-        with self._lock:
-            errors, self._errors = self._errors, []
-        if errors:
-            raise CheckpointWriteError(
-                "a local checkpoint failed; the previous complete iteration is still the latest",
-                causes={self.rank: "; ".join(errors)},
-            )
-
-    def _drain(self) -> None:
-        if self._last is not None:
-            self._last.done.wait()
-
-    def _release(self) -> None:
+    def _release(self, pipeline: SavePipeline | None) -> None:
         self._writer.stop()
         self._stager.close()
-        for buffer in self._recv_buffers.values():
-            buffer.close()
-        self._recv_buffers.clear()
-        if self._last is not None and self._last.retired is not None:
-            self._last.retired.close()
-        self._last = None
+        if pipeline is not None:
+            pipeline.release()
         if self._channel is not None:
             self._channel.close()
             self._channel = None
@@ -463,74 +397,31 @@ class LocalCheckpointManager(SavePipeline):
         return _inventory.holdings(self._gather_values(what, [p.report() for p in parts]))
 
     def _gather_values(self, what: str, value: Any) -> dict[int, Any]:
+        """Every rank's ``value`` through the store (every rank calls it, in the same order)."""
         self._calls += 1
-        key = f"{self._key}/{what}/{self._calls}"
-        return allgather(self._store, key, self.rank, self.world_size, value, timeout=self.timeout)
-
-    def _check_setting(self, chosen: _inventory.Choice) -> None:
-        if chosen.replication == self.setting or self.allow_replication_change:
-            return
-        raise CheckpointReplicationMismatchError(
-            f"iteration {chosen.iteration} under {self.root} was saved with "
-            f"{chosen.replication} but this manager uses {self.setting}. Create the manager with "
-            "the setting used at save time to resume, pass allow_replication_change=True to "
-            "load it anyway (its parts are complete), or start fresh in an empty root"
+        if self._link is None or self._store is None:
+            return {self.rank: decode(encode(value))}
+        return gather(
+            self._store,
+            f"{self._link.prefix}/{what}/{self._calls}",
+            value,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=self.timeout,
+            what="what they hold",
+            hint="every rank must call the same LocalCheckpointManager method together",
         )
-
-    def _note_orphans(self, chosen: _inventory.Choice) -> None:
-        orphans = chosen.orphans(self.world_size)
-        if orphans and self.rank == 0:
-            logger.warning(
-                "iteration %d was saved by %d ranks, this world has %d: the parts of owner(s) "
-                "%s go to nobody",
-                chosen.iteration,
-                chosen.saved_world,
-                self.world_size,
-                orphans,
-            )
-        if orphans:
-            events.emit(
-                "local_ckpt_world_changed",
-                iteration=chosen.iteration,
-                saved_world=chosen.saved_world,
-                world_size=self.world_size,
-                unloaded_owners=orphans,
-            )
 
     def _transfer(
         self,
         chosen: _inventory.Choice,
         transfers: list[tuple[int, int, int]],
         mine: dict[int, _inventory.Part],
-    ) -> tuple[int, bytearray | mmap.mmap] | None:
-        sends, recvs, maps = [], [], []
-        received = None
-        for owner, source, dest in transfers:
-            if source == self.rank:
-                with open(mine[owner].path, "rb") as f:
-                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                maps.append(mm)
-                sends.append((dest, torch.frombuffer(mm, dtype=torch.uint8)))
-            if dest == self.rank:
-                buf = mmap.mmap(-1, chosen.sizes[owner])
-                received = (source, buf)
-                recvs.append((source, torch.frombuffer(buf, dtype=torch.uint8)))
-        if sends or recvs:
-            assert self._channel is not None
-            started = time.monotonic()
-            self._channel.exchange(sends, recvs)
-            events.emit(
-                "local_ckpt_transfer",
-                duration=time.monotonic() - started,
-                iteration=chosen.iteration,
-                sent=[(d, int(t.numel())) for d, t in sends],
-                received=[(s, int(t.numel())) for s, t in recvs],
-            )
-        del sends
-        for mm in maps:
-            with contextlib.suppress(BufferError):
-                mm.close()
-        return received
+    ) -> tuple[int, Any] | None:
+        paths = {owner: part.path for owner, part in mine.items()}
+        return _transfer.move_parts(
+            self._channel, chosen.iteration, chosen.sizes, transfers, paths, rank=self.rank
+        )
 
 
 class _Background:

@@ -1,0 +1,75 @@
+"""How a checkpointer joins the job's store: which store and ranks, and its own key prefix.
+
+Shared by :class:`~trainguard.checkpoint.AsyncCheckpointer` and
+:class:`~trainguard.checkpoint.LocalCheckpointManager`. Every rank creates its checkpointers in
+the same order; each checkpointer counts itself in ``<key_prefix>/instances`` and takes the
+*generation* ``(count - 1) // world_size``, so that keys of an earlier checkpointer (say, of the
+previous restart round) can never count for a later one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from trainguard.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+
+def resolve(
+    store: Store | None, rank: int | None, world_size: int | None
+) -> tuple[Store | None, int, int]:
+    """``(store, rank, world_size)`` from the arguments, else from torch.distributed.
+
+    Without a store and with torch.distributed initialized, the default process group's store
+    is used. A store needs a rank and world size (given, or from torch.distributed); without a
+    store there is one rank. Raises :class:`ConfigError` for what does not fit together.
+    """
+    import torch.distributed as dist
+
+    initialized = dist.is_available() and dist.is_initialized()
+    if store is None and initialized:
+        store = dist.distributed_c10d._get_default_store()
+    if store is None:
+        if rank not in (None, 0) or world_size not in (None, 1):
+            raise ConfigError("rank/world_size need a store or an initialized torch.distributed")
+        return None, 0, 1
+    if rank is None or world_size is None:
+        if not initialized:
+            raise ConfigError(
+                "with a store, pass rank= and world_size= (or initialize torch.distributed)"
+            )
+        rank = dist.get_rank() if rank is None else rank
+        world_size = dist.get_world_size() if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank={rank} is not in range(world_size={world_size})")
+    return store, rank, world_size
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreLink:
+    """A checkpointer's place in the store: ``prefix`` is ``<key_prefix>/<generation>``.
+
+    ``origin`` is the store given; holding it keeps rank 0's store server alive for as long as
+    the checkpointer needs it. Every rank calls :meth:`join` once per checkpointer, in the same
+    order.
+    """
+
+    origin: Store
+    prefix: str
+
+    @classmethod
+    def join(cls, store: Store, *, key_prefix: str, world_size: int) -> StoreLink:
+        generation = (int(store.add(f"{key_prefix}/instances", 1)) - 1) // world_size
+        return cls(store, f"{key_prefix}/{generation}")
+
+    def client(self) -> Store:
+        """A client of its own (``Store.clone()`` where there is one): a pending ``wait()``
+        holds a TCPStore client for its whole duration, so each thread that waits needs one."""
+        clone = getattr(self.origin, "clone", None)
+        if clone is None:
+            return self.origin
+        own: Store = clone()
+        return own
