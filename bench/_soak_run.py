@@ -165,6 +165,11 @@ def run_segment(cfg: SoakConfig, index: int, *, stall: float, deadline: float) -
             seen, last_change = size, time.monotonic()
         if time.monotonic() - last_change > stall or time.monotonic() > deadline:
             seg.hung = True
+            for proc in procs:  # every thread's stack into the process's log, then the kill
+                if proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGUSR2)
+            time.sleep(1.0)
             kill_all(procs, cfg.marker)
             break
     seg.ended = time.time()

@@ -300,6 +300,10 @@ def guarded(cfg: SoakConfig, segment: int, process: int) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     mode, cfg = argv[1], SoakConfig.read(argv[2])
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # the driver's stall report
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
