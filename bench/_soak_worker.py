@@ -145,7 +145,7 @@ class _Job:
             self._maybe_free_disk(step)
         local.wait()
         disk.wait()
-        digest = m.parameters_digest(net)
+        digest: str = m.parameters_digest(net)
         self.release(strict=True)
         return digest
 

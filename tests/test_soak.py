@@ -6,6 +6,7 @@ and its three leaving faults (kill, kill, sidecar) force one job-level restart.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -56,7 +57,7 @@ def test_schedule_is_drawn_from_the_seed() -> None:
     assert a != draw_schedule(8, 14, ranks=4, gap=12, local_every=4, disk_every=12)
     assert sorted(f.kind for f in a) == sorted(KINDS * 2)
     steps = [f.step for f in a]
-    assert steps == sorted(steps) and min(b - a for a, b in zip(steps, steps[1:])) >= 6
+    assert steps == sorted(steps) and min(b - a for a, b in itertools.pairwise(steps)) >= 6
     assert max(steps) < steps_for(14, 12) - 12
     for f in a:
         if f.kind == "diskfull":
@@ -90,7 +91,7 @@ def test_every_fault_kind_was_injected_and_recovered(soak: tuple[dict[str, Any],
 
 @pytest.mark.timeout(300)
 def test_nothing_left_behind(soak: tuple[dict[str, Any], str]) -> None:
-    res, text = soak
+    res, _ = soak
     assert res["checks"]["nothing_left"], res["leaks"]
 
 
