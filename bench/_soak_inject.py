@@ -21,7 +21,7 @@ from typing import Any
 from bench._soak_plan import FILLER, PlannedFault, SoakConfig
 from trainguard.demo import faults as demo_faults
 
-SIDECAR_MODULE = "trainguard.restart._sidecar_main"
+SIDECAR_MODULE = "trainguard.restart.sidecar"
 SPAWN_CHILD = "multiprocessing.spawn"  # how a spawn-context child (a writer) shows in its argv
 
 

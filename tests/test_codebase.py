@@ -32,6 +32,9 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
+_BLOCKS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.With, ast.For, ast.While)
+
+
 def _resolve(module: str, path: pathlib.Path, node: ast.ImportFrom) -> str:
     if not node.level:
         return node.module or ""
@@ -73,9 +76,7 @@ def _imports(
                 for handler in getattr(node, "handlers", []):
                     visit(handler.body)
                 visit(getattr(node, "finalbody", []))
-            elif lazy and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                visit(node.body)
-            elif lazy and isinstance(node, (ast.With, ast.For, ast.While)):
+            elif lazy and isinstance(node, _BLOCKS):
                 visit(node.body)
             else:
                 add(node)

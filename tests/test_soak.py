@@ -21,9 +21,12 @@ sys.path.insert(0, str(REPO))
 
 from bench._soak_plan import KINDS, draw_schedule, steps_for  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0, reason="the soak mounts a tmpfs for its full-disk fault (run as root)"
-)
+pytestmark = [
+    pytest.mark.soak,
+    pytest.mark.skipif(
+        os.geteuid() != 0, reason="the soak mounts a tmpfs for its full-disk fault (run as root)"
+    ),
+]
 
 ARGS = ["--faults", "10", "--seed", "0", "--gap", "8", "--disk-every", "8"]
 ARGS += ["--soft-timeout", "2", "--stall", "60", "--timeout", "200"]
