@@ -219,7 +219,9 @@ class RankGroup:
             else:
                 os.kill(self.pid(rank), sig)
 
-    def wait_until(self, predicate: Callable[[], bool], *, timeout: float, interval=0.01) -> None:
+    def wait_until(
+        self, predicate: Callable[[], bool], *, timeout: float, interval: float = 0.01
+    ) -> None:
         """Poll ``predicate`` (test side only) until true; AssertionError after ``timeout``."""
         deadline = time.monotonic() + timeout
         while not predicate():

@@ -35,6 +35,7 @@ the wrapper catches it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 __all__ = [
     "BarrierTimeoutError",
@@ -77,7 +78,9 @@ class TrainguardError(Exception):
             lines.append(f"  rank {rank}: {self.causes[rank]}")
         return "\n".join(lines)
 
-    def __reduce__(self):  # keep `causes` when the error crosses a process boundary
+    def __reduce__(
+        self,
+    ) -> tuple[Any, ...]:  # keep `causes` when the error crosses a process boundary
         return (_rebuild, (type(self), self.message, self.causes))
 
 

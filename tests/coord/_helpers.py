@@ -24,7 +24,7 @@ def store_process(job: str, port: int, *, world_size: int = 2, timeout: float = 
     )
 
 
-def host_store_then_hang(job: str, port: int, conn) -> None:
+def host_store_then_hang(job: str, port: int, conn: Any) -> None:
     server = store_process(job, port).start()
     assert server.proc is not None
     conn.send(server.proc.pid)

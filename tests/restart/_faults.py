@@ -15,7 +15,7 @@ import torch.distributed as dist
 import trainguard.restart as tr
 from tests.restart._jobs import sgd_steps
 
-TIMEOUTS = {
+TIMEOUTS: dict[str, Any] = {
     "barrier_timeout": 60,
     "completion_timeout": 60,
     "soft_timeout": 1.0,

@@ -283,7 +283,8 @@ def interrupt_job() -> str:
             dist.all_reduce(t)
         return "finished"
 
-    return train()
+    result: str = train()
+    return result
 
 
 def swallow_job() -> dict[str, Any]:
