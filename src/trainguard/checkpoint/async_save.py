@@ -22,6 +22,7 @@ import torch
 
 from trainguard import _timeouts, events
 from trainguard.checkpoint import _commit, _link
+from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint._formats import FORMATS
 from trainguard.checkpoint._load import latest, load, part_name
 from trainguard.checkpoint._saves import Job, SaveHandle, SaveInfo
@@ -46,7 +47,7 @@ _SLICE = 0.25  # seconds between looks at a close() that gives up, while the wri
 _GRACE = 30.0  # seconds close() waits for given-up saves to fail
 
 
-class AsyncCheckpointer:
+class AsyncCheckpointer(Closing):
     """Asynchronous checkpoints through one persistent writer process.
 
     Single process: ``save(state, path)`` writes the file ``path``. With a torch.distributed job
@@ -337,18 +338,6 @@ class AsyncCheckpointer:
             "every rank. The previous checkpoint is still the latest; raise close_timeout if "
             "the storage is this slow"
         )
-
-    def __enter__(self) -> AsyncCheckpointer:
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:  # an exception is already propagating: do not mask it
-            self.close()
-        except Exception as close_error:
-            logger.error("closing the checkpointer after an error: %s", close_error)
 
     @property
     def writer_pid(self) -> int | None:

@@ -23,12 +23,20 @@ __all__ = ["CallWrapper", "call_param"]
 class CallWrapper:
     """Handed to the wrapped function (declare a parameter annotated ``CallWrapper``).
 
-    Attributes ``round``, ``rank``, ``world_size``, ``initial_rank``, ``initial_world_size``
-    describe the current round; :attr:`state` is the full :class:`RoundState`.
+    Attributes (read them, do not set them):
+        round: the restart round, 0 first.
+        rank: this rank's rank in the round (the function runs on active ranks only).
+        world_size: the number of active ranks in the round.
+        initial_rank, initial_world_size: this process's rank and the world size at launch.
+        state: the full :class:`RoundState`.
     """
 
     def __init__(self, state: RoundState, monitor: Monitor, pg_addr: str, timeout: float):
         self.state = state
+        self.round = state.round
+        self.world_size = state.world_size
+        self.initial_rank = state.initial_rank
+        self.initial_world_size = state.initial_world_size
         self._monitor = monitor
         self._pg_addr = pg_addr
         self._timeout = timeout
@@ -37,30 +45,10 @@ class CallWrapper:
         self.last_ping = time.monotonic()
 
     @property
-    def round(self) -> int:
-        """The restart round, 0 first."""
-        return self.state.round
-
-    @property
     def rank(self) -> int:
         """This rank's rank in the round (the function runs on active ranks only)."""
         assert self.state.rank is not None
         return self.state.rank
-
-    @property
-    def world_size(self) -> int:
-        """The number of active ranks in the round."""
-        return self.state.world_size
-
-    @property
-    def initial_rank(self) -> int:
-        """This process's rank at launch."""
-        return self.state.initial_rank
-
-    @property
-    def initial_world_size(self) -> int:
-        """The world size at launch."""
-        return self.state.initial_world_size
 
     @property
     def store(self) -> Any:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from trainguard import events
+from trainguard._threads import serve
 from trainguard.coord.barrier import wait_forever
 from trainguard.coord.keys import Keyspace
 from trainguard.restart._interrupt import cancel_in, raise_in
@@ -213,24 +214,23 @@ class Monitor:
             self._hooks.stuck(n)
 
     def _run(self) -> None:
-        while True:
-            n = self._jobs.get()
-            if n is None:
-                return
+        serve(self._jobs, self._watch_round)
+
+    def _watch_round(self, n: int) -> None:
+        try:
+            outcome = RoundOutcome.decode(wait_forever(self._store, self._keys.stop(n)))
+        except Exception as exc:
+            outcome = RoundOutcome.end(f"store lost: {exc}")
+        seen = time.monotonic()
+        if outcome.why != "complete" and self.aborted_round != n:
             try:
-                outcome = RoundOutcome.decode(wait_forever(self._store, self._keys.stop(n)))
-            except Exception as exc:
-                outcome = RoundOutcome.end(f"store lost: {exc}")
-            seen = time.monotonic()
-            if outcome.why != "complete" and self.aborted_round != n:
-                try:
-                    self._abort(n, outcome, seen)
-                except Exception:  # never leave the main thread waiting for the outcome
-                    logger.exception("aborting round %d failed", n)
-            with self._lock:
-                self._outcome = outcome
-                self._watching = None
-            self._outcome_ready.set()
+                self._abort(n, outcome, seen)
+            except Exception:  # never leave the main thread waiting for the outcome
+                logger.exception("aborting round %d failed", n)
+        with self._lock:
+            self._outcome = outcome
+            self._watching = None
+        self._outcome_ready.set()
 
     def _abort(self, n: int, outcome: RoundOutcome, seen: float) -> None:
         # The main thread may be running Python: hand the GIL over at once, not after the

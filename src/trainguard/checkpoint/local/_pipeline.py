@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainguard import events
+from trainguard._threads import serve
 from trainguard.checkpoint._link import StoreLink
 from trainguard.checkpoint.fileformat import PlacedEntry
 from trainguard.checkpoint.local import _inventory
@@ -191,21 +192,20 @@ class SavePipeline:
     # ------------------------------------------------------------------ background thread
 
     def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                self._process(job)
-            except Exception as exc:
-                logger.warning("local checkpoint of iteration %d failed: %s", job.iteration, exc)
-                job.error = f"{type(exc).__name__}: {exc}"
-                with self._lock:
-                    self._errors.append(job.error)
-                    self._failed.add(job.seq)
-            finally:
-                self._report(job)
-                job.done.set()
+        serve(self._jobs, self._one)
+
+    def _one(self, job: StagedSave) -> None:
+        try:
+            self._process(job)
+        except Exception as exc:
+            logger.warning("local checkpoint of iteration %d failed: %s", job.iteration, exc)
+            job.error = f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                self._errors.append(job.error)
+                self._failed.add(job.seq)
+        finally:
+            self._report(job)
+            job.done.set()
 
     def _process(self, job: StagedSave) -> None:
         retired, job.retired = job.retired, None

@@ -17,6 +17,7 @@ import torch
 
 from trainguard import _timeouts, events
 from trainguard.checkpoint import _link
+from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint.fileformat import load_buffer, load_file, place, verify_path
 from trainguard.checkpoint.layout import flatten
 from trainguard.checkpoint.local import _choose, _inventory, _transfer
@@ -52,7 +53,7 @@ def _ranks() -> tuple[int, int]:
     return 0, 1
 
 
-class LocalCheckpointManager:
+class LocalCheckpointManager(Closing):
     """Checkpoints on each rank's local storage, with copies on the other members of its clique.
 
     Every rank of the job calls every method together, in the same order: the constructor,
@@ -365,18 +366,6 @@ class LocalCheckpointManager:
         self._pipeline.close()
         self._release(self._pipeline)
         self._pipeline.raise_errors()
-
-    def __enter__(self) -> LocalCheckpointManager:
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:
-            self.close()
-        except Exception as close_error:
-            logger.error("closing the local checkpoint manager after an error: %s", close_error)
 
     # ------------------------------------------------------------------ internals
 
