@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from bench import _soak_inject as inj
 from bench._soak_plan import SoakConfig
 from trainguard.demo import faults as demo_faults
+from trainguard.demo import worker as demo_worker
 
 if TYPE_CHECKING:
     import torch
@@ -45,43 +46,20 @@ def _rss_kib() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
-def _state(model: Any, optimizer: Any, next_step: int) -> dict[str, Any]:
-    import torch
-
-    return {
-        "model": model.state_dict(),
-        "optim": optimizer.state_dict(),
-        "step": next_step,
-        "rng": torch.get_rng_state(),
-    }
-
-
 def reference(cfg: SoakConfig, process: int, port: int) -> None:
-    """The fault-free run: ``cfg.steps`` steps on ``cfg.ranks`` processes, plain gloo."""
-    import torch.distributed as dist
-
+    """The fault-free run: ``cfg.steps`` steps on ``cfg.ranks`` processes, plain gloo; writes
+    the final digest and the digest each disk checkpoint must hold."""
     from trainguard.demo import model as m
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=process,
-        world_size=cfg.ranks,
-        timeout=timedelta(seconds=120),
+    at_disk_saves = {}  # step -> digest, what each disk checkpoint must hold
+
+    def after_step(done: int, net: Any) -> None:
+        if done % cfg.disk_every == 0:
+            at_disk_saves[done] = m.parameters_digest(net)
+
+    digest = m.reference_run(
+        process=process, ranks=cfg.ranks, steps=cfg.steps, port=port, after_step=after_step
     )
-    try:
-        task = m.TaskConfig()
-        teacher, net = m.make_teacher(task), m.make_model(task)
-        opt = m.make_optimizer(net, task)
-        at_disk_saves = {}  # step -> digest, what each disk checkpoint must hold
-        for step in range(cfg.steps):
-            x, y = m.batch(task, teacher, step, process)
-            m.train_step(net, opt, x, y, cfg.ranks, m.learning_rate(task, step, cfg.steps))
-            if (step + 1) % cfg.disk_every == 0:
-                at_disk_saves[step + 1] = m.parameters_digest(net)
-        digest = m.parameters_digest(net)
-    finally:
-        dist.destroy_process_group()
     out = Path(cfg.out) / "reference"
     out.mkdir(exist_ok=True)
     (out / f"p{process}.json").write_text(
@@ -139,9 +117,9 @@ class _Job:
             os.write(self.log, line.encode())
             done = step + 1
             if done % cfg.local_every == 0 and done < cfg.steps:
-                local.save(_state(net, opt, done), done)
+                local.save(m.training_state(net, opt, done), done)
             if done % cfg.disk_every == 0 and done < cfg.steps:
-                disk.save(_state(net, opt, done), Path(cfg.disk) / f"step_{done:06d}")
+                disk.save(m.training_state(net, opt, done), Path(cfg.disk) / f"step_{done:06d}")
             self._maybe_free_disk(step)
         local.wait()
         disk.wait()
@@ -175,25 +153,8 @@ class _Job:
         After a fault, errors of closing are expected (the round's groups were aborted) and
         ignored; at the end of a successful round (``strict``) they are raised.
         """
-        import torch.distributed as dist
-
-        from trainguard.checkpoint import AsyncCheckpointer
-
         resources, self.resources = self.resources, []
-        errors = []
-        for resource in reversed(resources):
-            try:
-                if not strict and isinstance(resource, AsyncCheckpointer):
-                    resource.close(abandon=True)  # the commit may wait for a dead rank
-                else:
-                    resource.close()
-            except Exception as exc:
-                errors.append(exc)
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-        if strict and errors:
-            raise errors[0]
+        demo_worker.close_round(resources, strict=strict)
 
     def _maybe_inject(self, call: CallWrapper, step: int) -> None:
         for fault in self.cfg.faults:
@@ -254,7 +215,6 @@ def guarded(cfg: SoakConfig, segment: int, process: int) -> dict[str, Any]:
     """Run the wrapper in this process; what happened, for ``results/``."""
     import multiprocessing.resource_tracker
 
-    import trainguard.restart as tr
     from trainguard import events
     from trainguard.errors import RetryLimitError, SidecarLostError
 
@@ -263,15 +223,11 @@ def guarded(cfg: SoakConfig, segment: int, process: int) -> dict[str, Any]:
     events.emit("soak_process_start", segment=segment, process=process)
     multiprocessing.resource_tracker.ensure_running()
     before = _open_fds()
-    wrapper = tr.Wrapper(
-        rank_assignment=tr.FillGaps(),
-        rank_filter=tr.MaxActiveWorldSize(cfg.ranks),
-        retry=tr.RetryController(max_rounds=len(cfg.faults) + 8, min_active_world_size=cfg.ranks),
-        barrier_timeout=120,
+    wrapper = demo_worker.guarded_wrapper(
+        ranks=cfg.ranks,
+        max_rounds=len(cfg.faults) + 8,
         soft_timeout=cfg.soft_timeout,
         hard_timeout=cfg.hard_timeout,
-        termination_grace_time=2,
-        heartbeat_interval=0.5,
         heartbeat_timeout=cfg.heartbeat_timeout,
         finalize=job.release,
     )

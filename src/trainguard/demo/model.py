@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -117,3 +120,47 @@ def parameters_digest(model: nn.Module) -> str:
         h.update(name.encode())
         h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, next_step: int
+) -> dict[str, Any]:
+    """What a checkpoint of the demo holds: enough to resume bit-identically at ``next_step``."""
+    return {
+        "model": model.state_dict(),
+        "optim": optimizer.state_dict(),
+        "step": next_step,
+        "rng": torch.get_rng_state(),
+    }
+
+
+def reference_run(
+    *,
+    process: int,
+    ranks: int,
+    steps: int,
+    port: int,
+    after_step: Callable[[int, nn.Module], None] | None = None,
+) -> str:
+    """The fault-free run of ``steps`` steps as rank ``process`` of ``ranks`` (plain gloo on
+    127.0.0.1:``port``); ``after_step(done, model)`` runs after each step. Returns the
+    parameters' digest. Every rank of the reference calls it, at the same time."""
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=process,
+        world_size=ranks,
+        timeout=timedelta(seconds=120),
+    )
+    try:
+        task = TaskConfig()
+        teacher, net = make_teacher(task), make_model(task)
+        opt = make_optimizer(net, task)
+        for step in range(steps):
+            x, y = batch(task, teacher, step, process)
+            train_step(net, opt, x, y, ranks, learning_rate(task, step, steps))
+            if after_step is not None:
+                after_step(step + 1, net)
+        return parameters_digest(net)
+    finally:
+        dist.destroy_process_group()

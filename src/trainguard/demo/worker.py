@@ -59,40 +59,64 @@ class DemoConfig:
         return Path(self.out) / "local" / f"node{process}"
 
 
-def _state(model: Any, optimizer: Any, next_step: int) -> dict[str, Any]:
-    import torch
-
-    return {
-        "model": model.state_dict(),
-        "optim": optimizer.state_dict(),
-        "step": next_step,
-        "rng": torch.get_rng_state(),
-    }
-
-
 def reference(cfg: DemoConfig, process: int, port: int) -> str:
     """The fault-free run on ``cfg.ranks`` processes; returns the parameters' digest."""
-    import torch.distributed as dist
-
     from trainguard.demo import model as m
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=process,
-        world_size=cfg.ranks,
-        timeout=timedelta(seconds=120),
+    return m.reference_run(process=process, ranks=cfg.ranks, steps=cfg.steps, port=port)
+
+
+def close_round(resources: list[Any], *, strict: bool) -> None:
+    """Close a round's checkpointers (last opened first) and its process group.
+
+    After a fault (not ``strict``) errors of closing are expected and ignored, and a pending
+    disk commit is abandoned (it may wait for a dead rank); with ``strict`` the first error
+    is raised.
+    """
+    import torch.distributed as dist
+
+    from trainguard.checkpoint import AsyncCheckpointer
+
+    errors = []
+    for resource in reversed(resources):
+        try:
+            if not strict and isinstance(resource, AsyncCheckpointer):
+                resource.close(abandon=True)
+            else:
+                resource.close()
+        except Exception as exc:
+            errors.append(exc)
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    if strict and errors:
+        raise errors[0]
+
+
+def guarded_wrapper(
+    *,
+    ranks: int,
+    max_rounds: int,
+    soft_timeout: float,
+    hard_timeout: float,
+    heartbeat_timeout: float,
+    finalize: Any,
+) -> Any:
+    """The demo's Wrapper: ``ranks`` active ranks, spares fill gaps, the job never shrinks."""
+    from trainguard import restart as tr
+
+    return tr.Wrapper(
+        rank_assignment=tr.FillGaps(),
+        rank_filter=tr.MaxActiveWorldSize(ranks),
+        retry=tr.RetryController(max_rounds=max_rounds, min_active_world_size=ranks),
+        barrier_timeout=120,
+        soft_timeout=soft_timeout,
+        hard_timeout=hard_timeout,
+        termination_grace_time=2,
+        heartbeat_interval=0.5,
+        heartbeat_timeout=heartbeat_timeout,
+        finalize=finalize,
     )
-    try:
-        task = m.TaskConfig()
-        teacher, net = m.make_teacher(task), m.make_model(task)
-        opt = m.make_optimizer(net, task)
-        for step in range(cfg.steps):
-            x, y = m.batch(task, teacher, step, process)
-            m.train_step(net, opt, x, y, cfg.ranks, m.learning_rate(task, step, cfg.steps))
-        return m.parameters_digest(net)
-    finally:
-        dist.destroy_process_group()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,10 +258,13 @@ class _Guarded:
             done = step + 1
             if done % cfg.local_every == 0 and done < cfg.steps:
                 with events.span("ckpt_stall", what="local", step=step):
-                    local.save(_state(net, opt, done), done)
+                    local.save(m.training_state(net, opt, done), done)
             if done % cfg.disk_every == 0 and done < cfg.steps:
                 with events.span("ckpt_stall", what="disk", step=step):
-                    disk.save(_state(net, opt, done), Path(cfg.out) / "ckpt" / f"step_{done:06d}")
+                    disk.save(
+                        m.training_state(net, opt, done),
+                        Path(cfg.out) / "ckpt" / f"step_{done:06d}",
+                    )
 
     def release(self, state: Any = None, *, strict: bool = False) -> None:
         """Close this round's checkpointers and process group (the wrapper's finalize hook).
@@ -245,25 +272,8 @@ class _Guarded:
         After a fault the errors of closing are expected (the round's groups were aborted) and
         ignored; at the end of a successful round (``strict``) they are raised.
         """
-        import torch.distributed as dist
-
-        from trainguard.checkpoint import AsyncCheckpointer
-
         resources, self.resources = self.resources, []
-        errors = []
-        for resource in reversed(resources):
-            try:
-                if not strict and isinstance(resource, AsyncCheckpointer):
-                    resource.close(abandon=True)  # the commit may wait for a dead rank
-                else:
-                    resource.close()
-            except Exception as exc:
-                errors.append(exc)
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-        if strict and errors:
-            raise errors[0]
+        close_round(resources, strict=strict)
 
     def _maybe_inject(self, call: Any, step: int) -> None:
         for fault in self.cfg.faults:
@@ -305,7 +315,6 @@ def main(cfg: DemoConfig, process: int, job_port: int, ref_port: int, conn: Any)
 
     torch.set_num_threads(1)
     from trainguard import events
-    from trainguard import restart as tr
 
     try:
         if process < cfg.ranks:
@@ -317,17 +326,11 @@ def main(cfg: DemoConfig, process: int, job_port: int, ref_port: int, conn: Any)
             import trainguard.checkpoint.local.manager  # noqa: F401
         events.configure(Path(cfg.out) / "events")
         guarded = _Guarded(cfg, process, conn)
-        wrapper = tr.Wrapper(
-            rank_assignment=tr.FillGaps(),
-            rank_filter=tr.MaxActiveWorldSize(cfg.ranks),
-            retry=tr.RetryController(
-                max_rounds=len(cfg.faults) + 4, min_active_world_size=cfg.ranks
-            ),
-            barrier_timeout=120,
+        wrapper = guarded_wrapper(
+            ranks=cfg.ranks,
+            max_rounds=len(cfg.faults) + 4,
             soft_timeout=cfg.soft_timeout,
             hard_timeout=cfg.hard_timeout,
-            termination_grace_time=2,
-            heartbeat_interval=0.5,
             heartbeat_timeout=cfg.heartbeat_timeout,
             finalize=guarded.release,
         )
