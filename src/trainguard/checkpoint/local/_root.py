@@ -13,6 +13,7 @@ its parts are made 0600 once written.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 
@@ -44,10 +45,8 @@ def problem(path: str, st: os.stat_result, *, uid: int) -> str | None:
 
 def make_private_dir(path: str) -> None:
     """Create the directory ``path`` (mode 0700) unless it exists."""
-    try:
+    with contextlib.suppress(FileExistsError):
         os.mkdir(path, DIR_MODE)
-    except FileExistsError:
-        pass
 
 
 def prepare_root(root: str) -> None:
@@ -91,14 +90,6 @@ def _make_dirs(path: str) -> None:
     if parent and parent != path:
         _make_dirs(parent)
     make_private_dir(path)
-
-
-def is_regular(path: str) -> bool:
-    """Whether ``path`` is a regular file itself (a symlink, FIFO or device is not)."""
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 def is_directory(path: str) -> bool:
