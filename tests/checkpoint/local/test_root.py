@@ -31,6 +31,12 @@ def _state(it: int) -> dict[str, object]:
     return {"w": torch.full((64,), float(it % 1000)), "it": it}
 
 
+def _save_durably(mgr: LocalCheckpointManager, *iterations: int) -> None:
+    for it in iterations:
+        mgr.save(_state(it), it)
+        mgr.wait()
+
+
 def test_iterations_beyond_twelve_digits_are_found_and_retained(tmp_path: Path) -> None:
     root = tmp_path / "root"
     with LocalCheckpointManager(root, keep=1, timeout=60) as mgr:
@@ -50,9 +56,7 @@ def test_iterations_beyond_twelve_digits_are_found_and_retained(tmp_path: Path) 
 def test_retention_counts_only_iterations_the_scan_sees(tmp_path: Path) -> None:
     root = tmp_path / "root"
     with LocalCheckpointManager(root, keep=2, timeout=60) as mgr:
-        for it in (1, 2):
-            mgr.save(_state(it), it)
-            mgr.wait()
+        _save_durably(mgr, 1, 2)
         shutil.rmtree(root / "iter_000000000002")  # lost (by hand, or a cleaner)
         mgr.save(_state(3), 3)
         mgr.wait()
@@ -63,8 +67,7 @@ def test_retention_counts_only_iterations_the_scan_sees(tmp_path: Path) -> None:
 def test_existing_twelve_digit_names_are_still_found(tmp_path: Path) -> None:
     root = tmp_path / "root"
     with LocalCheckpointManager(root, keep=2, timeout=60) as mgr:
-        mgr.save(_state(7), 7)
-        mgr.wait()
+        _save_durably(mgr, 7)
     assert os.listdir(root) == ["iter_000000000007"]
     # a name this library never writes (13 digits for a small number) is not an iteration
     shutil.copytree(root / "iter_000000000007", root / "iter_0000000000008")
@@ -141,9 +144,7 @@ def _find_latest_within(mgr: LocalCheckpointManager, seconds: float) -> int | No
 def test_the_scan_counts_regular_files_only_and_never_blocks(tmp_path: Path) -> None:
     root = tmp_path / "root"
     with LocalCheckpointManager(root, keep=3, timeout=60) as mgr:
-        for it in (3, 4):
-            mgr.save(_state(it), it)
-            mgr.wait()
+        _save_durably(mgr, 3, 4)
         # iteration 4's part becomes a symlink to the same bytes outside the root
         (part,) = (root / "iter_000000000004").iterdir()
         outside = tmp_path / "outside.safetensors"
