@@ -5,6 +5,11 @@ Layout of a local root (ranks of one node may share it)::
     ROOT/iter_000000000120/owner00003.h00001.safetensors
          iteration 120, the part of owner rank 3, the copy that holder rank 1 wrote
 
+Iterations are zero-padded to 12 digits and written in full beyond (``iter_1000000000000``),
+up to :data:`MAX_ITERATION`; a directory counts only under the exact name its number gets, so
+every name the scan accepts is the one :func:`iteration_dir` writes. Only directories and
+regular files count (never symlinks, FIFOs or devices, which are never opened).
+
 A part is named by the iteration and its *owner*: the rank number that saved it. The holder
 number only keeps two copies in one shared root apart. ``.tmp`` files are never counted.
 
@@ -18,23 +23,33 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import mmap
 import os
 import re
 import shutil
-from collections.abc import Iterable, Mapping, Sequence
+import stat
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from trainguard.checkpoint.fileformat import read_header, verify_file
+from trainguard.checkpoint.fileformat import parse_header, verify_data
+from trainguard.checkpoint.local import _root
 from trainguard.errors import CheckpointCorruptError, CheckpointError
 
 logger = logging.getLogger(__name__)
 
-_DIR = re.compile(r"^iter_(\d{12})$")
+#: The largest iteration a local checkpoint can have (the largest signed 64-bit integer).
+MAX_ITERATION = 2**63 - 1
+
+_DIR = re.compile(r"^iter_(\d{12,19})$")
 _FILE = re.compile(r"^owner(\d{5})\.h(\d{5})\.safetensors$")
 
 
+def _dir_name(iteration: int) -> str:
+    return f"iter_{iteration:012d}"
+
+
 def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:012d}")
+    return os.path.join(root, _dir_name(iteration))
 
 
 def part_path(root: str, iteration: int, owner: int, holder: int) -> str:
@@ -75,7 +90,17 @@ class Inventory:
             names = os.listdir(self.root)
         except FileNotFoundError:
             return []
-        return sorted(int(m.group(1)) for n in names if (m := _DIR.match(n)))
+        found = []
+        for name in names:
+            m = _DIR.match(name)
+            if m is None:
+                continue
+            iteration = int(m.group(1))
+            if iteration > MAX_ITERATION or name != _dir_name(iteration):
+                continue  # not a name this library writes (e.g. iter_0000000000005)
+            if _root.is_directory(os.path.join(self.root, name)):
+                found.append(iteration)
+        return sorted(found)
 
     def distrust(self, path: str) -> None:
         """Hash ``path`` again at the next scan."""
@@ -105,14 +130,19 @@ class Inventory:
 
     def _check(self, path: str, iteration: int, owner: int, fresh: bool) -> Part | None:
         try:
-            ident = _identity(path)
-            header = read_header(path)
-            meta = header.metadata
-            if int(meta.get("owner", -1)) != owner or int(meta.get("iteration", -1)) != iteration:
-                raise CheckpointCorruptError(f"{path}: its header names another part")
-            if fresh or self._verified.get(path) != ident:
-                verify_file(header)
-                self._verified[path] = ident
+            with _open_part(path) as (ident, mm):
+                header = parse_header(mm, path)
+                meta = header.metadata
+                if (
+                    int(meta.get("owner", -1)) != owner
+                    or int(meta.get("iteration", -1)) != iteration
+                ):
+                    raise CheckpointCorruptError(f"{path}: its header names another part")
+                if fresh or self._verified.get(path) != ident:
+                    if not header.is_trainguard:
+                        raise CheckpointCorruptError(f"{path}: not a trainguard file")
+                    verify_data(header, mm)
+                    self._verified[path] = ident
         except (OSError, CheckpointError, ValueError) as exc:
             self._verified.pop(path, None)
             logger.warning("skipping the copy %s: %s", path, exc)
@@ -153,8 +183,32 @@ class Inventory:
 
 
 def _identity(path: str) -> tuple[int, int, int]:
-    st = os.stat(path)
+    return _key(os.lstat(path))
+
+
+def _key(st: os.stat_result) -> tuple[int, int, int]:
     return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+@contextlib.contextmanager
+def _open_part(path: str) -> Iterator[tuple[tuple[int, int, int], mmap.mmap]]:
+    """``path`` mapped read-only, with its identity; opened without following a symlink and
+    without blocking, and refused unless it is a regular file (a FIFO or device named like a
+    part is never read: it could block the scan, or never end)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointCorruptError(f"{path}: not a regular file")
+        if st.st_size == 0:
+            raise CheckpointCorruptError(f"{path}: empty")
+        mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    try:
+        yield _key(st), mm
+    finally:
+        mm.close()
 
 
 # --------------------------------------------------------------------------- agreement

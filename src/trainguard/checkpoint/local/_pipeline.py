@@ -32,7 +32,7 @@ from trainguard import events
 from trainguard._threads import serve
 from trainguard.checkpoint._link import StoreLink
 from trainguard.checkpoint.fileformat import PlacedEntry
-from trainguard.checkpoint.local import _inventory
+from trainguard.checkpoint.local import _inventory, _root
 from trainguard.checkpoint.local._transfer import Channel
 from trainguard.checkpoint.staging import StagingBuffer, regrow
 from trainguard.checkpoint.writer import WriteJob, WriterProcess
@@ -210,7 +210,8 @@ class SavePipeline:
     def _process(self, job: StagedSave) -> None:
         retired, job.retired = job.retired, None
         self._writer.prepare(retired=retired)
-        os.makedirs(_inventory.iteration_dir(self.root, job.iteration), exist_ok=True)
+        _root.prepare_root(self.root)  # the root may have been removed (and re-created)
+        _root.make_private_dir(_inventory.iteration_dir(self.root, job.iteration))
         meta = {
             "rank": str(self.rank),
             "owner": str(self.rank),
@@ -256,6 +257,11 @@ class SavePipeline:
             if not result.ok:
                 errors.append(result.error)
             else:
+                try:  # every result above is read first: the writer answers in order
+                    os.chmod(path, _root.PART_MODE, follow_symlinks=False)
+                except OSError as exc:
+                    errors.append(f"{path}: cannot make it private: {exc}")
+                    continue
                 self._inventory.trust(path)
         if failure is not None:
             raise CheckpointWriteError(f"replication to {peers} failed: {failure}") from failure
@@ -397,8 +403,9 @@ class SavePipeline:
 
     def _prune(self) -> None:
         with self._prune_lock:
+            visible = set(self._inventory.iterations())  # never count what a scan misses
             with self._lock:
-                complete = sorted(self._complete, reverse=True)
+                complete = sorted(self._complete & visible, reverse=True)
             if len(complete) < self.place.keep:
                 return
             keep_from = complete[self.place.keep - 1]

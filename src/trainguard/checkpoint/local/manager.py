@@ -20,7 +20,7 @@ from trainguard.checkpoint import _link
 from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint.fileformat import load_buffer, load_file, place, verify_path
 from trainguard.checkpoint.layout import flatten
-from trainguard.checkpoint.local import _choose, _inventory, _transfer
+from trainguard.checkpoint.local import _choose, _inventory, _root, _transfer
 from trainguard.checkpoint.local._pipeline import Place, SavePipeline, StagedSave
 from trainguard.checkpoint.local.replication import CliqueReplication, no_replication
 from trainguard.checkpoint.staging import Stager
@@ -80,6 +80,10 @@ class LocalCheckpointManager(Closing):
       complete is decided once for every rank (:mod:`trainguard.coord.commit`), so every rank
       keeps the same iterations.
 
+    - The root is created with mode 0700 (parts are written 0600); a root owned by another
+      user, writable by group or others, or that is not a directory raises
+      :class:`ConfigError` here (see :mod:`._root`).
+
     Args:
         root: this rank's local directory (ranks of one node may share it).
         replication: a :class:`CliqueReplication`, or None for one copy per part.
@@ -133,7 +137,7 @@ class LocalCheckpointManager(Closing):
         self.keep = keep
         self.fsync = fsync
         self.allow_replication_change = allow_replication_change
-        os.makedirs(self.root, exist_ok=True)
+        _root.prepare_root(self.root)
         self._inventory = _inventory.Inventory(self.root)
         self._closed = False
         #: After :meth:`load`: ``{"iteration", "source", "bytes"}``, where ``source`` is
@@ -189,8 +193,16 @@ class LocalCheckpointManager(Closing):
         background work (the buffers are reused). Raises the error of an earlier failed save.
         """
         self._check_open()
-        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-            raise ConfigError(f"iteration={iteration!r}: use an integer >= 0")
+        if (
+            isinstance(iteration, bool)
+            or not isinstance(iteration, int)
+            or not 0 <= iteration <= _inventory.MAX_ITERATION
+        ):
+            raise ConfigError(
+                f"iteration={iteration!r}: use an integer from 0 to 2**63 - 1 "
+                f"({_inventory.MAX_ITERATION}); a larger count can be scaled down or kept "
+                "in the state"
+            )
         requested = time.monotonic()
         self._pipeline.drain()
         self._pipeline.raise_errors()
