@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainguard import _timeouts, events
+from trainguard import _progress, _timeouts, events
 from trainguard.checkpoint import _commit, _link
 from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint._formats import FORMATS
@@ -217,6 +217,7 @@ class AsyncCheckpointer(Closing):
         self._last = job
         self._pending.append(handle)
         self._jobs.put(job)
+        _progress.mark()
         return handle
 
     def wait_staged(self, timeout: _timeouts.Timeout | None = None) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 from trainguard.coord import barrier
 from trainguard.coord.keys import Keyspace, decode, encode
 from trainguard.errors import RetryLimitError
+from trainguard.restart._repeat import Repeats
 from trainguard.restart.policy._round import RoundPolicies
 from trainguard.restart.policy.layout import Layout
 
@@ -44,6 +45,7 @@ class RoundBook:
         writer: the initial rank of the writer, -1 for a sidecar (recorded in the left marks).
         previous_roster: the roster of the round before (whose keys are deleted).
         gone: initial ranks that left the job -> why, as of the last published round.
+        repeats: the run of rounds that failed the same way, as of the last published round.
     """
 
     store: Any
@@ -55,6 +57,7 @@ class RoundBook:
     writer: int = -1
     previous_roster: tuple[int, ...] = dataclasses.field(init=False)
     gone: dict[int, str] = dataclasses.field(init=False, default_factory=dict)
+    repeats: Repeats = dataclasses.field(init=False, default_factory=Repeats)
 
     def __post_init__(self) -> None:
         self.roster = self.roster or tuple(range(self.world))
@@ -85,6 +88,7 @@ class RoundBook:
         self.previous_roster = self.roster
         self.roster = tuple(ready["active"]) + tuple(ready["spare"])
         self.gone = {int(k): v for k, v in ready["gone"].items()}
+        self.repeats = Repeats.decode(ready.get("repeats"))
 
     def _lay_out(self, n: int) -> bytes:
         """Run by the last arriver: read every record, apply the policies, publish."""
@@ -94,8 +98,10 @@ class RoundBook:
         present: set[int] = set()
         faults: dict[int, str] = {}
         info: dict[int, dict[str, str]] = {}
+        progress = False
         for rec in records:
             r = int(rec["r"])
+            progress = progress or bool(rec.get("progress"))
             if rec.get("fault"):
                 faults[r] = rec["fault"]
             if rec.get("leave"):
@@ -117,6 +123,8 @@ class RoundBook:
             end = str(exc)
         except Exception as exc:
             end = f"a rank assignment or filter policy raised {type(exc).__name__}: {exc}"
+        repeats = self.repeats.after(faults, progress)
+        end = end or repeats.verdict(self.policies.max_repeated_faults)
         pg = (
             barrier.wait_key(self.store, self.keys.pg_addr(n), self.store_timeout)
             if present
@@ -131,6 +139,7 @@ class RoundBook:
                 "faults": {str(k): v for k, v in faults.items()},
                 "pg": pg.decode(),
                 "end": end,
+                "repeats": repeats.encode(),
             }
         )
 

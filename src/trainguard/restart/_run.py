@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from trainguard import events
+from trainguard import _progress, events
 from trainguard.errors import BarrierTimeoutError, JobEndedError, RetryLimitError, SidecarLostError
 from trainguard.restart import _launch
 from trainguard.restart._interrupt import Kick
@@ -153,9 +153,11 @@ class WrappedCall:
         leaving = self._hook("health_check", self.state)
         fault: str | None = None
         n = 0
+        mark = _progress.count()
         while True:
+            progress, mark = _progress.count() != mark, _progress.count()
             ready = self.session.barrier(
-                n, leaving=describe(leaving) if leaving else None, fault=fault
+                n, leaving=describe(leaving) if leaving else None, fault=fault, progress=progress
             )
             if ready is None:
                 assert leaving is not None

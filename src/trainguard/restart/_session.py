@@ -101,9 +101,12 @@ class Session:
         self.watch_store = coord.clone()
 
     # barrier ------------------------------------------------------------------------------
-    def barrier(self, n: int, *, leaving: str | None, fault: str | None) -> dict[str, Any] | None:
+    def barrier(
+        self, n: int, *, leaving: str | None, fault: str | None, progress: bool = False
+    ) -> dict[str, Any] | None:
         """Round ``n``'s barrier (see :mod:`._book`); returns the published round (None for a
-        leaving rank)."""
+        leaving rank). ``fault``: this rank's fault that ended round ``n-1``, if it was the
+        first; ``progress``: this rank made progress in round ``n-1``."""
         book = self.book
         assert book is not None
         record = {
@@ -112,6 +115,7 @@ class Session:
             "local_rank": self.launch.local_rank,
             "leave": leaving,
             "fault": fault,
+            "progress": progress,
         }
         found = book.record(n, self.irank, record)
         if found is not None:  # another process declared this rank gone meanwhile

@@ -13,6 +13,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
+from trainguard import _progress
 from trainguard.coord.store import connect, parse_addr
 from trainguard.restart.monitor import Monitor
 from trainguard.restart.state import RoundState
@@ -67,10 +68,13 @@ class CallWrapper:
 
         The watchdog thread reads the pings: once the function has pinged, a round without a
         ping for ``soft_timeout`` is a hang even when the main thread's position keeps moving
-        (a loop in Python code), and the round is aborted and restarted.
+        (a loop in Python code), and the round is aborted and restarted. A ping is also
+        progress: rounds that keep failing the same way count as repeats only when nothing
+        pinged (or saved a checkpoint) between them (``max_repeated_faults``).
         """
         self.pings += 1
         self.last_ping = time.monotonic()
+        _progress.mark()
 
     def atomic(self) -> contextlib.AbstractContextManager[None]:
         """A block that a restart never interrupts: the abort waits until it ends.

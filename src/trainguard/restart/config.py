@@ -81,6 +81,11 @@ class WrapperConfig:
             runs in the monitor thread after torch.distributed was aborted (the function may
             have been interrupted already).
         retry: a :class:`RetryController`; or ``max_rounds`` as a shorthand.
+        max_repeated_faults: end the job (:class:`~trainguard.errors.RetryLimitError` on
+            every rank) once this many rounds in a row failed with the same error raised at
+            the same place with no progress between them (no ``call.ping()``, no checkpoint
+            saved): a fault that restarting cannot cure. Default 3; None never ends the job
+            for this.
         barrier_timeout: the longest a rank waits for the others at a round's barrier.
         completion_timeout: the longest a rank whose function returned waits for the others.
         store_timeout: timeout of connecting to the store and of single store operations.
@@ -113,6 +118,7 @@ class WrapperConfig:
     abort: Hook | None = None
     retry: RetryController | None = None
     max_rounds: int | None = None
+    max_repeated_faults: int | None = 3
     barrier_timeout: _Seconds = _Seconds(120)
     completion_timeout: _Seconds = _Seconds(120)
     store_timeout: _Seconds = _Seconds(60)
@@ -146,7 +152,13 @@ class WrapperConfig:
         assignment = self.rank_assignment or ShiftRanks()
         object.__setattr__(self, "rank_assignment", assignment)
         object.__setattr__(self, "retry", retry)
-        policies = RoundPolicies(assignment, self.rank_filter, retry)
+        repeats = self.max_repeated_faults
+        if repeats is not None and (type(repeats) is not int or repeats < 1):
+            raise ConfigError(
+                f"max_repeated_faults={repeats!r}: pass an int >= 1, or None to restart a fault "
+                "that repeats without progress forever"
+            )
+        policies = RoundPolicies(assignment, self.rank_filter, retry, repeats)
         object.__setattr__(self, "policies", policies)
 
     def _check_order(self) -> None:

@@ -85,6 +85,7 @@ class Wrapper:
                 raise ConfigError(f"do not pass {param!r}: the Wrapper provides the CallWrapper")
             if getattr(_active_calls, "on", False):
                 raise ConfigError("a wrapped function cannot call a wrapped function")
+            _check_arguments(fn, param, args, kwargs)
             _active_calls.on = True
             try:
                 return WrappedCall(config, fn, param, args, kwargs).run()
@@ -92,6 +93,35 @@ class Wrapper:
                 _active_calls.on = False
 
         return wrapped
+
+
+def _check_arguments(
+    fn: Callable[..., Any], param: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Raise :class:`ConfigError` at the call when ``fn`` cannot take these arguments (every
+    round would fail the same way)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    given = dict(kwargs)
+    if param is not None:
+        given[param] = None
+    try:
+        sig.bind(*args, **given)
+    except TypeError as exc:
+        name = getattr(fn, "__qualname__", repr(fn))
+        how = (
+            f"the Wrapper passes the CallWrapper as {param!r}"
+            if param is not None
+            else "the Wrapper passes a CallWrapper only to a parameter annotated CallWrapper "
+            "(def f(call: trainguard.restart.CallWrapper, ...)), and "
+            f"{name}{sig} has none"
+        )
+        raise ConfigError(
+            f"{name}{sig} cannot be called with the arguments given ({exc}); {how}. Call the "
+            "wrapped function with the arguments it takes, less the CallWrapper"
+        ) from exc
 
 
 # help(Wrapper) documents the arguments with the text written where they are defined.

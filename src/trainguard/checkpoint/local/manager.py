@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainguard import _timeouts, events
+from trainguard import _progress, _timeouts, events
 from trainguard.checkpoint import _link
 from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint.fileformat import load_buffer, load_file, place, verify_path
@@ -215,6 +215,7 @@ class LocalCheckpointManager(Closing):
         )
         self._seq += 1
         self._pipeline.submit(job)
+        _progress.mark()
         events.emit(
             "local_ckpt_save",
             duration=time.monotonic() - requested,

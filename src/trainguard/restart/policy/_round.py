@@ -16,7 +16,9 @@ Policy = Callable[[Layout], Layout]
 
 @dataclasses.dataclass(frozen=True)
 class RoundPolicies:
-    """The Wrapper's rank assignment, rank filter and retry controller.
+    """The Wrapper's rank assignment, rank filter and retry controller, and the longest run
+    of rounds failing the same way that is restarted (``max_repeated_faults``, see
+    :mod:`trainguard.restart._repeat`).
 
     Whoever lays a round out (the barrier's last arriver, or a sidecar writing a death notice)
     calls :meth:`apply`; the sidecar receives them pickled.
@@ -25,6 +27,7 @@ class RoundPolicies:
     rank_assignment: Policy = dataclasses.field(default_factory=ShiftRanks)
     rank_filter: Policy | None = None
     retry: RetryController | None = None
+    max_repeated_faults: int | None = 3
 
     def apply(self, layout: Layout) -> Layout:
         """Assignment, then filter, then the retry controller.
