@@ -4,7 +4,7 @@
 
     from trainguard.checkpoint import CliqueReplication, LocalCheckpointManager
 
-    mgr = LocalCheckpointManager("/dev/shm/ckpt", replication=CliqueReplication(2), keep=2)
+    mgr = LocalCheckpointManager(f"/dev/shm/ckpt-{os.getuid()}", replication=CliqueReplication(2), keep=2)
     it = mgr.find_latest()             # every rank, together
     state = mgr.load(it) if it is not None else None
     mgr.save(state, iteration)         # every rank, together; returns after the staging copy

@@ -60,7 +60,7 @@ class LocalCheckpointManager(Closing):
     :meth:`find_latest`, :meth:`load`, :meth:`save` (same iterations in the same order),
     :meth:`wait` and :meth:`close`. ::
 
-        mgr = LocalCheckpointManager("/dev/shm/ckpt", replication=CliqueReplication(2), keep=2)
+        mgr = LocalCheckpointManager(f"/dev/shm/ckpt-{os.getuid()}", replication=CliqueReplication(2), keep=2)
         it = mgr.find_latest()          # newest iteration every rank can recover, or None
         if it is not None:
             state = mgr.load(it)        # this rank's part, wherever a good copy is
