@@ -4,7 +4,7 @@ A checkpoint directory saved by N ranks is committed once every rank's part is d
 save is one :class:`~trainguard.coord.commit.CommitRound` (every rank reports; the outcome is
 decided once, by ``compare_set``; every rank acts only on that outcome). The rank whose report
 completes the round checks that every rank reported its part durable, writes
-``COMMITTED.tmp`` (fsynced) *before* it decides, and only once "committed" is the decision
+a temporary marker (fsynced; see :mod:`._tmpfile`) *before* it decides, and only once "committed" is the decision
 renames it to ``COMMITTED``, then publishes the outcome: a rank that sees "committed" finds the
 marker in place. A rank that gives up waiting (``commit_timeout``) or abandons the save decides
 "failed" first, so a late rank can never commit it; and no rank removes its part unless the
@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from trainguard.checkpoint import _tmpfile
 from trainguard.checkpoint._link import StoreLink
 from trainguard.checkpoint.fileformat import fsync_dir
 from trainguard.coord.commit import CommitRound, Outcome
@@ -50,15 +51,21 @@ class _Marker:
 
     def __init__(self, directory: str, info: dict[str, Any]) -> None:
         self.path = os.path.join(directory, MARKER)
-        self.tmp = self.path + ".tmp"
+        self.tmp = ""
         self.info = info
 
     def prepare(self) -> None:
-        """Write ``COMMITTED.tmp`` durably (everything that can fail, before the decision)."""
-        with open(self.tmp, "w") as f:
-            json.dump({**self.info, "time": time.time()}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        """Write a temporary marker durably (everything that can fail, before the decision)."""
+        fd, self.tmp = _tmpfile.create(self.path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({**self.info, "time": time.time()}, f)
+                f.flush()
+                os.fsync(f.fileno())
+                _tmpfile.seal(f.fileno())
+        except BaseException:
+            self.discard()
+            raise
 
     def act(self) -> None:
         """Rename it into place: the directory is committed."""
@@ -73,8 +80,8 @@ class _Marker:
             logger.warning("fsync of %s after the commit failed: %s", self.path, exc)
 
     def discard(self) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(self.tmp)
+        if self.tmp:
+            _tmpfile.discard(self.tmp)
 
 
 @dataclasses.dataclass

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainguard import _timeouts, events
-from trainguard.checkpoint import _commit, _link
+from trainguard.checkpoint import _commit, _link, _tmpfile
 from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint._formats import FORMATS
 from trainguard.checkpoint._load import latest, load, part_name
@@ -440,8 +440,7 @@ class AsyncCheckpointer(Closing):
         try:
             result = self._result(file)
         except WriterDied:
-            with contextlib.suppress(OSError):
-                os.unlink(file + ".tmp")
+            _tmpfile.remove_leftovers(file)
             if self._giving_up.is_set():
                 raise
             try:  # replace it now, so the next save does not wait for a start
