@@ -11,8 +11,14 @@ import pytest
 import torch
 
 from tests.checkpoint.conftest import assert_same
-from trainguard.checkpoint import AsyncCheckpointer, LocalCheckpointManager, latest, load
-from trainguard.checkpoint import _commit, _tmpfile
+from trainguard.checkpoint import (
+    AsyncCheckpointer,
+    LocalCheckpointManager,
+    _commit,
+    _tmpfile,
+    latest,
+    load,
+)
 from trainguard.checkpoint.local import _inventory
 
 SECRET = b"precious: must never be overwritten\n"
