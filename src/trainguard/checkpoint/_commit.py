@@ -34,16 +34,25 @@ from trainguard.checkpoint import _tmpfile
 from trainguard.checkpoint._link import StoreLink
 from trainguard.checkpoint.fileformat import fsync_dir
 from trainguard.coord.commit import CommitRound, Outcome
+from trainguard.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
 MARKER = "COMMITTED"
 
 
-def remove_marker(directory: str) -> None:
-    """Remove ``directory``'s commit marker, if any."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(directory, MARKER))
+def refuse_committed(directory: str) -> None:
+    """Raise :class:`CheckpointError` when ``directory`` is a committed checkpoint.
+
+    A save never writes into one: its parts would replace the committed ones before the new
+    checkpoint is committed, and a failure on any rank would then leave nothing loadable.
+    """
+    if os.path.lexists(os.path.join(directory, MARKER)):
+        raise CheckpointError(
+            f"{directory} is already a committed checkpoint; saves never overwrite one (a "
+            f"failure half-way would destroy it): save to a new path, or remove {directory} "
+            "first"
+        )
 
 
 class _Marker:

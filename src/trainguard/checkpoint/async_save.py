@@ -165,7 +165,10 @@ class AsyncCheckpointer(Closing):
     ) -> SaveHandle | None:
         """Snapshot ``state`` (nested dicts/lists/tuples of tensors and plain values) to ``path``.
 
-        Every rank calls it with the same ``path``, in the same order. Returns a
+        Every rank calls it with the same ``path``, in the same order. With several ranks,
+        ``path`` must not be a committed checkpoint (nor one an earlier save is still
+        committing): that raises :class:`CheckpointError` on every rank and leaves it as it was
+        (a new path per checkpoint; remove an old one to reuse its name). Returns a
         :class:`SaveHandle`, or None when ``if_busy="skip"`` and the previous save is still
         being written (with several ranks, a rank that skips makes that checkpoint fail on the
         others, which name it as the cause; a save that raises here does the same). Raises the error of an earlier failed save first. Objects JSON cannot hold
@@ -195,6 +198,8 @@ class AsyncCheckpointer(Closing):
                 return None
             last.handle.written.wait()
         try:
+            if self.distributed:
+                self._refuse_overwrite(path)
             flat = flatten(state, pickle=pickle)
             placed, data_nbytes = place(flat.entries)
             buffer, replaced = self._stager.ensure(data_nbytes)
@@ -335,7 +340,7 @@ class AsyncCheckpointer(Closing):
         raise CheckpointWriteError(
             f"{reason}: the checkpoint(s) {[h.path for h in pending]} were still being written "
             "or committed; the writer process was killed (stuck in I/O?) and they failed on "
-            "every rank. The previous checkpoint is still the latest; raise close_timeout if "
+            "every rank. No committed checkpoint was changed by them; raise close_timeout if "
             "the storage is this slow"
         )
 
@@ -364,6 +369,16 @@ class AsyncCheckpointer(Closing):
             self._last.retired.close()
         self._stager.close()
         self._last = None
+
+    def _refuse_overwrite(self, path: str) -> None:
+        """A multi-rank save never writes into a committed checkpoint, nor into one that an
+        earlier save is still committing: a failure half-way would leave neither loadable."""
+        if any(h.path == path and not h.finished.is_set() for h in self._pending):
+            raise CheckpointError(
+                f"a save to {path} is still being written or committed; wait() for it before "
+                "saving there again, or save to a new path"
+            )
+        _commit.refuse_committed(path)
 
     def _stage(self, job: Job) -> None:
         started = time.monotonic()
@@ -420,7 +435,7 @@ class AsyncCheckpointer(Closing):
         assert job.flat is not None
         os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
         if self.distributed:
-            _commit.remove_marker(job.handle.path)
+            _commit.refuse_committed(job.handle.path)
         retired, job.retired = job.retired, None
         self._writer.prepare(job.buffer, retired=retired)
         meta = {"rank": str(self.rank), "world_size": str(self.world_size)}
