@@ -15,6 +15,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -127,7 +128,9 @@ class AsyncCheckpointer(Closing):
         self._writer = WriterProcess(nice=writer_nice, start_timeout=start)
         self._seq = itertools.count()
         # jobs, and reports of saves that never reached the writer, in save order (see _commit)
-        self._jobs: queue.SimpleQueue[Job | _commit.Report | None] = queue.SimpleQueue()
+        # each item holds its checkpointer: one dropped with saves queued lives until they
+        # are handed on (see _serve)
+        self._jobs: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[tuple[str, Job]] = queue.SimpleQueue()
         self._pending: list[SaveHandle] = []
         self._last: Job | None = None
@@ -141,13 +144,27 @@ class AsyncCheckpointer(Closing):
             self._writer.start()
         except WriterDied as exc:
             raise CheckpointWriteError(str(exc)) from exc
-        self._thread = threading.Thread(target=self._run, name="trainguard-ckpt", daemon=True)
-        self._thread.start()
         self._committer: _commit.Committer | None = None
         if link is not None:
             self._committer = _commit.Committer(
                 link, rank=self.rank, world_size=self.world_size, timeout=self.commit_timeout
             )
+        self._thread = threading.Thread(
+            target=_serve,
+            args=(self._jobs,),
+            name="trainguard-ckpt",
+            daemon=True,
+        )
+        self._thread.start()
+        self._release_when_collected(
+            _release,
+            self._jobs,
+            self._thread,
+            self._committer,
+            self._writer,
+            self._stager,
+            self._hooks,
+        )
 
     # ------------------------------------------------------------------ training-thread API
 
@@ -194,7 +211,7 @@ class AsyncCheckpointer(Closing):
                 )
                 if self.distributed:  # the other ranks' parts of it cannot be committed
                     reason = f"skipped the save (if_busy='skip'): {last.handle.path} was busy"
-                    self._jobs.put(_commit.Report(key, path, reason))
+                    self._jobs.put((self, _commit.Report(key, path, reason)))
                 return None
             last.handle.written.wait()
         try:
@@ -217,11 +234,11 @@ class AsyncCheckpointer(Closing):
                 self._stage(job)
         except Exception as exc:  # raised here; the other ranks learn it through the store
             if self.distributed:
-                self._jobs.put(_commit.Report(key, path, f"{type(exc).__name__}: {exc}"))
+                self._jobs.put((self, _commit.Report(key, path, f"{type(exc).__name__}: {exc}")))
             raise
         self._last = job
         self._pending.append(handle)
-        self._jobs.put(job)
+        self._jobs.put((self, job))
         return handle
 
     def wait_staged(self, timeout: _timeouts.Timeout | None = None) -> None:
@@ -237,7 +254,14 @@ class AsyncCheckpointer(Closing):
     def protect(self, optimizer: torch.optim.Optimizer) -> None:
         """Fence ``optimizer.step()`` on staging: the step waits until a pending overlapped
         copy has finished, so it can never change a tensor before it is staged."""
-        self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.wait_staged()))
+        ref = weakref.ref(self)  # the optimizer must not keep this checkpointer alive
+
+        def fence(*_: object) -> None:
+            checkpointer = ref()
+            if checkpointer is not None:
+                checkpointer.wait_staged()
+
+        self._hooks.append(optimizer.register_step_pre_hook(fence))
 
     def poll(self) -> None:
         """Run callbacks of finished saves in this thread; raise the first failure. Never blocks."""
@@ -357,6 +381,7 @@ class AsyncCheckpointer(Closing):
 
     def _shutdown(self) -> None:
         self._closed = True
+        self._closed_explicitly()
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -396,37 +421,32 @@ class AsyncCheckpointer(Closing):
             since_request=job.staged_at - job.requested,
         )
 
-    def _run(self) -> None:
-        """The background thread: stage (overlap), write, then hand over to commit."""
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if isinstance(job, _commit.Report):
-                assert self._committer is not None
-                self._committer.put(job)
-                continue
-            try:
-                if not job.handle.staged.is_set():
-                    self._stage(job)
-                result = self._write(job)
-                error = None if result.ok else result.error
-            except Exception as exc:  # staging error or writer death
-                logger.warning("checkpoint %s failed: %s", job.handle.path, exc)
-                result = WriteResult(job.handle.seq, False, error=str(exc))
-                error = (
-                    f"{type(exc).__name__}: {exc}" if not isinstance(exc, WriterDied) else str(exc)
-                )
-            finally:
-                job.handle.staged.set()
-                job.handle.written.set()
-            if error is None:
-                job.durable(result, rank=self.rank, world_size=self.world_size)
-                self._results.put(("durable", job))
-            if self._committer is not None:
-                self._committer.put(self._report(job, error))
-            else:
-                self._finish(job, {} if error is None else {0: error})
+    def _one(self, job: Job | _commit.Report) -> None:
+        """The background thread's work on one item (see :func:`_serve`): stage (overlap),
+        write, then hand over to commit."""
+        if isinstance(job, _commit.Report):
+            assert self._committer is not None
+            self._committer.put(job)
+            return
+        try:
+            if not job.handle.staged.is_set():
+                self._stage(job)
+            result = self._write(job)
+            error = None if result.ok else result.error
+        except Exception as exc:  # staging error or writer death
+            logger.warning("checkpoint %s failed: %s", job.handle.path, exc)
+            result = WriteResult(job.handle.seq, False, error=str(exc))
+            error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, WriterDied) else str(exc)
+        finally:
+            job.handle.staged.set()
+            job.handle.written.set()
+        if error is None:
+            job.durable(result, rank=self.rank, world_size=self.world_size)
+            self._results.put(("durable", job))
+        if self._committer is not None:
+            self._committer.put(self._report(job, error))
+        else:
+            self._finish(job, {} if error is None else {0: error})
 
     def _write(self, job: Job) -> WriteResult:
         if self._giving_up.is_set():
@@ -490,3 +510,40 @@ class AsyncCheckpointer(Closing):
     def _finish(self, job: Job, causes: dict[int, str]) -> None:
         self._results.put((job.finish(causes, world_size=self.world_size), job))
         job.handle.finished.set()  # after the result is queued: wait() then poll() sees it
+
+
+_Item = tuple["AsyncCheckpointer", "Job | _commit.Report"]
+
+
+def _serve(jobs: queue.SimpleQueue[_Item | None]) -> None:
+    """The background thread of a checkpointer. Each item holds the checkpointer until it is
+    handed on; between items the thread holds none, so a checkpointer dropped without close()
+    is collected (and released, see Closing) once its queued saves are written."""
+    while True:
+        item = jobs.get()
+        if item is None:
+            return
+        owner, job = item
+        del item
+        owner._one(job)
+        del owner, job
+
+
+def _release(
+    jobs: queue.SimpleQueue[_Item | None],
+    thread: threading.Thread,
+    committer: _commit.Committer | None,
+    writer: WriterProcess,
+    stager: Stager,
+    hooks: list[Any],
+) -> None:
+    """Free what a checkpointer collected without close() held (see Closing); nothing is
+    queued any more (a queued item would have kept it alive)."""
+    for hook in hooks:
+        hook.remove()
+    jobs.put(None)
+    thread.join()
+    if committer is not None:
+        committer.close()
+    writer.stop()
+    stager.close()
