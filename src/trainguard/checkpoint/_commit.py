@@ -41,12 +41,18 @@ logger = logging.getLogger(__name__)
 MARKER = "COMMITTED"
 
 
-def refuse_committed(directory: str) -> None:
-    """Raise :class:`CheckpointError` when ``directory`` is a committed checkpoint.
+def refuse_overwrite(directory: str, *, busy: bool = False) -> None:
+    """Raise :class:`CheckpointError` when ``directory`` is a committed checkpoint, or
+    ``busy`` (an earlier save to it is still being written or committed).
 
     A save never writes into one: its parts would replace the committed ones before the new
     checkpoint is committed, and a failure on any rank would then leave nothing loadable.
     """
+    if busy:
+        raise CheckpointError(
+            f"a save to {directory} is still being written or committed; wait() for it before "
+            "saving there again, or save to a new path"
+        )
     if os.path.lexists(os.path.join(directory, MARKER)):
         raise CheckpointError(
             f"{directory} is already a committed checkpoint; saves never overwrite one (a "

@@ -23,7 +23,7 @@ import torch
 
 from trainguard import _timeouts, events
 from trainguard.checkpoint import _commit, _link, _tmpfile
-from trainguard.checkpoint._closing import Closing
+from trainguard.checkpoint._closing import Closing, serve_holding, stop_serving
 from trainguard.checkpoint._formats import FORMATS
 from trainguard.checkpoint._load import latest, load, part_name
 from trainguard.checkpoint._saves import Job, SaveHandle, SaveInfo
@@ -42,6 +42,8 @@ __all__ = ["AsyncCheckpointer", "SaveHandle", "SaveInfo", "latest", "load", "par
 # module); they are part of this API.
 
 logger = logging.getLogger(__name__)
+
+_Item = tuple[Callable[["Job | _commit.Report"], None], "Job | _commit.Report"]
 
 _IF_BUSY = ("wait", "skip")
 _SLICE = 0.25  # seconds between looks at a close() that gives up, while the writer works
@@ -128,9 +130,7 @@ class AsyncCheckpointer(Closing):
         self._writer = WriterProcess(nice=writer_nice, start_timeout=start)
         self._seq = itertools.count()
         # jobs, and reports of saves that never reached the writer, in save order (see _commit)
-        # each item holds its checkpointer: one dropped with saves queued lives until they
-        # are handed on (see _serve)
-        self._jobs: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()  # see serve_holding
         self._results: queue.SimpleQueue[tuple[str, Job]] = queue.SimpleQueue()
         self._pending: list[SaveHandle] = []
         self._last: Job | None = None
@@ -149,22 +149,12 @@ class AsyncCheckpointer(Closing):
             self._committer = _commit.Committer(
                 link, rank=self.rank, world_size=self.world_size, timeout=self.commit_timeout
             )
-        self._thread = threading.Thread(
-            target=_serve,
-            args=(self._jobs,),
-            name="trainguard-ckpt",
-            daemon=True,
-        )
+        self._thread = threading.Thread(target=serve_holding, args=(self._jobs,), daemon=True)
+        self._thread.name = "trainguard-ckpt"
         self._thread.start()
-        self._release_when_collected(
-            _release,
-            self._jobs,
-            self._thread,
-            self._committer,
-            self._writer,
-            self._stager,
-            self._hooks,
-        )
+        then = [self._writer.stop, self._stager.close]  # what close() frees, if never called
+        then[:0] = [self._committer.close] if self._committer is not None else []
+        self._release_when_collected(stop_serving, self._jobs, self._thread, then)
 
     # ------------------------------------------------------------------ training-thread API
 
@@ -211,12 +201,13 @@ class AsyncCheckpointer(Closing):
                 )
                 if self.distributed:  # the other ranks' parts of it cannot be committed
                     reason = f"skipped the save (if_busy='skip'): {last.handle.path} was busy"
-                    self._jobs.put((self, _commit.Report(key, path, reason)))
+                    self._jobs.put((self._one, _commit.Report(key, path, reason)))
                 return None
             last.handle.written.wait()
         try:
             if self.distributed:
-                self._refuse_overwrite(path)
+                busy = any(h.path == path and not h.finished.is_set() for h in self._pending)
+                _commit.refuse_overwrite(path, busy=busy)
             flat = flatten(state, pickle=pickle)
             placed, data_nbytes = place(flat.entries)
             buffer, replaced = self._stager.ensure(data_nbytes)
@@ -234,11 +225,13 @@ class AsyncCheckpointer(Closing):
                 self._stage(job)
         except Exception as exc:  # raised here; the other ranks learn it through the store
             if self.distributed:
-                self._jobs.put((self, _commit.Report(key, path, f"{type(exc).__name__}: {exc}")))
+                self._jobs.put(
+                    (self._one, _commit.Report(key, path, f"{type(exc).__name__}: {exc}"))
+                )
             raise
         self._last = job
         self._pending.append(handle)
-        self._jobs.put((self, job))
+        self._jobs.put((self._one, job))
         return handle
 
     def wait_staged(self, timeout: _timeouts.Timeout | None = None) -> None:
@@ -395,16 +388,6 @@ class AsyncCheckpointer(Closing):
         self._stager.close()
         self._last = None
 
-    def _refuse_overwrite(self, path: str) -> None:
-        """A multi-rank save never writes into a committed checkpoint, nor into one that an
-        earlier save is still committing: a failure half-way would leave neither loadable."""
-        if any(h.path == path and not h.finished.is_set() for h in self._pending):
-            raise CheckpointError(
-                f"a save to {path} is still being written or committed; wait() for it before "
-                "saving there again, or save to a new path"
-            )
-        _commit.refuse_committed(path)
-
     def _stage(self, job: Job) -> None:
         started = time.monotonic()
         if job.cuda_stream is not None:
@@ -422,8 +405,8 @@ class AsyncCheckpointer(Closing):
         )
 
     def _one(self, job: Job | _commit.Report) -> None:
-        """The background thread's work on one item (see :func:`_serve`): stage (overlap),
-        write, then hand over to commit."""
+        """The background thread's work on one item: stage (overlap), write, then hand over
+        to commit."""
         if isinstance(job, _commit.Report):
             assert self._committer is not None
             self._committer.put(job)
@@ -455,7 +438,7 @@ class AsyncCheckpointer(Closing):
         assert job.flat is not None
         os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
         if self.distributed:
-            _commit.refuse_committed(job.handle.path)
+            _commit.refuse_overwrite(job.handle.path)
         retired, job.retired = job.retired, None
         self._writer.prepare(job.buffer, retired=retired)
         meta = {"rank": str(self.rank), "world_size": str(self.world_size)}
@@ -510,40 +493,3 @@ class AsyncCheckpointer(Closing):
     def _finish(self, job: Job, causes: dict[int, str]) -> None:
         self._results.put((job.finish(causes, world_size=self.world_size), job))
         job.handle.finished.set()  # after the result is queued: wait() then poll() sees it
-
-
-_Item = tuple["AsyncCheckpointer", "Job | _commit.Report"]
-
-
-def _serve(jobs: queue.SimpleQueue[_Item | None]) -> None:
-    """The background thread of a checkpointer. Each item holds the checkpointer until it is
-    handed on; between items the thread holds none, so a checkpointer dropped without close()
-    is collected (and released, see Closing) once its queued saves are written."""
-    while True:
-        item = jobs.get()
-        if item is None:
-            return
-        owner, job = item
-        del item
-        owner._one(job)
-        del owner, job
-
-
-def _release(
-    jobs: queue.SimpleQueue[_Item | None],
-    thread: threading.Thread,
-    committer: _commit.Committer | None,
-    writer: WriterProcess,
-    stager: Stager,
-    hooks: list[Any],
-) -> None:
-    """Free what a checkpointer collected without close() held (see Closing); nothing is
-    queued any more (a queued item would have kept it alive)."""
-    for hook in hooks:
-        hook.remove()
-    jobs.put(None)
-    thread.join()
-    if committer is not None:
-        committer.close()
-    writer.stop()
-    stager.close()
