@@ -12,15 +12,8 @@ from pathlib import Path
 import torch
 
 from tests.checkpoint.conftest import assert_same
+from tests.checkpoint.test_async import _gone
 from trainguard.checkpoint import AsyncCheckpointer, LocalCheckpointManager, load
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def _settle(pids: list[int], timeout: float = 30.0) -> None:
