@@ -1,24 +1,100 @@
-"""The context-manager behaviour both checkpointers share: ``with`` closes, never masking."""
+"""What both checkpointers share about closing: ``with`` closes, never masking; and an object
+dropped without ``close()`` still releases its writer process, threads and buffers."""
 
 from __future__ import annotations
 
 import logging
-from typing import TypeVar
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
 
 _C = TypeVar("_C", bound="Closing")
+_J = TypeVar("_J")
+
+
+def serve_holding(jobs: queue.SimpleQueue[tuple[Callable[[_J], None], _J] | None]) -> None:
+    """The loop of a checkpointer's worker thread: call ``handle(job)`` for each
+    ``(handle, job)`` taken from ``jobs`` until ``None``. ``handle`` is a bound method: a
+    queued item keeps its checkpointer alive, and between items the thread holds nothing, so
+    a checkpointer dropped without close() is collected once its queued work is done."""
+    while True:
+        item = jobs.get()
+        if item is None:
+            return
+        handle, job = item
+        del item
+        handle(job)
+        del handle, job
+
+
+def stop_serving(
+    jobs: queue.SimpleQueue[Any], thread: threading.Thread, then: Sequence[Callable[[], object]]
+) -> None:
+    """Stop a :func:`serve_holding` thread (after its queued work), then call each of ``then``:
+    the release of a checkpointer collected without close()."""
+    jobs.put(None)
+    thread.join()
+    for close in then:
+        close()
+
+
+def _collected(name: str, release: Callable[..., object], *args: object) -> None:
+    """Run ``release(*args)`` for a ``name`` that was garbage-collected without ``close()``.
+
+    The collection may happen on one of the checkpointer's own threads (a collection runs on
+    whichever thread triggers it), which ``release`` joins: then it runs on a thread of its own.
+    """
+    if threading.current_thread().name.startswith("trainguard-"):
+        threading.Thread(
+            target=_release, args=(name, release, *args), name="trainguard-release", daemon=True
+        ).start()
+    else:
+        _release(name, release, *args)
+
+
+def _release(name: str, release: Callable[..., object], *args: object) -> None:
+    logger.warning(
+        "a %s was garbage-collected without close(): releasing its writer process, threads "
+        "and buffers now (call close(), or use it in a with-block)",
+        name,
+    )
+    try:
+        release(*args)
+    except Exception as exc:
+        logger.warning("releasing a %s that was not closed failed: %s", name, exc)
 
 
 class Closing:
     """Base of an object with ``close()``: leaving a ``with`` block closes it.
 
     When the block raised, an error from ``close()`` is logged, not raised, so that it never
-    replaces the exception already propagating.
+    replaces the exception already propagating. A subclass registers, once its resources
+    exist, what frees them should it be garbage-collected without ``close()``
+    (:meth:`_release_when_collected`), and ``close()`` calls :meth:`_closed_explicitly`.
     """
+
+    _finalizer: weakref.finalize[Any, Any] | None = None
 
     def close(self) -> None:
         raise NotImplementedError
+
+    def _release_when_collected(self, release: Callable[..., object], *args: object) -> None:
+        """Run ``release(*args)`` once this object is garbage-collected unless it was closed.
+
+        Neither ``release`` nor ``args`` may refer to this object (it would never be collected).
+        Nothing runs at interpreter exit: a process that ends frees everything anyway.
+        """
+        name = type(self).__name__
+        self._finalizer = weakref.finalize(self, _collected, name, release, *args)
+        self._finalizer.atexit = False
+
+    def _closed_explicitly(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
 
     def __enter__(self: _C) -> _C:
         return self

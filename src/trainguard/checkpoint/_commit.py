@@ -4,7 +4,7 @@ A checkpoint directory saved by N ranks is committed once every rank's part is d
 save is one :class:`~trainguard.coord.commit.CommitRound` (every rank reports; the outcome is
 decided once, by ``compare_set``; every rank acts only on that outcome). The rank whose report
 completes the round checks that every rank reported its part durable, writes
-``COMMITTED.tmp`` (fsynced) *before* it decides, and only once "committed" is the decision
+a temporary marker (fsynced; see :mod:`._tmpfile`) *before* it decides, and only once "committed" is the decision
 renames it to ``COMMITTED``, then publishes the outcome: a rank that sees "committed" finds the
 marker in place. A rank that gives up waiting (``commit_timeout``) or abandons the save decides
 "failed" first, so a late rank can never commit it; and no rank removes its part unless the
@@ -30,19 +30,35 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from trainguard.checkpoint import _tmpfile
 from trainguard.checkpoint._link import StoreLink
 from trainguard.checkpoint.fileformat import fsync_dir
 from trainguard.coord.commit import CommitRound, Outcome
+from trainguard.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
 MARKER = "COMMITTED"
 
 
-def remove_marker(directory: str) -> None:
-    """Remove ``directory``'s commit marker, if any."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(directory, MARKER))
+def refuse_overwrite(directory: str, *, busy: bool = False) -> None:
+    """Raise :class:`CheckpointError` when ``directory`` is a committed checkpoint, or
+    ``busy`` (an earlier save to it is still being written or committed).
+
+    A save never writes into one: its parts would replace the committed ones before the new
+    checkpoint is committed, and a failure on any rank would then leave nothing loadable.
+    """
+    if busy:
+        raise CheckpointError(
+            f"a save to {directory} is still being written or committed; wait() for it before "
+            "saving there again, or save to a new path"
+        )
+    if os.path.lexists(os.path.join(directory, MARKER)):
+        raise CheckpointError(
+            f"{directory} is already a committed checkpoint; saves never overwrite one (a "
+            f"failure half-way would destroy it): save to a new path, or remove {directory} "
+            "first"
+        )
 
 
 class _Marker:
@@ -50,15 +66,21 @@ class _Marker:
 
     def __init__(self, directory: str, info: dict[str, Any]) -> None:
         self.path = os.path.join(directory, MARKER)
-        self.tmp = self.path + ".tmp"
+        self.tmp = ""
         self.info = info
 
     def prepare(self) -> None:
-        """Write ``COMMITTED.tmp`` durably (everything that can fail, before the decision)."""
-        with open(self.tmp, "w") as f:
-            json.dump({**self.info, "time": time.time()}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        """Write a temporary marker durably (everything that can fail, before the decision)."""
+        fd, self.tmp = _tmpfile.create(self.path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({**self.info, "time": time.time()}, f)
+                f.flush()
+                os.fsync(f.fileno())
+                _tmpfile.seal(f.fileno())
+        except BaseException:
+            self.discard()
+            raise
 
     def act(self) -> None:
         """Rename it into place: the directory is committed."""
@@ -73,8 +95,8 @@ class _Marker:
             logger.warning("fsync of %s after the commit failed: %s", self.path, exc)
 
     def discard(self) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(self.tmp)
+        if self.tmp:
+            _tmpfile.discard(self.tmp)
 
 
 @dataclasses.dataclass

@@ -112,7 +112,7 @@ class Job:
         kind = "failed" if causes else "committed"
         if causes:
             handle.error = CheckpointWriteError(
-                f"checkpoint {handle.path} failed; the previous checkpoint is still the latest",
+                f"checkpoint {handle.path} failed; no committed checkpoint was changed by it",
                 causes=causes,
             )
             events.emit("ckpt_failed", path=handle.path, causes=causes)

@@ -15,14 +15,15 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainguard import _progress, _timeouts, events
-from trainguard.checkpoint import _commit, _link
-from trainguard.checkpoint._closing import Closing
+from trainguard.checkpoint import _commit, _link, _tmpfile
+from trainguard.checkpoint._closing import Closing, serve_holding, stop_serving
 from trainguard.checkpoint._formats import FORMATS
 from trainguard.checkpoint._load import latest, load, part_name
 from trainguard.checkpoint._saves import Job, SaveHandle, SaveInfo
@@ -41,6 +42,8 @@ __all__ = ["AsyncCheckpointer", "SaveHandle", "SaveInfo", "latest", "load", "par
 # module); they are part of this API.
 
 logger = logging.getLogger(__name__)
+
+_Item = tuple[Callable[["Job | _commit.Report"], None], "Job | _commit.Report"]
 
 _IF_BUSY = ("wait", "skip")
 _SLICE = 0.25  # seconds between looks at a close() that gives up, while the writer works
@@ -127,7 +130,7 @@ class AsyncCheckpointer(Closing):
         self._writer = WriterProcess(nice=writer_nice, start_timeout=start)
         self._seq = itertools.count()
         # jobs, and reports of saves that never reached the writer, in save order (see _commit)
-        self._jobs: queue.SimpleQueue[Job | _commit.Report | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()  # see serve_holding
         self._results: queue.SimpleQueue[tuple[str, Job]] = queue.SimpleQueue()
         self._pending: list[SaveHandle] = []
         self._last: Job | None = None
@@ -141,13 +144,17 @@ class AsyncCheckpointer(Closing):
             self._writer.start()
         except WriterDied as exc:
             raise CheckpointWriteError(str(exc)) from exc
-        self._thread = threading.Thread(target=self._run, name="trainguard-ckpt", daemon=True)
-        self._thread.start()
         self._committer: _commit.Committer | None = None
         if link is not None:
             self._committer = _commit.Committer(
                 link, rank=self.rank, world_size=self.world_size, timeout=self.commit_timeout
             )
+        self._thread = threading.Thread(target=serve_holding, args=(self._jobs,), daemon=True)
+        self._thread.name = "trainguard-ckpt"
+        self._thread.start()
+        then = [self._writer.stop, self._stager.close]  # what close() frees, if never called
+        then[:0] = [self._committer.close] if self._committer is not None else []
+        self._release_when_collected(stop_serving, self._jobs, self._thread, then)
 
     # ------------------------------------------------------------------ training-thread API
 
@@ -165,7 +172,10 @@ class AsyncCheckpointer(Closing):
     ) -> SaveHandle | None:
         """Snapshot ``state`` (nested dicts/lists/tuples of tensors and plain values) to ``path``.
 
-        Every rank calls it with the same ``path``, in the same order. Returns a
+        Every rank calls it with the same ``path``, in the same order. With several ranks,
+        ``path`` must not be a committed checkpoint (nor one an earlier save is still
+        committing): that raises :class:`CheckpointError` on every rank and leaves it as it was
+        (a new path per checkpoint; remove an old one to reuse its name). Returns a
         :class:`SaveHandle`, or None when ``if_busy="skip"`` and the previous save is still
         being written (with several ranks, a rank that skips makes that checkpoint fail on the
         others, which name it as the cause; a save that raises here does the same). Raises the error of an earlier failed save first. Objects JSON cannot hold
@@ -191,10 +201,13 @@ class AsyncCheckpointer(Closing):
                 )
                 if self.distributed:  # the other ranks' parts of it cannot be committed
                     reason = f"skipped the save (if_busy='skip'): {last.handle.path} was busy"
-                    self._jobs.put(_commit.Report(key, path, reason))
+                    self._jobs.put((self._one, _commit.Report(key, path, reason)))
                 return None
             last.handle.written.wait()
         try:
+            if self.distributed:
+                busy = any(h.path == path and not h.finished.is_set() for h in self._pending)
+                _commit.refuse_overwrite(path, busy=busy)
             flat = flatten(state, pickle=pickle)
             placed, data_nbytes = place(flat.entries)
             buffer, replaced = self._stager.ensure(data_nbytes)
@@ -212,11 +225,13 @@ class AsyncCheckpointer(Closing):
                 self._stage(job)
         except Exception as exc:  # raised here; the other ranks learn it through the store
             if self.distributed:
-                self._jobs.put(_commit.Report(key, path, f"{type(exc).__name__}: {exc}"))
+                self._jobs.put(
+                    (self._one, _commit.Report(key, path, f"{type(exc).__name__}: {exc}"))
+                )
             raise
         self._last = job
         self._pending.append(handle)
-        self._jobs.put(job)
+        self._jobs.put((self._one, job))
         _progress.mark()
         return handle
 
@@ -233,7 +248,14 @@ class AsyncCheckpointer(Closing):
     def protect(self, optimizer: torch.optim.Optimizer) -> None:
         """Fence ``optimizer.step()`` on staging: the step waits until a pending overlapped
         copy has finished, so it can never change a tensor before it is staged."""
-        self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.wait_staged()))
+        ref = weakref.ref(self)  # the optimizer must not keep this checkpointer alive
+
+        def fence(*_: object) -> None:
+            checkpointer = ref()
+            if checkpointer is not None:
+                checkpointer.wait_staged()
+
+        self._hooks.append(optimizer.register_step_pre_hook(fence))
 
     def poll(self) -> None:
         """Run callbacks of finished saves in this thread; raise the first failure. Never blocks."""
@@ -336,7 +358,7 @@ class AsyncCheckpointer(Closing):
         raise CheckpointWriteError(
             f"{reason}: the checkpoint(s) {[h.path for h in pending]} were still being written "
             "or committed; the writer process was killed (stuck in I/O?) and they failed on "
-            "every rank. The previous checkpoint is still the latest; raise close_timeout if "
+            "every rank. No committed checkpoint was changed by them; raise close_timeout if "
             "the storage is this slow"
         )
 
@@ -353,6 +375,7 @@ class AsyncCheckpointer(Closing):
 
     def _shutdown(self) -> None:
         self._closed = True
+        self._closed_explicitly()
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -382,37 +405,32 @@ class AsyncCheckpointer(Closing):
             since_request=job.staged_at - job.requested,
         )
 
-    def _run(self) -> None:
-        """The background thread: stage (overlap), write, then hand over to commit."""
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if isinstance(job, _commit.Report):
-                assert self._committer is not None
-                self._committer.put(job)
-                continue
-            try:
-                if not job.handle.staged.is_set():
-                    self._stage(job)
-                result = self._write(job)
-                error = None if result.ok else result.error
-            except Exception as exc:  # staging error or writer death
-                logger.warning("checkpoint %s failed: %s", job.handle.path, exc)
-                result = WriteResult(job.handle.seq, False, error=str(exc))
-                error = (
-                    f"{type(exc).__name__}: {exc}" if not isinstance(exc, WriterDied) else str(exc)
-                )
-            finally:
-                job.handle.staged.set()
-                job.handle.written.set()
-            if error is None:
-                job.durable(result, rank=self.rank, world_size=self.world_size)
-                self._results.put(("durable", job))
-            if self._committer is not None:
-                self._committer.put(self._report(job, error))
-            else:
-                self._finish(job, {} if error is None else {0: error})
+    def _one(self, job: Job | _commit.Report) -> None:
+        """The background thread's work on one item: stage (overlap), write, then hand over
+        to commit."""
+        if isinstance(job, _commit.Report):
+            assert self._committer is not None
+            self._committer.put(job)
+            return
+        try:
+            if not job.handle.staged.is_set():
+                self._stage(job)
+            result = self._write(job)
+            error = None if result.ok else result.error
+        except Exception as exc:  # staging error or writer death
+            logger.warning("checkpoint %s failed: %s", job.handle.path, exc)
+            result = WriteResult(job.handle.seq, False, error=str(exc))
+            error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, WriterDied) else str(exc)
+        finally:
+            job.handle.staged.set()
+            job.handle.written.set()
+        if error is None:
+            job.durable(result, rank=self.rank, world_size=self.world_size)
+            self._results.put(("durable", job))
+        if self._committer is not None:
+            self._committer.put(self._report(job, error))
+        else:
+            self._finish(job, {} if error is None else {0: error})
 
     def _write(self, job: Job) -> WriteResult:
         if self._giving_up.is_set():
@@ -421,7 +439,7 @@ class AsyncCheckpointer(Closing):
         assert job.flat is not None
         os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
         if self.distributed:
-            _commit.remove_marker(job.handle.path)
+            _commit.refuse_overwrite(job.handle.path)
         retired, job.retired = job.retired, None
         self._writer.prepare(job.buffer, retired=retired)
         meta = {"rank": str(self.rank), "world_size": str(self.world_size)}
@@ -441,8 +459,7 @@ class AsyncCheckpointer(Closing):
         try:
             result = self._result(file)
         except WriterDied:
-            with contextlib.suppress(OSError):
-                os.unlink(file + ".tmp")
+            _tmpfile.remove_leftovers(file)
             if self._giving_up.is_set():
                 raise
             try:  # replace it now, so the next save does not wait for a start

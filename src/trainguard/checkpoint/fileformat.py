@@ -26,7 +26,6 @@ import this module, and this module imports layout only inside the loading funct
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import errno
 import json
@@ -40,6 +39,7 @@ from typing import Any
 
 import xxhash
 
+from trainguard.checkpoint import _tmpfile
 from trainguard.checkpoint._formats import SAFETENSORS_DTYPES
 from trainguard.errors import CheckpointCorruptError
 
@@ -172,13 +172,13 @@ def write_file(
     ``data`` is the data section (placed entries at their offsets), typically a view of a
     staging buffer in shared memory: it is written straight from there, in large chunks, while
     another thread hashes the chunk just written. The file appears under ``path`` only complete:
-    it is written as ``path + ".tmp"``, fsynced, renamed, and the directory fsynced. On any error
-    the partial ``.tmp`` file is removed and the error is raised.
+    it is written as a new temporary file (see :mod:`._tmpfile`), fsynced, renamed, and the
+    directory fsynced. On any error the partial temporary file is removed and the error is
+    raised.
     """
     data_nbytes = placed[-1].offset + placed[-1].nbytes if placed else 0
     header = encode_header(placed, metadata, {e.name: _PLACEHOLDER for e in placed})
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd, tmp = _tmpfile.create(path)
     try:
         _check_space(fd, len(header) + data_nbytes, tmp)
         hashes = _write_and_hash(fd, data[:data_nbytes], len(header), placed, hasher)
@@ -188,20 +188,14 @@ def write_file(
         _pwrite_all(fd, memoryview(final), 0)
         if fsync:
             os.fsync(fd)
+        _tmpfile.publish(fd, tmp, path)
     except BaseException:
         os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        _tmpfile.discard(tmp)
         raise
     os.close(fd)
-    try:
-        os.rename(tmp, path)
-        if fsync:
-            fsync_dir(os.path.dirname(os.path.abspath(path)))
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    if fsync:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
     return len(header) + data_nbytes
 
 

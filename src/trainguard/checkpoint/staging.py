@@ -8,7 +8,10 @@ name is ever created in ``/dev/shm``, so a crash of either process cannot leak i
 
 :class:`Stager` keeps one buffer and reuses it for every save; it grows (by at least half) only
 when a state no longer fits, so a steady-state save allocates nothing. Its pages are reserved
-with ``fallocate`` and touched once on allocation, outside the copy that later saves time.
+with ``fallocate`` and touched once on allocation, outside the copy that later saves time. A
+buffer that cannot be reserved (too little memory, ``RLIMIT_AS``, the memory cgroup) is a
+:class:`~trainguard.errors.CheckpointError` when it is created, never a SIGBUS or an OOM kill
+later.
 
 The copy itself (:meth:`Stager.stage`) is ``torch._foreach_copy_`` over groups of entries of
 about equal size, one group per thread (the calling thread takes one), so small tensors cost one
@@ -21,18 +24,22 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import itertools
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from trainguard.checkpoint import _memory
 from trainguard.checkpoint.fileformat import PlacedEntry
 from trainguard.checkpoint.layout import Entry
+from trainguard.errors import CheckpointError
 
 __all__ = ["Stager", "StagingBuffer", "regrow"]
 
@@ -52,17 +59,14 @@ class StagingBuffer:
     def __init__(self, nbytes: int, *, pin: bool = False, prefault: bool = True) -> None:
         self.id = next(_ids)
         self.nbytes = max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
+        _memory.check(self.nbytes)
         self.fd = os.memfd_create(f"trainguard-staging-{self.id}", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(self.fd, self.nbytes)
-            with contextlib.suppress(OSError):  # reserve pages now: ENOSPC here, not mid-copy
-                os.posix_fallocate(self.fd, 0, self.nbytes)
-            self.tensor: torch.Tensor | None = torch.from_file(
-                f"/proc/self/fd/{self.fd}", shared=True, size=self.nbytes, dtype=torch.uint8
-            )
+            self.tensor: torch.Tensor | None = _reserve(self.fd, self.nbytes)
         except BaseException:
             os.close(self.fd)
             raise
+        self._close_fd = weakref.finalize(self, os.close, self.fd)  # dropped without close()
         if prefault:  # map every page now: the first save then copies at full speed
             started = time.monotonic()
             self.tensor[::4096].zero_()
@@ -87,11 +91,30 @@ class StagingBuffer:
             with contextlib.suppress(Exception):
                 torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
         self.tensor = None
-        os.close(self.fd)
+        self._close_fd()
         self.fd = -1
 
     def __repr__(self) -> str:
         return f"StagingBuffer(id={self.id}, nbytes={self.nbytes})"
+
+
+def _reserve(fd: int, nbytes: int) -> torch.Tensor:
+    """Size the memfd ``fd``, reserve its pages (so that a shortage is an error here, not a
+    SIGBUS or an OOM kill during a later copy) and map it."""
+    try:
+        os.ftruncate(fd, nbytes)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # else: no way to reserve
+                raise
+        return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+    except (OSError, RuntimeError) as exc:  # torch reports a failed mmap as RuntimeError
+        raise CheckpointError(
+            f"could not reserve a staging buffer of {nbytes >> 20} MiB in shared memory "
+            f"({type(exc).__name__}: {exc}): save less state per rank, free memory, or raise "
+            "the limit that refused it (ulimit -v / -f, the memory cgroup)"
+        ) from exc
 
 
 def regrow(buffer: StagingBuffer | None, nbytes: int, *, pin: bool) -> StagingBuffer | None:

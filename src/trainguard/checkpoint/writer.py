@@ -43,6 +43,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from trainguard.checkpoint import _tmpfile
 from trainguard.checkpoint.fileformat import PlacedEntry, fsync_dir, write_file
 from trainguard.errors import WriterDied
 
@@ -112,18 +113,17 @@ def _write_torch(job: WriteJob, data: memoryview) -> int:
         else:
             tensors[e.name] = torch.empty(0, dtype=torch.uint8)
     state = unflatten(job.skeleton, tensors, allow_pickle=True)
-    tmp = job.path + ".tmp"
+    fd, tmp = _tmpfile.create(job.path)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
             if job.fsync:
                 os.fsync(f.fileno())
-        size = os.path.getsize(tmp)
-        os.rename(tmp, job.path)
+            size = os.fstat(f.fileno()).st_size
+            _tmpfile.publish(f.fileno(), tmp, job.path)
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        _tmpfile.discard(tmp)
         raise
     if job.fsync:
         fsync_dir(os.path.dirname(os.path.abspath(job.path)))

@@ -30,6 +30,7 @@ import torch
 
 from trainguard import events
 from trainguard._threads import serve
+from trainguard.checkpoint import _tmpfile
 from trainguard.checkpoint._link import StoreLink
 from trainguard.checkpoint.fileformat import PlacedEntry
 from trainguard.checkpoint.local import _inventory, _root
@@ -250,8 +251,7 @@ class SavePipeline:
             try:
                 result = self._writer.result()
             except WriterDied:
-                with contextlib.suppress(OSError):
-                    os.unlink(path + ".tmp")
+                _tmpfile.remove_leftovers(path)
                 raise
             assert result is not None
             if not result.ok:

@@ -168,6 +168,9 @@ class LocalCheckpointManager(Closing):
             channel=self._channel,
             link=link,
         )
+        self._release_when_collected(
+            _abandoned, self._writer, self._stager, self._pipeline, self._channel
+        )
 
     def _clique(self) -> list[int]:
         clique = self.replication.clique_of(self.rank, self.world_size)
@@ -376,6 +379,7 @@ class LocalCheckpointManager(Closing):
         if self._closed:
             return
         self._closed = True
+        self._closed_explicitly()
         self._pipeline.close()
         self._release(self._pipeline)
         self._pipeline.raise_errors()
@@ -387,13 +391,8 @@ class LocalCheckpointManager(Closing):
             raise CheckpointError("this LocalCheckpointManager is closed; create a new one")
 
     def _release(self, pipeline: SavePipeline | None) -> None:
-        self._writer.stop()
-        self._stager.close()
-        if pipeline is not None:
-            pipeline.release()
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+        _free(self._writer, self._stager, pipeline, self._channel)
+        self._channel = None
 
     def _gather(self, what: str, parts: list[_inventory.Part]) -> dict[int, dict[str, Any]]:
         return _inventory.holdings(self._gather_values(what, [p.report() for p in parts]))
@@ -444,3 +443,27 @@ class _Background:
     def result(self) -> BaseException | None:
         self._thread.join()
         return self._error
+
+
+def _free(
+    writer: WriterProcess,
+    stager: Stager,
+    pipeline: SavePipeline | None,
+    channel: _transfer.Channel | None,
+) -> None:
+    """Stop the writer, free the buffers and the group (after ``pipeline.close()``)."""
+    writer.stop()
+    stager.close()
+    if pipeline is not None:
+        pipeline.release()
+    if channel is not None:
+        channel.close()
+
+
+def _abandoned(
+    writer: WriterProcess, stager: Stager, pipeline: SavePipeline, channel: _transfer.Channel | None
+) -> None:
+    """What a manager garbage-collected without close() runs (see Closing): close() without
+    raising the errors of its saves."""
+    pipeline.close()
+    _free(writer, stager, pipeline, channel)
