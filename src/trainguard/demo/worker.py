@@ -66,6 +66,11 @@ def reference(cfg: DemoConfig, process: int, port: int) -> str:
     return m.reference_run(process=process, ranks=cfg.ranks, steps=cfg.steps, port=port)
 
 
+def committed(path: Path) -> bool:
+    """Whether ``path`` is a committed disk checkpoint (saving there again would be refused)."""
+    return (path / "COMMITTED").exists()
+
+
 def close_round(resources: list[Any], *, strict: bool) -> None:
     """Close a round's checkpointers (last opened first) and its process group.
 
@@ -259,12 +264,12 @@ class _Guarded:
             if done % cfg.local_every == 0 and done < cfg.steps:
                 with events.span("ckpt_stall", what="local", step=step):
                     local.save(m.training_state(net, opt, done), done)
-            if done % cfg.disk_every == 0 and done < cfg.steps:
+            path = Path(cfg.out) / "ckpt" / f"step_{done:06d}"
+            # a round that resumed before a committed disk checkpoint does not save it again
+            # (a save never overwrites a committed checkpoint)
+            if done % cfg.disk_every == 0 and done < cfg.steps and not committed(path):
                 with events.span("ckpt_stall", what="disk", step=step):
-                    disk.save(
-                        m.training_state(net, opt, done),
-                        Path(cfg.out) / "ckpt" / f"step_{done:06d}",
-                    )
+                    disk.save(m.training_state(net, opt, done), path)
 
     def release(self, state: Any = None, *, strict: bool = False) -> None:
         """Close this round's checkpointers and process group (the wrapper's finalize hook).
