@@ -393,7 +393,7 @@ def check_file(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> F
     not fit its bytes, a pickled leaf without ``allow_pickle``). Pickled leaves are never
     unpickled here. Returns the header; raises :class:`CheckpointError` naming the problem."""
     header = _trainguard_header(path)
-    mm = _map(header, mmap.ACCESS_READ)
+    mm = _map(header, mmap.ACCESS_COPY)  # writable to torch (no page is ever written)
     try:
         _rebuild(header, mm, verify=True, allow_pickle=allow_pickle, unpickle=False)
     finally:
