@@ -49,7 +49,9 @@ def with_skeleton(header: dict[str, Any], skeleton: Any) -> dict[str, Any]:
     """``header`` holding ``skeleton`` (JSON value or text) with a matching checksum."""
     text = skeleton if isinstance(skeleton, str) else json.dumps(skeleton)
     meta = dict(
-        header["__metadata__"], skeleton=text, skeleton_checksum=xxhash.xxh3_64_hexdigest(text)
+        header["__metadata__"],
+        skeleton=text,
+        skeleton_checksum=xxhash.xxh3_64_hexdigest(text.encode()),
     )
     return {**header, "__metadata__": meta}
 
