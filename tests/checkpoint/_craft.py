@@ -23,12 +23,17 @@ def file_bytes(state: Any, *, pickle: bool = False) -> bytes:
     by_name = {e.name: e for e in flat.entries}
     for p in placed:
         if p.nbytes:
-            src = by_name[p.name].source.detach().cpu().contiguous().reshape(-1)
             dst = torch.frombuffer(data, dtype=torch.uint8, count=p.nbytes, offset=p.offset)
-            dst.copy_(src.view(torch.uint8))
+            dst.copy_(raw_bytes(by_name[p.name].source))
     sums = {p.name: checksum(data[p.offset : p.offset + p.nbytes]) for p in placed}
     meta = {"rank": "0", "world_size": "1", "skeleton": json.dumps(flat.skeleton)}
     return encode_header(placed, meta, sums) + bytes(data)
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's elements in order, as a fresh 1-D ``uint8`` tensor."""
+    dense = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach().cpu())
+    return dense.reshape(-1).view(torch.uint8)
 
 
 def split(blob: bytes) -> tuple[dict[str, Any], bytes]:
