@@ -116,7 +116,7 @@ def test_events_and_report_skip_malformed_fields(tmp_path: Path) -> None:
         {"time": 101.5, "kind": "train_step", "rank": 0, "duration": "long"},
         {"time": 101.5, "kind": "train_step", "rank": 0, "duration": -1},
         {"time": 101.5, "kind": ["fault"], "rank": 0},
-        {"time": 101.5, "kind": "abort", "rank": 0, "cause": {"x": 1}},
+        {"time": 101.5, "kind": "abort", "rank": 0, "gone_round": "1"},
         [1, 2],
     ]
     lines = [json.dumps(e) for e in good + bad] + ["[" * 100_000 + "]" * 100_000]

@@ -48,9 +48,9 @@ logger = logging.getLogger(__name__)
 
 _RESERVED = ("time", "host", "pid", "rank", "round", "kind", "duration")
 #: Fields that, where present, hold an integer (or null): ranks, rounds, steps, process ids.
-_INTEGERS = ("pid", "rank", "round", "step", "gone_rank", "gone_round", "fault_rank", "target")
-#: Fields that, where present, hold a string (or null).
-_STRINGS = ("kind", "host", "what", "fault", "type", "cause", "error", "reason")
+_INTEGERS = ("pid", "rank", "round", "step", "gone_rank", "gone_round", "fault_rank")
+#: Fields that, where present, hold a string (or null); the report reads others with str().
+_STRINGS = ("kind", "host")
 
 
 def _finite(value: object) -> bool:
