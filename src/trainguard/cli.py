@@ -123,7 +123,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except OSError as exc:  # an unreadable file or directory: one line, not a traceback
+        print(f"trainguard {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -40,11 +41,34 @@ __all__ = [
     "read_events",
     "set_context",
     "span",
+    "well_formed",
 ]
 
 logger = logging.getLogger(__name__)
 
 _RESERVED = ("time", "host", "pid", "rank", "round", "kind", "duration")
+#: Fields that, where present, hold an integer (or null): ranks, rounds, steps, process ids.
+_INTEGERS = ("pid", "rank", "round", "step", "gone_rank", "gone_round", "fault_rank")
+#: Fields that, where present, hold a string (or null); the report reads others with str().
+_STRINGS = ("kind", "host")
+
+
+def _finite(value: object) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)  # type: ignore[arg-type]
+
+
+def well_formed(event: object) -> bool:
+    """Whether ``event`` is an object whose known fields have their types: a finite ``time``,
+    a finite ``duration`` >= 0, integers (:data:`_INTEGERS`) and strings (:data:`_STRINGS`)
+    where present. :func:`read_events` and the report skip any other line."""
+    if not isinstance(event, dict) or not _finite(event.get("time")):
+        return False
+    duration = event.get("duration")
+    if duration is not None and not (_finite(duration) and duration >= 0):
+        return False
+    return all(event.get(k) is None or type(event[k]) is int for k in _INTEGERS) and all(
+        event.get(k) is None or isinstance(event[k], str) for k in _STRINGS
+    )
 
 
 class EventLog:
@@ -208,8 +232,8 @@ def set_context(*, rank: int | None = None, round: int | None = None) -> None:
 def read_events(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Merge every ``events-*.jsonl`` file under ``directory`` into one list in time order.
 
-    Lines that are not complete JSON objects (a torn last line of a killed process) are
-    skipped. Events with equal times keep their order within a file.
+    Lines that are not complete JSON objects (a torn last line of a killed process), and
+    objects whose known fields have the wrong types (:func:`well_formed`), are skipped. Events with equal times keep their order within a file.
     """
     events: list[tuple[float, int, int, dict[str, Any]]] = []
     for file_index, path in enumerate(sorted(Path(directory).glob("events-*.jsonl"))):
@@ -219,10 +243,11 @@ def read_events(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
                     continue  # torn: the writer died before finishing this line
                 try:
                     event = json.loads(raw)
-                except ValueError:
-                    logger.debug("skipping unreadable line %d of %s", line_index + 1, path)
+                except (ValueError, RecursionError):
+                    event = None
+                if not well_formed(event):
+                    logger.debug("skipping malformed line %d of %s", line_index + 1, path)
                     continue
-                if isinstance(event, dict) and "time" in event:
-                    events.append((float(event["time"]), file_index, line_index, event))
+                events.append((float(event["time"]), file_index, line_index, event))
     events.sort(key=lambda item: item[:3])
     return [item[3] for item in events]

@@ -21,6 +21,16 @@ _ITER = re.compile(r"^iter_(\d{12})$")
 _PART = re.compile(r"^(rank\d{5}|owner\d{5}\.h\d{5})\.(safetensors|pt)$")
 
 
+def _escape(text: str) -> str:
+    """``text`` with every non-printable character (terminal escape sequences, newlines, bidi
+    controls) written as a Python escape: names come from files nobody vouches for."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+def _out(line: str, *, err: bool = False) -> None:
+    print(_escape(line), file=sys.stderr if err else sys.stdout)
+
+
 def _size(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
@@ -49,7 +59,8 @@ def _describe(entry: Path) -> tuple[str, str, int] | None:
             return "file", "incomplete (.tmp)", 0
         if entry.suffix not in (".safetensors", ".pt") and not _looks_like_checkpoint(entry):
             return None
-        return "file", "complete" if _check(entry) is None else "corrupt", 1
+        problem = _check(entry, allow_pickle=True, unpickle=False)
+        return "file", "complete" if problem is None else "corrupt", 1
     if entry.is_dir() and _ITER.match(entry.name):
         parts = _parts(entry)
         owners = {p.name[5:10] for p in parts}
@@ -72,21 +83,23 @@ def _looks_like_checkpoint(path: Path) -> bool:
     return head.startswith(ZIP_MAGIC) or (len(head) > 9 and head[8:9] == b"{")
 
 
-def _check(path: Path) -> str | None:
-    """None if the file is complete and every checksum matches, else what is wrong."""
-    from trainguard.checkpoint.fileformat import read_header, verify_file
+def _check(path: Path, *, allow_pickle: bool, unpickle: bool) -> str | None:
+    """None if ``load`` would accept the file, else what is wrong: the header's fields, every
+    checksum, the skeleton against the entries. Pickled leaves are accepted only with
+    ``allow_pickle`` and never unpickled; a ``format="torch"`` file is unpickled with torch's
+    ``weights_only`` unless ``unpickle`` (``--allow-pickle``: files the user trusts)."""
+    from trainguard.checkpoint.fileformat import check_file, read_header
     from trainguard.errors import CheckpointError
 
     try:
         if is_torch_file(path):
             import torch
 
-            torch.load(path, weights_only=True, mmap=True)
+            torch.load(path, weights_only=not unpickle, mmap=True)
             return None
-        header = read_header(path)
-        if not header.is_trainguard:
+        if not read_header(path).is_trainguard:
             return "a safetensors file without trainguard metadata (no checksums to verify)"
-        verify_file(header)
+        check_file(path, allow_pickle=allow_pickle)
         return None
     except CheckpointError as exc:
         return str(exc).removeprefix(f"{path}: ")
@@ -97,7 +110,7 @@ def _check(path: Path) -> str | None:
 def cmd_ls(args: argparse.Namespace) -> int:
     root = Path(args.root)
     if not root.exists():
-        print(f"no such directory: {root}", file=sys.stderr)
+        _out(f"no such directory: {root}", err=True)
         return 1
     entries = [root] if root.is_file() or _ITER.match(root.name) else sorted(root.iterdir())
     rows = []
@@ -105,14 +118,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
         described = _describe(entry)
         if described is not None:
             kind, status, parts = described
-            rows.append((entry.name, kind, status, str(parts), _human(_size(entry))))
+            rows.append((_escape(entry.name), kind, status, str(parts), _human(_size(entry))))
     if not rows:
-        print(f"no checkpoints under {root}", file=sys.stderr)
+        _out(f"no checkpoints under {root}", err=True)
         return 1
     headers = ("NAME", "KIND", "STATUS", "PARTS", "SIZE")
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     for row in (headers, *rows):
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        _out("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     return 0
 
 
@@ -124,20 +137,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
     path = Path(args.path)
     parts = _parts(path) if path.exists() else []
     if not parts:
-        print(f"no checkpoint files at {path}", file=sys.stderr)
+        _out(f"no checkpoint files at {path}", err=True)
         return 1
     bad = 0
     for part in parts:
-        problem = _check(part)
+        problem = _check(part, allow_pickle=args.allow_pickle, unpickle=args.allow_pickle)
         bad += problem is not None
-        print(
+        _out(
             f"{'OK  ' if problem is None else 'FAIL'} {part}" + (f": {problem}" if problem else "")
         )
     for directory in sorted({p.parent for p in parts if _PART.match(p.name)}):
         if _is_rank_dir(directory) and not (directory / _MARKER).exists():
-            print(f"FAIL {directory}: no {_MARKER} marker (not every rank's part became durable)")
+            _out(f"FAIL {directory}: no {_MARKER} marker (not every rank's part became durable)")
             bad += 1
-    print(f"{bad} problem(s) in {len(parts)} file(s)" if bad else f"{len(parts)} file(s) verified")
+    _out(f"{bad} problem(s) in {len(parts)} file(s)" if bad else f"{len(parts)} file(s) verified")
     return 1 if bad else 0
 
 
@@ -147,27 +160,27 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     parts = _parts(Path(args.path)) if Path(args.path).exists() else []
     if not parts:
-        print(f"no checkpoint files at {args.path}", file=sys.stderr)
+        _out(f"no checkpoint files at {args.path}", err=True)
         return 1
     part = parts[0]
-    print(f"{part}  ({_human(part.stat().st_size)})")
+    _out(f"{part}  ({_human(part.stat().st_size)})")
     try:
         if is_torch_file(part):
             import torch
 
             state = torch.load(part, weights_only=True, mmap=True)
             for key, value in _walk(state):
-                print(f"  {key:<40} {value}")
+                _out(f"  {key:<40} {value}")
             return 0
         header = read_header(part)
     except CheckpointError as exc:
-        print(f"cannot read {part}: {exc}", file=sys.stderr)
+        _out(f"cannot read {part}: {exc}", err=True)
         return 1
     meta = {k: v for k, v in header.metadata.items() if k not in ("skeleton", "checksums")}
     if meta:
-        print("  " + ", ".join(f"{k}={v}" for k, v in sorted(meta.items())))
+        _out("  " + ", ".join(f"{k}={v}" for k, v in sorted(meta.items())))
     for name, (dtype, shape, begin, end) in header.entries.items():
-        print(f"  {name:<40} {dtype:<6} {list(shape)!s:<20} {_human(end - begin)}")
+        _out(f"  {_escape(name):<40} {dtype:<6} {list(shape)!s:<20} {_human(end - begin)}")
     return 0
 
 
@@ -194,6 +207,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "verify", help="check every part and replica at PATH; exit status 1 on any problem"
     )
     verify.add_argument("path", metavar="PATH")
+    verify.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="accept pickled leaves (load needs allow_pickle=True for them); format='torch' "
+        "files are then unpickled in full: only for files you trust",
+    )
     verify.set_defaults(func=cmd_verify)
     show = cmds.add_parser("show", help="the structure of a checkpoint: keys, dtypes, shapes")
     show.add_argument("path", metavar="PATH")

@@ -35,6 +35,43 @@ SAFETENSORS_DTYPES: dict[str, str] = {
     "float8_e5m2": "F8_E5M2",
 }
 
+#: safetensors dtype code -> bytes per element: the only codes a file may name.
+SAFETENSORS_ITEMSIZE: dict[str, int] = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "BOOL": 1,
+    "C64": 8,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
+
+#: The torch dtype names a skeleton may name: looked up in this fixed table, never with
+#: ``getattr(torch, name)`` (names this torch lacks are refused like unknown ones).
+TORCH_DTYPE_NAMES = (
+    *SAFETENSORS_DTYPES,
+    *("complex128", "complex32", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"),
+    *("float4_e2m1fn_x2", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8"),
+    *(f"int{n}" for n in range(1, 8)),
+    *(f"uint{n}" for n in range(1, 8)),
+    *("qint32", "qint8", "quint2x4", "quint4x2", "quint8"),
+)
+
+#: How deeply containers (dicts, lists, tuples) may nest in a saved state. ``save`` refuses a
+#: deeper state and the reader refuses a deeper skeleton, so either side fails the same way.
+MAX_DEPTH = 100
+#: The largest header (the 8-byte length excluded) a reader accepts: safetensors' own limit.
+MAX_HEADER = 100 << 20
+
 
 def is_torch_file(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` starts like a ``torch.save`` file; OSError if it cannot be read."""

@@ -17,13 +17,47 @@ from trainguard import events
 from trainguard.checkpoint import _commit, _tmpfile
 from trainguard.checkpoint._formats import FORMATS, is_torch_file
 from trainguard.checkpoint.fileformat import FileHeader, load_file, read_header
-from trainguard.errors import CheckpointError, CheckpointUncommittedError
+from trainguard.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointUncommittedError,
+)
 
 
 def part_name(rank: int, format: str) -> str:
     """File name of one rank's part inside a multi-rank checkpoint directory; ``format`` is
     one of :data:`FORMATS`, as given to ``save``."""
     return f"rank{rank:05d}" + (".pt" if format == "torch" else ".safetensors")
+
+
+def _marker(marker: str) -> dict[str, Any]:
+    """The commit marker's fields; :class:`CheckpointCorruptError` if it is not what
+    :mod:`._commit` writes (a JSON object whose ``world_size``, if present, is a count)."""
+    with open(marker, "rb") as f:
+        raw = f.read(1 << 20)
+    try:
+        info = json.loads(raw)
+    except (ValueError, RecursionError):
+        info = None
+    size = info.get("world_size", 1) if isinstance(info, dict) else None
+    if type(size) is not int or size < 1:
+        raise CheckpointCorruptError(
+            f"{marker}: malformed commit marker; the checkpoint is damaged, load an older one"
+        )
+    return dict(info) if isinstance(info, dict) else {}
+
+
+def _torch_load(file: str, allow_pickle: bool) -> Any:
+    """``torch.load`` of a ``format="torch"`` file; a damaged one is a corrupt checkpoint."""
+    try:
+        return torch.load(file, weights_only=not allow_pickle, mmap=True)
+    except OSError:
+        raise
+    except Exception as exc:  # a damaged zip, a truncated pickle, a global not allowed
+        hint = "" if allow_pickle else " (if it holds pickled objects: allow_pickle=True)"
+        raise CheckpointCorruptError(
+            f"{file}: torch.load failed{hint}: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _resolve(path: str, rank: int | None, allow_uncommitted: bool) -> str:
@@ -39,8 +73,7 @@ def _resolve(path: str, rank: int | None, allow_uncommitted: bool) -> str:
     marker = os.path.join(path, _commit.MARKER)
     info: dict[str, Any] = {}
     if os.path.exists(marker):
-        with open(marker) as f:
-            info = json.load(f)
+        info = _marker(marker)
     elif not allow_uncommitted:
         raise CheckpointUncommittedError(
             f"{path} has no {_commit.MARKER} marker: not every rank's part became durable; "
@@ -83,7 +116,7 @@ def load(
     started = time.monotonic()
     file = _resolve(os.fspath(path), rank, allow_uncommitted)
     if is_torch_file(file):
-        state = torch.load(file, weights_only=not allow_pickle, mmap=True)
+        state = _torch_load(file, allow_pickle)
     else:
         state, _ = load_file(file, verify=verify, allow_pickle=allow_pickle)
     events.emit(

@@ -27,7 +27,7 @@ from trainguard.checkpoint._closing import Closing, serve_holding, stop_serving
 from trainguard.checkpoint._formats import FORMATS
 from trainguard.checkpoint._load import latest, load, part_name
 from trainguard.checkpoint._saves import Job, SaveHandle, SaveInfo
-from trainguard.checkpoint.fileformat import place
+from trainguard.checkpoint.fileformat import check_header_fits, place
 from trainguard.checkpoint.layout import flatten
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.writer import WriteJob, WriteResult, WriterProcess
@@ -210,6 +210,7 @@ class AsyncCheckpointer(Closing):
                 _commit.refuse_overwrite(path, busy=busy)
             flat = flatten(state, pickle=pickle)
             placed, data_nbytes = place(flat.entries)
+            check_header_fits(placed, flat.skeleton)  # what a reader would refuse
             buffer, replaced = self._stager.ensure(data_nbytes)
             seq = next(self._seq)
             file = os.path.join(path, part_name(self.rank, format)) if self.distributed else path

@@ -26,6 +26,7 @@ import this module, and this module imports layout only inside the loading funct
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import errno
 import json
@@ -39,9 +40,9 @@ from typing import Any
 
 import xxhash
 
-from trainguard.checkpoint import _tmpfile
-from trainguard.checkpoint._formats import SAFETENSORS_DTYPES
-from trainguard.errors import CheckpointCorruptError
+from trainguard.checkpoint import _tmpfile, _validate
+from trainguard.checkpoint._formats import MAX_HEADER, SAFETENSORS_DTYPES
+from trainguard.errors import CheckpointCorruptError, CheckpointError
 
 __all__ = [  # noqa: RUF022 (plain sorted order, as tests/test_api.py checks)
     "ALIGN",
@@ -50,6 +51,8 @@ __all__ = [  # noqa: RUF022 (plain sorted order, as tests/test_api.py checks)
     "FileHeader",
     "PlacedEntry",
     "SAFETENSORS_DTYPES",
+    "check_file",
+    "check_header_fits",
     "checksum",
     "encode_header",
     "fsync_dir",
@@ -68,11 +71,11 @@ __all__ = [  # noqa: RUF022 (plain sorted order, as tests/test_api.py checks)
 logger = logging.getLogger(__name__)
 
 FORMAT = "trainguard"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # "2": the header holds the skeleton's checksum too
 ALIGN = 4096
 CHUNK = 64 << 20  # bytes per write call (and per hash step)
 _PLACEHOLDER = "0" * 16
-_MAX_HEADER = 100 << 20  # safetensors' own limit
+_HEADER_SLACK = ALIGN + 1024  # padding, and metadata strings that check_header_fits omits
 
 #: A whole file held in memory: read, mapped or received.
 FileBytes = bytes | bytearray | memoryview | mmap.mmap
@@ -115,6 +118,7 @@ def encode_header(
     """The header bytes including the 8-byte length, padded so the data starts on ALIGN."""
     meta = dict(metadata)
     meta.update(format=FORMAT, format_version=FORMAT_VERSION, checksum="xxh3_64")
+    meta["skeleton_checksum"] = _validate.skeleton_checksum(meta.get("skeleton", "null"))
     meta["checksums"] = json.dumps(checksums, separators=(",", ":"))
     header: dict[str, Any] = {"__metadata__": meta}
     for e in placed:
@@ -127,6 +131,30 @@ def encode_header(
     total = 8 + len(body)
     body += b" " * (-total % ALIGN)
     return struct.pack("<Q", len(body)) + body
+
+
+def check_header_fits(placed: Sequence[PlacedEntry], skeleton: Any) -> None:
+    """Refuse (:class:`CheckpointError`) a state whose header a reader would refuse.
+
+    Called by ``save`` in the caller's thread, before anything is staged: the header holds the
+    skeleton (every leaf that is not a tensor, as JSON) and one line per entry, and a reader
+    accepts at most :data:`._formats.MAX_HEADER` bytes of it (safetensors' own limit). The
+    message names the largest leaf, usually the culprit (``bytes``, a long list).
+    """
+    text = json.dumps(skeleton, separators=(",", ":"))
+    size = len(encode_header(placed, {"skeleton": text}, {e.name: _PLACEHOLDER for e in placed}))
+    if size + _HEADER_SLACK <= MAX_HEADER:
+        return
+    from trainguard.checkpoint.layout import largest_leaf
+
+    where, nbytes = largest_leaf(skeleton)
+    raise CheckpointError(
+        f"the state's header would take {size} bytes, more than the {MAX_HEADER} a reader "
+        f"accepts: everything that is not a tensor is stored there as JSON ({len(text)} bytes; "
+        f"the largest leaf is {where}, {nbytes} bytes) and {len(placed)} tensor entries; "
+        "store large data as tensors (torch.frombuffer(bytearray(data), dtype=torch.uint8)), "
+        "or split the state"
+    )
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -238,7 +266,11 @@ def _write_and_hash(
 
 @dataclasses.dataclass(frozen=True)
 class FileHeader:
-    """A parsed header: where the data starts, the entries, and the metadata strings."""
+    """A parsed header: where the data starts, the entries, and the metadata strings.
+
+    Built only by :func:`read_header`/:func:`parse_header`, which check every field first (see
+    :mod:`._validate`): offsets lie inside the file and do not overlap, sizes match shapes.
+    """
 
     path: str
     data_start: int
@@ -251,44 +283,17 @@ class FileHeader:
         return self.metadata.get("format") == FORMAT
 
     def checksums(self) -> dict[str, str]:
-        return dict(json.loads(self.metadata.get("checksums", "{}")))
-
-
-def _header_length(label: str, head: bytes, size: int) -> int:
-    """The header's length ``n`` from its first 8 bytes, checked against the file's size."""
-    if len(head) < 8:
-        raise CheckpointCorruptError(
-            f"{label}: truncated: {size} bytes, too short to hold a header"
-        )
-    (n,) = struct.unpack("<Q", head)
-    if n > _MAX_HEADER or 8 + n > size:
-        raise CheckpointCorruptError(
-            f"{label}: truncated or not a checkpoint: the header claims {n} bytes but the "
-            f"file has {size}"
-        )
-    return int(n)
+        return _validate.check_checksums(self.path, self.metadata, self.entries)
 
 
 def _decode_header(label: str, n: int, raw: bytes, size: int) -> FileHeader:
     """Parse the ``n`` bytes of JSON after the length of a file of ``size`` bytes."""
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-        metadata = header.pop("__metadata__", None) or {}
-        entries: dict[str, tuple[str, list[int], int, int]] = {}
-        end = 0
-        for name, info in header.items():
-            begin, stop = (int(x) for x in info["data_offsets"])
-            entries[name] = (str(info["dtype"]), [int(s) for s in info["shape"]], begin, stop)
-            end = max(end, stop)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointCorruptError(f"{label}: malformed header: {exc}") from exc
-    if 8 + n + end > size:
-        raise CheckpointCorruptError(
-            f"{label}: truncated: the header describes {8 + n + end} bytes but the file has {size}"
-        )
-    return FileHeader(label, 8 + n, size, entries, dict(metadata))
+    decoded = _validate.decode_json(label, "the header", raw)
+    entries, metadata = _validate.check_entries(label, decoded, size - 8 - n)
+    header = FileHeader(label, 8 + n, size, entries, metadata)
+    if header.is_trainguard:
+        header.checksums()  # refuse a damaged checksum table before anything is mapped
+    return header
 
 
 def read_header(path: str | os.PathLike[str]) -> FileHeader:
@@ -296,8 +301,10 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
     path = os.fspath(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        n = _header_length(path, f.read(8), size)
+        n = _validate.header_length(path, f.read(8), size)
         raw = f.read(n)
+    if len(raw) != n:  # the file shrank while we read it
+        raise CheckpointCorruptError(f"{path}: truncated: the header is cut short")
     return _decode_header(path, n, raw, size)
 
 
@@ -305,7 +312,7 @@ def parse_header(data: FileBytes, label: str) -> FileHeader:
     """:func:`read_header` of a whole file held in memory; ``label`` names it in errors (and
     stands for the header's ``path``)."""
     size = len(data)
-    n = _header_length(label, bytes(data[:8]), size)
+    n = _validate.header_length(label, bytes(data[:8]), size)
     return _decode_header(label, n, bytes(data[8 : 8 + n]), size)
 
 
@@ -314,10 +321,7 @@ def verify_entries(
 ) -> None:
     """Check every entry's checksum; ``view(begin, end)`` returns a buffer of the data bytes."""
     expected = header.checksums()
-    names = [n for n in header.entries if n in expected]
-    missing = [n for n in header.entries if n not in expected]
-    if missing:
-        raise CheckpointCorruptError(f"{header.path}: no checksum for tensor(s) {missing[:5]}")
+    names = list(header.entries)
 
     def check(name: str) -> str | None:
         _, _, begin, end = header.entries[name]
@@ -343,12 +347,19 @@ def verify_data(header: FileHeader, data: FileBytes) -> None:
         verify_entries(header, lambda b, e: whole[start + b : start + e])
 
 
+def _map(header: FileHeader, access: int) -> mmap.mmap:
+    """Map the whole file ``header`` describes; a file that shrank since is corrupt."""
+    with open(header.path, "rb") as f:
+        if os.fstat(f.fileno()).st_size < header.file_size:
+            raise CheckpointCorruptError(f"{header.path}: truncated while it was being read")
+        return mmap.mmap(f.fileno(), header.file_size, access=access)
+
+
 def verify_file(header: FileHeader) -> None:
     """Map the trainguard file ``header`` describes read-only and check every checksum."""
     if not header.is_trainguard:
         raise CheckpointCorruptError(f"{header.path}: not a trainguard file")
-    with open(header.path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), header.file_size, access=mmap.ACCESS_READ)
+    mm = _map(header, mmap.ACCESS_READ)
     try:
         verify_data(header, mm)
     finally:
@@ -360,6 +371,31 @@ def verify_path(path: str | os.PathLike[str]) -> None:
     verify_file(read_header(path))
 
 
+def _trainguard_header(path: str | os.PathLike[str]) -> FileHeader:
+    header = read_header(path)
+    if not header.is_trainguard:
+        raise CheckpointCorruptError(
+            f"{header.path}: a safetensors file without trainguard metadata; open it with the "
+            "safetensors package instead"
+        )
+    return header
+
+
+def check_file(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> FileHeader:
+    """Every check :func:`load_file` makes, without keeping the state: the header's fields,
+    every checksum, and the skeleton against the entries (a missing tensor, a shape that does
+    not fit its bytes, a pickled leaf without ``allow_pickle``). Pickled leaves are never
+    unpickled here. Returns the header; raises :class:`CheckpointError` naming the problem."""
+    header = _trainguard_header(path)
+    mm = _map(header, mmap.ACCESS_COPY)  # writable to torch (no page is ever written)
+    try:
+        _rebuild(header, mm, verify=True, allow_pickle=allow_pickle, unpickle=False)
+    finally:
+        with contextlib.suppress(BufferError):  # views still alive: the collector closes it
+            mm.close()
+    return header
+
+
 def load_file(
     path: str | os.PathLike[str], *, verify: bool = True, allow_pickle: bool = False
 ) -> tuple[Any, FileHeader]:
@@ -368,18 +404,14 @@ def load_file(
     Tensors are views of a private (copy-on-write) mapping of the file: nothing is read until it
     is touched, and writing to a tensor never changes the file. Each entry gets a storage of its
     own that starts at its first byte (some torch functions, ``torch.set_rng_state`` among them,
-    ignore a tensor's storage offset). ``verify`` checks every tensor's checksum first (a
-    mismatch raises :class:`CheckpointCorruptError` naming the tensor). The mapping is released
-    when the last tensor is.
+    ignore a tensor's storage offset). ``verify`` checks every tensor's checksum and the
+    skeleton's first (a mismatch raises :class:`CheckpointCorruptError` naming the tensor). The
+    header and skeleton are checked either way: a malformed file raises
+    :class:`CheckpointCorruptError` saying what is wrong. The mapping is released when the last
+    tensor is.
     """
-    header = read_header(path)
-    if not header.is_trainguard:
-        raise CheckpointCorruptError(
-            f"{header.path}: a safetensors file without trainguard metadata; open it with the "
-            "safetensors package instead"
-        )
-    with open(header.path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), header.file_size, access=mmap.ACCESS_COPY)
+    header = _trainguard_header(path)
+    mm = _map(header, mmap.ACCESS_COPY)
     return _rebuild(header, mm, verify=verify, allow_pickle=allow_pickle), header
 
 
@@ -389,10 +421,14 @@ def load_buffer(
     """:func:`load_file` of a whole file held in memory (a copy received from a peer): the
     tensors are views of ``data``; ``label`` names it in errors."""
     header = parse_header(data, label)
+    if not header.is_trainguard:
+        raise CheckpointCorruptError(f"{label}: not a trainguard file")
     return _rebuild(header, data, verify=verify, allow_pickle=allow_pickle), header
 
 
-def _rebuild(header: FileHeader, data: FileBytes, *, verify: bool, allow_pickle: bool) -> Any:
+def _rebuild(
+    header: FileHeader, data: FileBytes, *, verify: bool, allow_pickle: bool, unpickle: bool = True
+) -> Any:
     """The state of the file ``header`` describes, as views of ``data`` (the whole file)."""
     import torch
 
@@ -402,6 +438,7 @@ def _rebuild(header: FileHeader, data: FileBytes, *, verify: bool, allow_pickle:
         started = time.monotonic()
         verify_data(header, data)
         logger.debug("verified %s in %.3f s", header.path, time.monotonic() - started)
+    skeleton = _validate.check_skeleton(header.path, header.metadata, verify=verify)
     start = header.data_start
     tensors = {
         name: torch.frombuffer(data, dtype=torch.uint8, count=e - b, offset=start + b)
@@ -409,5 +446,7 @@ def _rebuild(header: FileHeader, data: FileBytes, *, verify: bool, allow_pickle:
         else torch.empty(0, dtype=torch.uint8)
         for name, (_, _, b, e) in header.entries.items()
     }
-    skeleton = json.loads(header.metadata.get("skeleton", "null"))
-    return unflatten(skeleton, tensors, allow_pickle=allow_pickle)
+    try:
+        return unflatten(skeleton, tensors, allow_pickle=allow_pickle, unpickle=unpickle)
+    except CheckpointCorruptError as exc:
+        raise CheckpointCorruptError(f"{header.path}: {exc}") from None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import math
 import pickle as _pickling
 from collections.abc import Mapping
@@ -33,10 +34,10 @@ from typing import Any
 
 import torch
 
-from trainguard.checkpoint._formats import SAFETENSORS_DTYPES
-from trainguard.errors import CheckpointError, CheckpointPickleError
+from trainguard.checkpoint._formats import MAX_DEPTH, SAFETENSORS_DTYPES, TORCH_DTYPE_NAMES
+from trainguard.errors import CheckpointCorruptError, CheckpointError, CheckpointPickleError
 
-__all__ = ["Entry", "Flat", "dtype_from_name", "flatten", "unflatten"]
+__all__ = ["Entry", "Flat", "dtype_from_name", "flatten", "largest_leaf", "unflatten"]
 
 _SCALARS = (str, int, float, bool, type(None))
 
@@ -71,10 +72,18 @@ class Flat:
         return sum(e.nbytes for e in self.entries)
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"unknown dtype {name!r} in checkpoint")
+_DTYPES: dict[str, torch.dtype] = {
+    name: value
+    for name in TORCH_DTYPE_NAMES
+    if isinstance(value := getattr(torch, name, None), torch.dtype)
+}
+
+
+def dtype_from_name(name: object) -> torch.dtype:
+    """The torch dtype a checkpoint names, from a fixed table (never ``getattr(torch, name)``)."""
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise CheckpointCorruptError(f"unknown dtype {name!r} in checkpoint")
     return dtype
 
 
@@ -114,6 +123,13 @@ class _Flattener:
         return name
 
     def node(self, value: Any, path: tuple[Any, ...]) -> Any:
+        if len(path) > MAX_DEPTH:
+            shown = _key_repr(path[:8]) + ("..." if len(path) > 8 else "")
+            raise CheckpointError(
+                f"{shown}: the state nests containers more than {MAX_DEPTH} levels deep (or "
+                "holds itself), which a checkpoint cannot hold: readers refuse deeper files; "
+                "flatten that part of the state (a tensor, a string or a shallower structure)"
+            )
         if isinstance(value, torch.Tensor):
             return self.tensor(value, path)
         if isinstance(value, bool) or value is None or isinstance(value, str):
@@ -196,7 +212,9 @@ class _Flattener:
         hi += -hi % align
         storage = tensors[0].untyped_storage()
         if hi > storage.nbytes() or any(
-            (t.storage_offset() * t.element_size() - lo) % t.element_size() for t in tensors
+            (t.storage_offset() * t.element_size() - lo) % t.element_size()
+            or t.numel() * t.element_size() > hi - lo  # expanded: readers refuse such views
+            for t in tensors
         ):
             return False
         span = torch.empty(0, dtype=torch.uint8, device=tensors[0].device)
@@ -237,50 +255,164 @@ def flatten(state: Any, *, pickle: bool = False) -> Flat:
 
 
 def unflatten(
-    skeleton: Any, data: Mapping[str, torch.Tensor], *, allow_pickle: bool = False
+    skeleton: Any,
+    data: Mapping[str, torch.Tensor],
+    *,
+    allow_pickle: bool = False,
+    unpickle: bool = True,
 ) -> Any:
     """Rebuild the state from a skeleton and ``data``: entry name -> 1-D ``uint8`` tensor.
 
-    Tensors are views of ``data`` (no copy); views that shared a storage share one again.
+    Tensors are views of ``data`` (no copy); views that shared a storage share one again. The
+    skeleton may come from a file nobody vouches for: every node is checked (its tag and the
+    types of its fields, nesting at most :data:`._formats.MAX_DEPTH` deep, a tensor's dtype
+    from a fixed table, its shape and strides inside its entry's bytes, never more elements
+    than the entry holds), and a bad one raises :class:`CheckpointCorruptError` naming its key.
+    With ``unpickle=False`` pickled leaves are checked but not unpickled (they become None).
     """
+    return _Builder(data, allow_pickle, unpickle).build(skeleton, ())
 
-    def build(node: Any, path: tuple[Any, ...]) -> Any:
-        if not isinstance(node, dict):
+
+def largest_leaf(skeleton: Any) -> tuple[str, int]:
+    """The key of the skeleton's leaf that takes the most JSON bytes, and that size."""
+    best = ("state", -1)
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(skeleton, ())]
+    while stack:
+        node, path = stack.pop()
+        children = _children(node)
+        if children is None:
+            size = len(json.dumps(node, separators=(",", ":")))
+            best = max(best, (_key_repr(path), size), key=lambda item: item[1])
+        else:
+            stack.extend((child, (*path, key)) for key, child in children)
+    return best
+
+
+def _children(node: Any) -> list[tuple[Any, Any]] | None:
+    """The (key, child) pairs of a container node of a skeleton written here, else None."""
+    if isinstance(node, dict) and len(node) == 1:
+        ((tag, value),) = node.items()
+        if tag == "D":
+            return [(k, v) for k, v in value]
+        if tag in ("L", "U"):
+            return list(enumerate(value))
+    return None
+
+
+def _is_index(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+_TENSOR_KEYS = frozenset(("T", "dtype", "shape", "stride", "offset"))
+_FLOATS = ("nan", "inf", "-inf")
+
+
+class _Builder:
+    """:func:`unflatten`'s walk: one method per kind of node, every field checked."""
+
+    def __init__(self, data: Mapping[str, torch.Tensor], allow_pickle: bool, unpickle: bool):
+        self.data = data
+        self.allow_pickle = allow_pickle
+        self.unpickle = unpickle
+
+    def build(self, node: Any, path: tuple[Any, ...]) -> Any:
+        if len(path) > MAX_DEPTH:
+            raise CheckpointCorruptError(
+                f"{_key_repr(path[:8])}...: the skeleton nests more than {MAX_DEPTH} levels"
+            )
+        if isinstance(node, (str, int, float)) or node is None:
             return node
+        if not isinstance(node, dict) or not node:
+            raise self.bad(path, f"a {type(node).__name__} where a tagged node belongs")
         if "T" in node:
-            raw = data.get(node["T"])
-            if raw is None:
-                raise CheckpointError(f"{_key_repr(path)}: tensor {node['T']!r} is missing")
-            typed = raw.view(dtype_from_name(node["dtype"])) if raw.numel() else None
-            if typed is None:
-                return torch.empty(node["shape"], dtype=dtype_from_name(node["dtype"]))
-            if "stride" in node:
-                offset = typed.storage_offset() + node["offset"]  # as_strided's is absolute
-                return torch.as_strided(typed, node["shape"], node["stride"], offset)
-            return typed.view(node["shape"])
-        if "D" in node:
-            return {k: build(v, (*path, k)) for k, v in node["D"]}
-        if "L" in node:
-            return [build(v, (*path, i)) for i, v in enumerate(node["L"])]
-        if "U" in node:
-            return tuple(build(v, (*path, i)) for i, v in enumerate(node["U"]))
-        if "F" in node:
-            return float(node["F"])
-        if "B" in node:
-            return base64.b64decode(node["B"])
-        if "dtype" in node:
-            return dtype_from_name(node["dtype"])
-        if "device" in node:
-            return torch.device(node["device"])
-        if "size" in node:
-            return torch.Size(node["size"])
-        if "P" in node:
-            if not allow_pickle:
-                raise CheckpointPickleError(
-                    f"{_key_repr(path)} was saved with pickle; pass allow_pickle=True to load it "
-                    "(only for files you trust: unpickling can run arbitrary code)"
-                )
-            return _pickling.loads(base64.b64decode(node["P"]))
-        raise CheckpointError(f"{_key_repr(path)}: unknown skeleton node {sorted(node)}")
+            if not node.keys() <= _TENSOR_KEYS:
+                raise self.bad(path, f"unexpected fields {sorted(node.keys() - _TENSOR_KEYS)}")
+            return self.tensor(node, path)
+        if len(node) != 1:
+            raise self.bad(path, f"a node with several tags {sorted(node)}")
+        ((tag, value),) = node.items()
+        if tag == "D":
+            if not isinstance(value, list) or not all(
+                isinstance(kv, list) and len(kv) == 2 and isinstance(kv[0], _SCALARS)
+                for kv in value
+            ):
+                raise self.bad(path, "a dict that is not a list of [key, value] pairs")
+            return {k: self.build(v, (*path, k)) for k, v in value}
+        if tag in ("L", "U"):
+            if not isinstance(value, list):
+                raise self.bad(path, f"a {tag!r} node without a list")
+            items = [self.build(v, (*path, i)) for i, v in enumerate(value)]
+            return items if tag == "L" else tuple(items)
+        return self.leaf(tag, value, path)
 
-    return build(skeleton, ())
+    def leaf(self, tag: str, value: Any, path: tuple[Any, ...]) -> Any:
+        if tag == "F" and value in _FLOATS:
+            return float(value)
+        if tag in ("B", "P") and isinstance(value, str):
+            try:
+                raw = base64.b64decode(value, validate=True)
+            except ValueError:  # binascii.Error
+                raise self.bad(path, "bytes that are not base64") from None
+            return raw if tag == "B" else self.pickled(raw, path)
+        if tag == "dtype":
+            return dtype_from_name(value)
+        if tag == "device" and isinstance(value, str):
+            try:
+                return torch.device(value)
+            except RuntimeError:
+                raise self.bad(path, f"device {value!r}") from None
+        if tag == "size" and isinstance(value, list) and all(map(_is_index, value)):
+            return torch.Size(value)
+        raise self.bad(path, f"a {tag!r} node holding {type(value).__name__}")
+
+    def pickled(self, raw: bytes, path: tuple[Any, ...]) -> Any:
+        if not self.allow_pickle:
+            raise CheckpointPickleError(
+                f"{_key_repr(path)} was saved with pickle; pass allow_pickle=True to load it "
+                "(only for files you trust: unpickling can run arbitrary code)"
+            )
+        return _pickling.loads(raw) if self.unpickle else None
+
+    def tensor(self, node: dict[str, Any], path: tuple[Any, ...]) -> torch.Tensor:
+        raw = self.data.get(node["T"]) if isinstance(node["T"], str) else None
+        if raw is None:
+            raise CheckpointCorruptError(f"{_key_repr(path)}: tensor {node['T']!r} is missing")
+        dtype, shape = dtype_from_name(node.get("dtype")), node.get("shape")
+        if not isinstance(shape, list) or not all(map(_is_index, shape)):
+            raise self.bad(path, f"tensor shape {shape!r}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > raw.numel() or ("stride" not in node and nbytes != raw.numel()):
+            raise self.bad(
+                path,
+                f"shape {shape} of {dtype} needs {nbytes} bytes, its entry holds {raw.numel()}",
+            )
+        try:
+            if not raw.numel():
+                return torch.empty(shape, dtype=dtype)
+            typed = raw.view(dtype)
+            if "stride" not in node:
+                return typed.view(shape)
+            return self.strided(typed, shape, node, path)
+        except RuntimeError as exc:  # a dtype whose size does not divide the entry's, ...
+            raise self.bad(path, f"tensor of {dtype}: {exc}") from None
+
+    def strided(
+        self, typed: torch.Tensor, shape: list[int], node: dict[str, Any], path: tuple[Any, ...]
+    ) -> torch.Tensor:
+        stride, offset = node["stride"], node.get("offset")
+        if (
+            not isinstance(stride, list)
+            or len(stride) != len(shape)
+            or not all(map(_is_index, stride))
+            or not isinstance(offset, int)
+            or not _is_index(offset)
+        ):
+            raise self.bad(path, f"stride {stride!r} and offset {offset!r}")
+        last = offset + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+        if math.prod(shape) and last >= len(typed):
+            raise self.bad(path, f"a view reaching past its entry's {len(typed)} elements")
+        return torch.as_strided(typed, shape, stride, typed.storage_offset() + offset)
+
+    @staticmethod
+    def bad(path: tuple[Any, ...], what: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{_key_repr(path)}: malformed skeleton: {what}")

@@ -12,6 +12,8 @@ import math
 from collections import defaultdict
 from typing import Any
 
+from trainguard.events import well_formed
+
 DETECTION_KINDS = ("fault", "hang", "rank_gone", "hard_timeout", "sidecar_lost")
 Span = tuple[float, float]
 
@@ -64,7 +66,7 @@ class Timeline:
 
     def __init__(self, events: list[dict[str, Any]]) -> None:
         self.events = sorted(
-            (e for e in events if isinstance(e.get("time"), (int, float))),
+            (e for e in events if well_formed(e)),
             key=lambda e: float(e["time"]),
         )
         if not self.events:

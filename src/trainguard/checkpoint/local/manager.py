@@ -18,7 +18,13 @@ import torch
 from trainguard import _progress, _timeouts, events
 from trainguard.checkpoint import _link
 from trainguard.checkpoint._closing import Closing
-from trainguard.checkpoint.fileformat import load_buffer, load_file, place, verify_path
+from trainguard.checkpoint.fileformat import (
+    check_header_fits,
+    load_buffer,
+    load_file,
+    place,
+    verify_path,
+)
 from trainguard.checkpoint.layout import flatten
 from trainguard.checkpoint.local import _choose, _inventory, _root, _transfer
 from trainguard.checkpoint.local._pipeline import Place, SavePipeline, StagedSave
@@ -211,6 +217,7 @@ class LocalCheckpointManager(Closing):
         self._pipeline.raise_errors()
         flat = flatten(state, pickle=pickle)
         placed, nbytes = place(flat.entries)
+        check_header_fits(placed, flat.skeleton)  # what a reader would refuse
         buffer, retired = self._stager.ensure(nbytes)
         self._stager.stage(flat.entries, placed)
         job = StagedSave(
