@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from trainguard.coord.store import parse_addr
-from trainguard.errors import CoordinationError, ConfigError
+from trainguard.errors import ConfigError, CoordinationError
 
 __all__ = ["layout", "record"]
 
