@@ -13,13 +13,14 @@ from tests.restart._faults import child_pid
 
 def secret_job() -> dict[str, Any]:
     """One round; reports what the store holds with and without the secret in key names."""
+    port = int(os.environ["MASTER_PORT"])  # in the round, MASTER_PORT names the round's store
 
     @tr.Wrapper(store_timeout=30, barrier_timeout=60)
     def fn(call: tr.CallWrapper) -> dict[str, Any]:
         from trainguard.coord import _secret, connect
 
         secret = _secret.current()
-        store = connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=30)
+        store = connect(os.environ["MASTER_ADDR"], port, timeout=30)
         job = os.environ["TRAINGUARD_JOB_ID"]
         handover = f"tg/{job}/0/secret"
         sidecar = child_pid(os.getpid(), b"trainguard.restart.sidecar")

@@ -120,6 +120,6 @@ class Keyspace:
         return keys
 
     def heartbeat(self, initial_rank: int) -> str:
-        """Counter that ``initial_rank``'s sidecar adds 1 to every heartbeat interval (``bye``
+        """Counter that ``initial_rank``'s sidecar counts up every heartbeat interval (``bye``
         once the rank finished normally)."""
         return f"{self.prefix}hb/{initial_rank}"

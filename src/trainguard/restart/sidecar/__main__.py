@@ -22,7 +22,7 @@ Three threads, so that no store operation ever delays the two duties that must b
   ``hard_timeout`` (a thread holds the GIL), or the watchdog reports the function stalled that
   long, it sends SIGTERM, waits ``termination_grace_time``, sends SIGKILL; the main thread then
   sees the death and writes the notice.
-- ``tg-beats``: adds 1 to this rank's counter every ``heartbeat_interval`` and reads the
+- ``tg-beats``: counts this rank's counter up every ``heartbeat_interval`` and reads the
   others' counters (one ``multi_get``); a rank whose counter did not move for
   ``heartbeat_timeout`` by this process's clock is gone: a ``tg-notice`` thread with its own
   connection writes the notice, so a notice waiting on a barrier never stops the beats. A
@@ -77,8 +77,11 @@ class _Watch:
         self.seen: dict[int, tuple[int, float]] = {}
         self.declared: set[int] = set()
         self.last_beat = time.monotonic()
-        for r in range(self.world):  # so that reading them never blocks on a missing key
-            self.coord.add(self.keys.heartbeat(r), 0)
+        self.sent = 0  # this rank's heartbeat counter
+        # Every counter must exist so that reading them never blocks on a missing key. Not by
+        # add(): a TCPStore server drops the connection of an add to a value that is no number.
+        for r in range(self.world):
+            self.coord.compare_set(self.keys.heartbeat(r), "", b"0")
 
     # tg-hard: the hard timeout, no store access -------------------------------------------
     def enforce_hard_timeout(self) -> None:
@@ -124,7 +127,8 @@ class _Watch:
     def beat(self) -> None:
         store = self.beat_store
         asked = time.monotonic()
-        store.add(self.keys.heartbeat(self.rank), 1)
+        self.sent += 1  # set, not add: whatever another writer left there is overwritten
+        store.set(self.keys.heartbeat(self.rank), str(self.sent))
         with self.lock:
             n, roster = self.round, self.roster
         others = [r for r in roster if r != self.rank and r not in self.declared]
