@@ -9,6 +9,7 @@ returns a rank's barrier record or None for one that is unreadable.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from trainguard.coord.store import parse_addr
@@ -29,7 +30,7 @@ def _is_int(value: object) -> bool:
 
 
 def _ranks(value: object) -> bool:
-    return isinstance(value, list) and all(_is_int(r) and r >= 0 for r in value)
+    return isinstance(value, list) and all(_is_rank(r) for r in value)
 
 
 def _why_by_rank(value: object) -> bool:
@@ -47,14 +48,27 @@ def _pg(value: object) -> bool:
         return False
 
 
-_LAYOUT = {
+def _optional_str(value: object) -> bool:
+    return value is None or isinstance(value, str)
+
+
+def _is_str(value: object) -> bool:
+    return isinstance(value, str)
+
+
+def _is_rank(value: object) -> bool:
+    return _is_int(value) and isinstance(value, int) and value >= 0
+
+
+_Check = Callable[[object], bool]
+_LAYOUT: dict[str, _Check] = {
     "round": _is_int,
     "active": _ranks,
     "spare": _ranks,
     "gone": _why_by_rank,
     "faults": _why_by_rank,
     "pg": _pg,
-    "end": lambda v: v is None or isinstance(v, str),
+    "end": _optional_str,
 }
 
 
@@ -76,12 +90,12 @@ def layout(raw: bytes | str) -> dict[str, Any]:
     )
 
 
-_RECORD = {
-    "r": lambda v: _is_int(v) and v >= 0,
-    "host": lambda v: isinstance(v, str),
+_RECORD: dict[str, _Check] = {
+    "r": _is_rank,
+    "host": _is_str,
     "local_rank": _is_int,
-    "leave": lambda v: v is None or isinstance(v, str),
-    "fault": lambda v: v is None or isinstance(v, str),
+    "leave": _optional_str,
+    "fault": _optional_str,
 }
 
 
