@@ -15,7 +15,8 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 def test_entry_point_is_not_imported_before_it_runs(module: str) -> None:
     # An unreadable configuration: the module starts, fails at once, and says so.
     proc = subprocess.run(
-        [sys.executable, "-W", "error::RuntimeWarning", "-m", module, "{}"],
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", module],
+        input=b"{}\n",
         capture_output=True,
         timeout=120,
         env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"},

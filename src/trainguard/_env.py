@@ -24,6 +24,8 @@ VARIABLES: dict[str, str] = {
     "TRAINGUARD_EVENTS_DIR": "directory for the structured event log (one file per process)",
     "TRAINGUARD_STORE_ADDR": "host:port of an existing coordination store to connect to",
     "TRAINGUARD_JOB_ID": "job token that separates two jobs sharing one store",
+    "TRAINGUARD_JOB_SECRET": "per-job secret in every store key (16+ of A-Z a-z 0-9 _ -); the "
+    "same on every node",
 }
 
 
@@ -34,15 +36,29 @@ class Settings:
     events_dir: str | None = None
     store_addr: tuple[str, int] | None = None
     job_id: str | None = None
+    job_secret: str | None = None
 
 
 def _parse_addr(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    from trainguard.coord.store import parse_addr
+
+    try:
+        return parse_addr(value)
+    except ConfigError as exc:
+        raise ConfigError(f"TRAINGUARD_STORE_ADDR must be HOST:PORT: {exc}, or unset it") from None
+
+
+def _check_secret(value: str) -> str:
+    if (
+        len(value) < 16
+        or not value.replace("-", "").replace("_", "").isalnum()
+        or not value.isascii()
+    ):
         raise ConfigError(
-            f"TRAINGUARD_STORE_ADDR={value!r} is not HOST:PORT; set it like '10.0.0.1:29500' or unset it"
+            "TRAINGUARD_JOB_SECRET must be at least 16 of A-Z a-z 0-9 _ -; set it to the output "
+            "of `openssl rand -hex 16`, the same on every node"
         )
-    return host, int(port)
+    return value
 
 
 def settings(environ: Mapping[str, str] | None = None) -> Settings:
@@ -68,4 +84,5 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
         events_dir=get("TRAINGUARD_EVENTS_DIR"),
         store_addr=_parse_addr(addr) if addr else None,
         job_id=get("TRAINGUARD_JOB_ID"),
+        job_secret=_check_secret(secret) if (secret := get("TRAINGUARD_JOB_SECRET")) else None,
     )

@@ -4,7 +4,10 @@ Shared by :class:`~trainguard.checkpoint.AsyncCheckpointer` and
 :class:`~trainguard.checkpoint.LocalCheckpointManager`. Every rank creates its checkpointers in
 the same order; each checkpointer counts itself in ``<key_prefix>/instances`` and takes the
 *generation* ``(count - 1) // world_size``, so that keys of an earlier checkpointer (say, of the
-previous restart round) can never count for a later one.
+previous restart round) can never count for a later one. The job secret
+(:func:`trainguard.coord._secret.current`: ``TRAINGUARD_JOB_SECRET``, or that of the wrapped
+call the checkpointer is made in) follows the key prefix, so that nobody who can reach the
+store but does not know it can forge a commit.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from trainguard.coord import _secret
 from trainguard.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -29,6 +33,7 @@ def resolve(
     """
     import torch.distributed as dist
 
+    _check_store(store)
     initialized = dist.is_available() and dist.is_initialized()
     if store is None and initialized:
         store = dist.distributed_c10d._get_default_store()
@@ -48,6 +53,23 @@ def resolve(
     return store, rank, world_size
 
 
+def _check_store(store: object) -> None:
+    if store is None or hasattr(store, "add"):
+        return
+    if isinstance(store, str):
+        from trainguard.coord.store import parse_addr
+
+        try:
+            parse_addr(store)
+        except ConfigError as exc:
+            raise ConfigError(f"store={store!r}: {exc}") from None
+        raise ConfigError(
+            f"store={store!r}: pass a torch.distributed Store, e.g. "
+            "torch.distributed.TCPStore(host, port, is_master=False), not an address"
+        )
+    raise ConfigError(f"store={store!r} is not a torch.distributed Store")
+
+
 @dataclasses.dataclass(frozen=True)
 class StoreLink:
     """A checkpointer's place in the store: ``prefix`` is ``<key_prefix>/<generation>``.
@@ -62,6 +84,9 @@ class StoreLink:
 
     @classmethod
     def join(cls, store: Store, *, key_prefix: str, world_size: int) -> StoreLink:
+        secret = _secret.current()
+        if secret:
+            key_prefix = f"{key_prefix}/{secret}"
         generation = (int(store.add(f"{key_prefix}/instances", 1)) - 1) // world_size
         return cls(store, f"{key_prefix}/{generation}")
 

@@ -1,8 +1,9 @@
 """The store process: hosts the coordination store and one store per restart round.
 
-Started by the initial rank 0 with ``python -m trainguard.coord._server CONFIG_JSON`` (a fresh
-interpreter that does not import the user's ``__main__``), so that a crash of any training
-process, rank 0 included, leaves the store up. Protocol:
+Started by the initial rank 0 with ``python -m trainguard.coord._server`` (a fresh interpreter
+that does not import the user's ``__main__``; its configuration, job secret included, is the
+first line on its stdin), so that a crash of any training process, rank 0 included, leaves the
+store up. Every store it hosts listens on one interface only (:mod:`._bind`). Protocol:
 
 1. Hosts the coordination TCPStore on the given port (unless it connects to an existing one).
 2. Hosts round stores for rounds 0 and 1 on free ports and publishes their ``host:port`` under
@@ -27,7 +28,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from trainguard.coord import _sockets
+from trainguard import _subproc
+from trainguard.coord import _bind, _sockets
 from trainguard.coord.barrier import wait_forever
 from trainguard.coord.keys import Keyspace
 
@@ -40,9 +42,10 @@ class _Host:
 
         self.dist = dist
         self.cfg = cfg
-        self.keys = Keyspace(cfg["job"], cfg["call"])
+        self.keys = Keyspace(cfg["job"], cfg["call"], cfg["secret"])
         self.timeout = timedelta(seconds=cfg["timeout"])
         self.advertise = cfg["advertise_host"]
+        self.bind = cfg["bind_host"]
         self.lock = threading.Lock()
         self.rounds: dict[int, Any] = {}
         host, port = cfg["coord_host"], cfg["coord_port"]
@@ -54,6 +57,7 @@ class _Host:
             use_libuv=True,
             wait_for_workers=False,
             timeout=self.timeout,
+            master_listen_fd=_bind.listen(host, port) if self.own else None,
         )
         self.server_ports = {self.coord.port} if self.own else set()
         self.last_round = 0
@@ -62,13 +66,15 @@ class _Host:
         with self.lock:
             if n in self.rounds:
                 return
+            fd = _bind.listen(self.bind, 0)
             store = self.dist.TCPStore(
                 self.advertise,
-                0,
+                _bind.port_of(fd),
                 is_master=True,
                 use_libuv=True,
                 wait_for_workers=False,
                 timeout=self.timeout,
+                master_listen_fd=fd,
             )
             self.rounds[n] = store
             self.server_ports.add(store.port)
@@ -128,7 +134,7 @@ class _Host:
 
     def cleanup_external(self) -> None:
         n = self.last_round
-        keys = [self.keys.left, self.keys.exit]
+        keys = [self.keys.left, self.keys.exit, self.keys.handover]
         keys.extend(self.keys.left_mark(r) for r in range(self.cfg["world_size"]))
         for r in range(max(0, n - 1), n + 2):
             keys.extend(self.keys.round_keys(r, range(self.cfg["world_size"])))
@@ -138,9 +144,9 @@ class _Host:
                 self.coord.delete_key(key)
 
 
-def main(argv: list[str]) -> int:
-    cfg = json.loads(argv[1])
+def main() -> int:
     try:
+        cfg, _ = _subproc.read_config()
         host = _Host(cfg)
         host.open_round(0)
         host.open_round(1)
@@ -165,4 +171,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main())

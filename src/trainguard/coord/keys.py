@@ -1,8 +1,11 @@
 """Key names and values of the coordination protocol.
 
-Every key of a job starts with ``tg/<job token>/<call>/``: the job token keeps two jobs that
-share one store apart, the call index (how many wrapped calls this process made before) keeps
-two successive wrapped calls of one job apart. Keys of restart round ``n`` live under
+Every key of a job starts with ``tg/<job token>/<call>/<secret>/``: the job token keeps two
+jobs that share one store apart, the call index (how many wrapped calls this process made
+before) keeps two successive wrapped calls of one job apart, and the job secret
+(:mod:`trainguard.coord._secret`) keeps anyone who can reach the store but does not know the
+secret from guessing any key name (a TCPStore cannot list its keys). Only the keys that hand
+the secret over (:attr:`Keyspace.handover`) lie outside it. Keys of restart round ``n`` live under
 ``.../r<n>/`` so that a stale key of an old round can never satisfy a barrier of a new one;
 :meth:`Keyspace.round_keys` lists every fixed key of a round so that it can be deleted.
 
@@ -39,17 +42,33 @@ class Keyspace:
     Args:
         job: the job token (letters, digits, ``-_.``); shared by every rank of the job.
         call: index of the wrapped call within each process (0 for the first).
+        secret: the job secret ("" for none: tests and tools that read a store).
     """
 
-    def __init__(self, job: str, call: int = 0) -> None:
+    def __init__(self, job: str, call: int = 0, secret: str = "") -> None:
         if not job or "/" in job:
             raise ConfigError(
                 f"job token must be non-empty and contain no '/': {job!r}; set "
                 "TRAINGUARD_JOB_ID to letters, digits and -_."
             )
+        if "/" in secret:
+            raise ConfigError("the job secret must contain no '/'; set TRAINGUARD_JOB_SECRET")
         self.job = job
         self.call = call
-        self.prefix = f"tg/{job}/{call}/"
+        self.secret = secret
+        self.prefix = f"tg/{job}/{call}/{secret}/" if secret else f"tg/{job}/{call}/"
+
+    def __repr__(self) -> str:  # never the secret: keyspaces end up in logs
+        return f"Keyspace(job={self.job!r}, call={self.call})"
+
+    def with_secret(self, secret: str) -> Keyspace:
+        """The same call's keyspace under ``secret``."""
+        return Keyspace(self.job, self.call, secret)
+
+    @property
+    def handover(self) -> str:
+        """Outside the secret: where the secret, or a digest of it, is handed to the others."""
+        return f"tg/{self.job}/{self.call}/secret"
 
     # job-level keys ---------------------------------------------------------------------
     @property
@@ -99,3 +118,8 @@ class Keyspace:
         keys = [self.arrive(n), self.ready(n), self.done(n), self.stop(n)]
         keys.extend(self.member(n, r) for r in initial_ranks)
         return keys
+
+    def heartbeat(self, initial_rank: int) -> str:
+        """Counter that ``initial_rank``'s sidecar counts up every heartbeat interval (``bye``
+        once the rank finished normally)."""
+        return f"{self.prefix}hb/{initial_rank}"

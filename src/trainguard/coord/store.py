@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from trainguard import _subproc
-from trainguard.errors import CoordinationError
+from trainguard.errors import ConfigError, CoordinationError
 
 __all__ = ["StoreProcess", "connect", "parse_addr"]
 
@@ -26,11 +26,22 @@ logger = logging.getLogger(__name__)
 
 
 def parse_addr(value: str) -> tuple[str, int]:
-    """``"host:port"`` -> ``(host, port)``."""
+    """``"host:port"`` -> ``(host, port)``; a host and a port in 1..65535 are required.
+
+    Raises :class:`ConfigError` (a ``ValueError``) naming what is wrong.
+    """
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise CoordinationError(f"not a host:port address: {value!r}")
-    return host.strip("[]"), int(port)
+    host = host.strip("[]").strip()
+    why = None
+    if not sep:
+        why = "no ':'"
+    elif not host:
+        why = "no host"
+    elif not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        why = f"port {port!r} is not a number in 1..65535"
+    if why is not None:
+        raise ConfigError(f"{value!r} is not 'host:port' ({why}); write it like '10.0.0.1:29500'")
+    return host, int(port)
 
 
 def connect(host: str, port: int, *, timeout: float) -> Any:
@@ -52,10 +63,14 @@ class StoreProcess:
     """Handle of the store process started by the initial rank 0.
 
     Args:
-        job, call: the keyspace (see :class:`trainguard.coord.keys.Keyspace`).
+        job, call, secret: the keyspace (see :class:`trainguard.coord.keys.Keyspace`); the
+            secret is sent on the process's stdin, never on its command line.
         coord_host, coord_port: where the coordination store listens (``host_coord=True``:
-            this process hosts it there) or is to be found (``host_coord=False``).
+            this process hosts it there, bound to ``coord_host``'s interface only) or is to be
+            found (``host_coord=False``).
         advertise_host: host name or address that other ranks use to reach this machine.
+        bind_host: the address the round stores listen on (default ``advertise_host``; ``""``
+            every interface), see :func:`trainguard.coord._bind.bind_host`.
         world_size: initial world size (for deleting keys from an external store).
         timeout: store operation timeout in seconds.
         orphan_grace: seconds without clients, once the parent is gone, before it exits.
@@ -66,10 +81,12 @@ class StoreProcess:
         *,
         job: str,
         call: int,
+        secret: str = "",
         coord_host: str,
         coord_port: int,
         host_coord: bool,
         advertise_host: str,
+        bind_host: str | None = None,
         world_size: int,
         timeout: float,
         orphan_grace: float = 10.0,
@@ -77,10 +94,12 @@ class StoreProcess:
         self.config = {
             "job": job,
             "call": call,
+            "secret": secret,
             "coord_host": coord_host,
             "coord_port": coord_port,
             "host_coord": host_coord,
             "advertise_host": advertise_host,
+            "bind_host": advertise_host if bind_host is None else bind_host,
             "world_size": world_size,
             "timeout": timeout,
             "orphan_grace": orphan_grace,
@@ -92,9 +111,7 @@ class StoreProcess:
 
     def start(self) -> StoreProcess:
         """Start the process and wait for its handshake (it binds its ports first)."""
-        self.proc = _subproc.start_module(
-            "trainguard.coord._server", self.config, stdin=subprocess.DEVNULL
-        )
+        self.proc = _subproc.start_module("trainguard.coord._server", self.config, keep_stdin=False)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         self.proc.stdout.close()

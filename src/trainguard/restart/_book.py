@@ -24,8 +24,9 @@ import time
 from typing import Any
 
 from trainguard.coord import barrier
-from trainguard.coord.keys import Keyspace, decode, encode
+from trainguard.coord.keys import Keyspace, encode
 from trainguard.errors import RetryLimitError
+from trainguard.restart import _records
 from trainguard.restart._repeat import Repeats
 from trainguard.restart.policy._round import RoundPolicies
 from trainguard.restart.policy.layout import Layout
@@ -68,7 +69,9 @@ class RoundBook:
         was written, else the record found (a notice declared ``r`` gone first)."""
         value = encode(record)
         current = bytes(self.store.compare_set(self.keys.member(n, r), "", value))
-        return None if current == value else dict(decode(current))
+        if current == value:
+            return None
+        return _records.record(current) or {"leave": "an unreadable record in the store"}
 
     def arrive(self, n: int) -> bytes | None:
         """Count one arrival; if every record is in, publish the round. Returns the published
@@ -93,15 +96,17 @@ class RoundBook:
     def _lay_out(self, n: int) -> bytes:
         """Run by the last arriver: read every record, apply the policies, publish."""
         raws = self.store.multi_get([self.keys.member(n, r) for r in self.roster])
-        records = [decode(raw) for raw in raws]
         gone = dict(self.gone)
         present: set[int] = set()
         faults: dict[int, str] = {}
         info: dict[int, dict[str, str]] = {}
         progress = False
-        for rec in records:
-            r = int(rec["r"])
-            progress = progress or bool(rec.get("progress"))
+        for r, raw in zip(self.roster, raws, strict=True):
+            rec = _records.record(bytes(raw))
+            if rec is None or rec["r"] != r:  # not this job's: that rank cannot be counted on
+                gone[r] = "its barrier record in the store is unreadable"
+                continue
+            progress = progress or rec.get("progress") is True
             if rec.get("fault"):
                 faults[r] = rec["fault"]
             if rec.get("leave"):
@@ -163,7 +168,7 @@ class RoundBook:
         key = self.keys.member(n, r)
         current = bytes(self.store.compare_set(key, "", leave))
         arrived = False
-        while current != leave and not decode(current).get("leave"):
+        while current != leave and not (_records.record(current) or {}).get("leave"):
             arrived = True
             current = bytes(self.store.compare_set(key, current, leave))
         self.arrive(n)

@@ -8,10 +8,11 @@ import time
 from typing import Any
 
 from trainguard import _env, events
-from trainguard.coord import barrier
-from trainguard.coord.keys import Keyspace, decode
+from trainguard.coord import _bind, _secret, barrier
+from trainguard.coord.keys import Keyspace
 from trainguard.coord.store import StoreProcess, connect, parse_addr
 from trainguard.errors import RestartError
+from trainguard.restart import _records
 from trainguard.restart._book import RoundBook
 from trainguard.restart._launch import Launch, is_local_address
 from trainguard.restart.config import WrapperConfig
@@ -41,6 +42,7 @@ class Session:
         self.server: StoreProcess | None = None
         self.left = False
         self.coord_addr: tuple[str, int] | None = None
+        self.secret: _secret.Handover | None = None
 
     @property
     def coord(self) -> Any:
@@ -71,25 +73,19 @@ class Session:
         else:
             host, port, own = launch.master_addr, launch.master_port, True
         self.coord_addr = (host, port)
+        self.secret = _secret.Handover(self.keys, _secret.source(launch.master_addr))
         if self.irank == 0:
-            # The round stores live on this machine; ranks reach it by MASTER_ADDR when that
-            # names it (always so when we host the coordination store there), else by name.
-            local = own or is_local_address(launch.master_addr)
-            advertise = launch.master_addr if local else self.host
-            self.server = StoreProcess(
-                job=self.keys.job,
-                call=self.keys.call,
-                coord_host=host,
-                coord_port=port,
-                host_coord=own,
-                advertise_host=advertise,
-                world_size=self.world,
-                timeout=cfg.store_timeout,
-            ).start()
+            self.keys = self.keys.with_secret(self.secret.create())
+            self.server = self._start_server(host, port, own)
         if given is not None and not isinstance(given, str):
             coord = given.clone()
         else:
             coord = connect(host, port, timeout=cfg.store_timeout)
+        if self.irank == 0:
+            self.secret.publish(coord)
+        else:
+            secret = self.secret.receive(coord, cfg.barrier_timeout)
+            self.keys = self.keys.with_secret(secret)
         self.book = RoundBook(
             coord,
             self.keys,
@@ -99,6 +95,26 @@ class Session:
             writer=self.irank,
         )
         self.watch_store = coord.clone()
+
+    def _start_server(self, host: str, port: int, own: bool) -> StoreProcess:
+        """Rank 0: the store process. The round stores live on this machine; ranks reach it by
+        MASTER_ADDR when that names it (always so when it hosts the coordination store), else
+        by name; they listen on that interface only."""
+        master = self.launch.master_addr
+        local = own or is_local_address(master)
+        advertise = master if local else self.host
+        return StoreProcess(
+            job=self.keys.job,
+            call=self.keys.call,
+            secret=self.keys.secret,
+            coord_host=host,
+            coord_port=port,
+            host_coord=own,
+            advertise_host=advertise,
+            bind_host=_bind.bind_host(advertise, local=local),
+            world_size=self.world,
+            timeout=self.cfg.store_timeout,
+        ).start()
 
     # barrier ------------------------------------------------------------------------------
     def barrier(
@@ -130,7 +146,7 @@ class Session:
                 book.store, self.keys.ready(n), self.cfg.barrier_timeout, what=f"round {n} barrier"
             )
         waited = time.monotonic() - start
-        ready: dict[str, Any] = decode(raw)
+        ready = _records.layout(raw)
         if str(self.irank) in ready["gone"]:  # declared gone after it arrived
             self._declared_gone(n, ready["gone"][str(self.irank)])
         events.emit("barrier", duration=waited, round_=n, last=last)
@@ -176,6 +192,8 @@ class Session:
         """
         self.watch_store = None
         self.book = None
+        if self.secret is not None:
+            self.secret.close()
         if self.server is not None:
             if not early:
                 self.server.close(timeout=timeout)

@@ -222,8 +222,8 @@ def _check_store(store: object) -> None:
         if isinstance(store, str):
             try:
                 parse_addr(store)
-            except Exception as exc:
-                raise ConfigError(f"store={store!r} is not 'host:port'") from exc
+            except ConfigError as exc:
+                raise ConfigError(f"store={store!r}: {exc}") from None
         return
     if not all(hasattr(store, a) for a in ("host", "port", "clone")):
         raise ConfigError(

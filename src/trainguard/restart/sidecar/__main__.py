@@ -1,10 +1,11 @@
-"""The sidecar process: ``python -m trainguard.restart.sidecar CONFIG_JSON``.
+"""The sidecar process: ``python -m trainguard.restart.sidecar``, configured on its stdin.
 
 One per rank, started by the wrapper (:class:`trainguard.restart.sidecar.Sidecar`); a fresh
 interpreter that shares nothing with a crashing training process. This module is its entry
 point only: nothing imports it, so ``python -m`` runs it without importing it twice.
-``CONFIG_JSON`` is a :class:`~trainguard.restart.sidecar.SidecarConfig`.
 
+0. It reads its :class:`~trainguard.restart.sidecar.SidecarConfig` (JSON) as the first line on
+   its stdin: never on its command line, which every local user can read.
 1. It connects to the coordination store and prints one JSON handshake line on stdout.
 2. The training process writes JSON lines on its stdin: ``{"round": n, "roster": [...]}`` after
    each barrier, ``{"hb": 1, "in_fn": bool, "stall": s}`` from its watchdog thread every few
@@ -15,18 +16,20 @@ Three threads, so that no store operation ever delays the two duties that must b
 
 - main: waits in ``select`` on a pidfd of the training process and on the pipe. The pidfd
   wakes it at the death (no timer); it then writes the death notice (:mod:`._notice`) on its
-  own store connection. Before that it does no store work at all.
+  own store connection. Before that it does no store work at all. Signals go through the
+  pidfd too (``pidfd_send_signal``), so they can never reach a process that reused the pid.
 - ``tg-hard``: the hard timeout, with no store access. When no watchdog line arrived for
   ``hard_timeout`` (a thread holds the GIL), or the watchdog reports the function stalled that
   long, it sends SIGTERM, waits ``termination_grace_time``, sends SIGKILL; the main thread then
   sees the death and writes the notice.
-- ``tg-beats``: adds 1 to this rank's counter every ``heartbeat_interval`` and reads the
+- ``tg-beats``: counts this rank's counter up every ``heartbeat_interval`` and reads the
   others' counters (one ``multi_get``); a rank whose counter did not move for
   ``heartbeat_timeout`` by this process's clock is gone: a ``tg-notice`` thread with its own
-  connection writes the notice, so a notice waiting on a barrier never stops the beats.
+  connection writes the notice, so a notice waiting on a barrier never stops the beats. A
+  value that is not a counter counts as a counter that does not move.
 
-It logs to ``<events dir or tmp>/sidecar-<rank>.log`` and records ``rank_gone`` and
-``hard_timeout`` events in the events directory.
+It logs to :func:`~trainguard.restart.sidecar.log_path` (opened without following links) and
+records ``rank_gone`` and ``hard_timeout`` events in the events directory.
 """
 
 from __future__ import annotations
@@ -42,10 +45,10 @@ import threading
 import time
 from typing import Any
 
-from trainguard import events
+from trainguard import _private, _subproc, events
 from trainguard.coord.store import connect
 from trainguard.restart.sidecar._config import SidecarConfig
-from trainguard.restart.sidecar._handle import log_path
+from trainguard.restart.sidecar._handle import log_path, private_log
 from trainguard.restart.sidecar._notice import write_notice
 
 logger = logging.getLogger("trainguard.restart.sidecar")
@@ -74,11 +77,11 @@ class _Watch:
         self.seen: dict[int, tuple[int, float]] = {}
         self.declared: set[int] = set()
         self.last_beat = time.monotonic()
-        for r in range(self.world):  # so that reading them never blocks on a missing key
-            self.coord.add(self.hb_key(r), 0)
-
-    def hb_key(self, r: int) -> str:
-        return f"{self.keys.prefix}hb/{r}"
+        self.sent = 0  # this rank's heartbeat counter
+        # Every counter must exist so that reading them never blocks on a missing key. Not by
+        # add(): a TCPStore server drops the connection of an add to a value that is no number.
+        for r in range(self.world):
+            self.coord.compare_set(self.keys.heartbeat(r), "", b"0")
 
     # tg-hard: the hard timeout, no store access -------------------------------------------
     def enforce_hard_timeout(self) -> None:
@@ -102,13 +105,13 @@ class _Watch:
         self.killed = f"killed by its sidecar at the hard timeout ({why})"
         events.emit("hard_timeout", reason=why, pid=self.parent)
         logger.error("hard timeout: %s; SIGTERM to %d", why, self.parent)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.parent, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # gone already: nothing else is hit
+            signal.pidfd_send_signal(self.pidfd, signal.SIGTERM)
         ready, _, _ = select.select([self.pidfd], [], [], grace)
         if not ready:
             logger.error("still alive %.1f s after SIGTERM; SIGKILL", grace)
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.parent, signal.SIGKILL)
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
 
     # tg-beats: heartbeats and verdicts ------------------------------------------------------
     def beats(self) -> None:
@@ -124,13 +127,14 @@ class _Watch:
     def beat(self) -> None:
         store = self.beat_store
         asked = time.monotonic()
-        store.add(self.hb_key(self.rank), 1)
+        self.sent += 1  # set, not add: whatever another writer left there is overwritten
+        store.set(self.keys.heartbeat(self.rank), str(self.sent))
         with self.lock:
             n, roster = self.round, self.roster
         others = [r for r in roster if r != self.rank and r not in self.declared]
         if not others or n < 0:  # judged once every rank passed the first barrier
             return
-        values = store.multi_get([self.hb_key(r) for r in others])
+        values = store.multi_get([self.keys.heartbeat(r) for r in others])
         now = time.monotonic()
         timeout = self.cfg.heartbeat_timeout
         if now - self.last_beat > max(timeout / 2, 2 * self.cfg.heartbeat_interval):
@@ -143,7 +147,7 @@ class _Watch:
             if bytes(raw) == b"bye":  # that rank finished normally
                 self.declared.add(r)
                 continue
-            counter = int(raw) if raw else 0
+            counter = _counter(bytes(raw))
             if counter == 0:
                 continue  # judged only once it beat
             previous = self.seen.get(r)
@@ -192,11 +196,11 @@ class _Watch:
                 self.roster = tuple(msg["roster"])
         return "bye" in msg
 
-    def wait_parent(self) -> str | None:
-        """Until goodbye (None) or the training process's death (its cause)."""
+    def wait_parent(self, buf: bytes = b"") -> str | None:
+        """Until goodbye (None) or the training process's death (its cause). ``buf``: what
+        was read from stdin after the configuration line."""
         stdin = sys.stdin.buffer.fileno()
         os.set_blocking(stdin, False)
-        buf = b""
         eof = False
         while True:
             ready, _, _ = select.select([self.pidfd] if eof else [self.pidfd, stdin], [], [])
@@ -214,20 +218,20 @@ class _Watch:
             if self.pidfd in ready:
                 return self.killed or f"process died (pid {self.parent} exited)"
 
-    def run(self) -> int:
+    def run(self, buf: bytes = b"") -> int:
         threads = [
             threading.Thread(target=self.enforce_hard_timeout, name="tg-hard", daemon=True),
             threading.Thread(target=self.beats, name="tg-beats", daemon=True),
         ]
         for thread in threads:
             thread.start()
-        cause = self.wait_parent()
+        cause = self.wait_parent(buf)
         self.done.set()
         threads[0].join()  # never blocked: it only waits on the pidfd and the event
         if cause is None:
             logger.info("the training process said goodbye")
             with contextlib.suppress(Exception):  # the store may be gone with the job
-                self.coord.set(self.hb_key(self.rank), b"bye")
+                self.coord.set(self.keys.heartbeat(self.rank), b"bye")
         else:
             with self.lock:
                 n, roster = self.round, self.roster
@@ -241,12 +245,34 @@ class _Watch:
         return 0
 
 
-def main(argv: list[str]) -> int:
-    cfg = SidecarConfig.from_json(json.loads(argv[1]))
-    path = log_path(cfg.log_dir, cfg.rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _counter(raw: bytes) -> int:
+    """A heartbeat counter read from the store; -1 for a value that is no counter."""
+    return int(raw) if raw.isdigit() else (0 if not raw else -1)
+
+
+def _log_to(cfg: SidecarConfig) -> logging.Handler:
+    """A handler on the first log file that opens (:func:`log_path`, then this user's private
+    directory), never through a link; stderr when none does."""
+    for place in (log_path, private_log):
+        try:
+            path = place(cfg)
+            if cfg.log_dir:
+                os.makedirs(path.parent, exist_ok=True)
+            return logging.StreamHandler(os.fdopen(_private.open_append(path), "a", buffering=1))
+        except (OSError, ValueError) as exc:
+            print(f"sidecar rank {cfg.rank}: cannot log there: {exc}", file=sys.stderr)
+    return logging.StreamHandler(sys.stderr)
+
+
+def main() -> int:
+    try:
+        raw, buf = _subproc.read_config()
+        cfg = SidecarConfig.from_json(raw)
+    except Exception as exc:
+        print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
+        return 1
     logging.basicConfig(
-        filename=path,
+        handlers=[_log_to(cfg)],
         level=logging.INFO,
         format=f"%(asctime)s sidecar rank {cfg.rank} pid %(process)d %(levelname)s %(message)s",
     )
@@ -263,14 +289,14 @@ def main(argv: list[str]) -> int:
     print(json.dumps({"ok": True, "pid": os.getpid()}), flush=True)
     sys.stdout.close()
     try:
-        return watch.run()
+        return watch.run(buf)
     except Exception:
         logger.exception("the sidecar failed")
         return 1
 
 
 if __name__ == "__main__":
-    code = main(sys.argv)
+    code = main()
     logging.shutdown()
     events.configure(None)
     # Threads may sit in store calls that cannot be interrupted; end without waiting for them.

@@ -1,4 +1,4 @@
-"""What a sidecar process is told when it starts: one JSON object on its command line."""
+"""What a sidecar process is told when it starts: one JSON line on its stdin (never argv)."""
 
 from __future__ import annotations
 
@@ -32,9 +32,10 @@ class SidecarConfig:
 
     Attributes:
         rank, world: the training process's initial rank and the initial world size.
-        job, call: the wrapped call's keyspace (:attr:`keys`).
+        job, call, secret: the wrapped call's keyspace (:attr:`keys`).
         host, port: the coordination store.
-        log_dir: where the sidecar logs and records events (None: the temporary directory).
+        log_dir: where the sidecar logs and records events (None: no events, and the log goes
+            to this user's private directory, see :func:`~trainguard.restart.sidecar.log_path`).
         parent: the training process's pid.
         policies: the Wrapper's :class:`RoundPolicies`, pickled (base64); None when they
             could not be pickled (lambdas): a notice that lays a round out then uses the
@@ -46,6 +47,7 @@ class SidecarConfig:
     world: int
     job: str
     call: int
+    secret: str
     host: str
     port: int
     log_dir: str | None
@@ -79,6 +81,7 @@ class SidecarConfig:
             world=world,
             job=keys.job,
             call=keys.call,
+            secret=keys.secret,
             host=addr[0],
             port=addr[1],
             log_dir=str(log_dir) if log_dir is not None else None,
@@ -91,6 +94,9 @@ class SidecarConfig:
             heartbeat_interval=cfg.heartbeat_interval,
             heartbeat_timeout=cfg.heartbeat_timeout,
         )
+
+    def __repr__(self) -> str:  # never the secret nor the pickle: configurations get logged
+        return f"SidecarConfig(rank={self.rank}, job={self.job!r}, call={self.call})"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -105,7 +111,7 @@ class SidecarConfig:
 
     @property
     def keys(self) -> Keyspace:
-        return Keyspace(self.job, self.call)
+        return Keyspace(self.job, self.call, self.secret)
 
     def round_policies(self) -> RoundPolicies:
         """The Wrapper's policies (the defaults when they could not be sent)."""

@@ -1,10 +1,10 @@
 """The training process's handle of its sidecar process.
 
-:class:`Sidecar` starts it with ``python -m trainguard.restart.sidecar CONFIG_JSON`` (a fresh
-interpreter that does not import the user's ``__main__``, see :mod:`trainguard._subproc`),
-waits for its handshake line, feeds it lines on its stdin (``{"round"}`` after each barrier,
-``{"hb"}`` from the watchdog thread, ``{"bye"}`` at the end) and reaps it. Its log is
-``<events dir or tmp>/sidecar-<rank>.log`` (:func:`log_path`).
+:class:`Sidecar` starts it with ``python -m trainguard.restart.sidecar`` (a fresh interpreter
+that does not import the user's ``__main__``, see :mod:`trainguard._subproc`), sends its
+configuration as the first line on its stdin, waits for its handshake line, feeds it lines on
+its stdin (``{"round"}`` after each barrier, ``{"hb"}`` from the watchdog thread, ``{"bye"}`` at
+the end) and reaps it. Its log is :func:`log_path`.
 """
 
 from __future__ import annotations
@@ -12,22 +12,32 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import select
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import IO, Any
 
-from trainguard import _subproc
+from trainguard import _private, _subproc
 from trainguard.errors import CoordinationError
 from trainguard.restart.sidecar._config import SidecarConfig
 
 logger = logging.getLogger(__name__)
 
 
-def log_path(directory: str | os.PathLike[str] | None, rank: int) -> Path:
-    return Path(directory or tempfile.gettempdir()) / f"sidecar-{rank}.log"
+def log_path(config: SidecarConfig) -> Path:
+    """The sidecar's log: ``<events dir>/sidecar-<rank>.log``, or without an events directory
+    ``sidecar-<job>-<call>-<rank>.log`` in this user's private directory
+    (:func:`trainguard._private.private_dir`), where no other user can plant a file. It is
+    opened without following links; when it cannot be opened the sidecar logs to the other
+    place, then to stderr."""
+    if config.log_dir:
+        return Path(config.log_dir) / f"sidecar-{config.rank}.log"
+    return private_log(config)
+
+
+def private_log(config: SidecarConfig) -> Path:
+    """The log's place in this user's private directory."""
+    return _private.private_dir() / f"sidecar-{config.job}-{config.call}-{config.rank}.log"
 
 
 class Sidecar:
@@ -41,7 +51,7 @@ class Sidecar:
 
     def start(self) -> Sidecar:
         self.proc = _subproc.start_module(
-            "trainguard.restart.sidecar", self.config.to_json(), stdin=subprocess.PIPE
+            "trainguard.restart.sidecar", self.config.to_json(), keep_stdin=True
         )
         self._stdin = self.proc.stdin
         return self
@@ -59,7 +69,7 @@ class Sidecar:
             self.stop(0.0)
             raise CoordinationError(
                 f"the sidecar process could not start: {reply.get('error')}; see "
-                f"{log_path(self.config.log_dir, self.config.rank)}"
+                f"{log_path(self.config)}"
             )
 
     def alive(self) -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 
 from trainguard import events
 from trainguard.coord.barrier import wait_key
-from trainguard.coord.keys import decode
+from trainguard.restart import _records
 from trainguard.restart._book import RoundBook
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.state import RoundOutcome
@@ -62,7 +62,7 @@ def write_notice(
         # It had arrived at round n+1's barrier. The barrier completes now without waiting
         # for it, unless the round was laid out from its own record before the departure.
         raw = wait_key(store, keys.ready(n + 1), cfg.barrier_timeout, what="barrier")
-        ready = decode(raw)
+        ready = _records.layout(raw)
         n += 1
         roster = tuple(ready["active"]) + tuple(ready["spare"])
         if r not in roster or ready.get("end"):

@@ -1,0 +1,38 @@
+"""Rank function of the job-secret test (module level, so spawned ranks can import it)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import trainguard.restart as tr
+from tests.restart._faults import child_pid
+
+
+def secret_job() -> dict[str, Any]:
+    """One round; reports what the store holds with and without the secret in key names."""
+    port = int(os.environ["MASTER_PORT"])  # in the round, MASTER_PORT names the round's store
+
+    @tr.Wrapper(store_timeout=30, barrier_timeout=60)
+    def fn(call: tr.CallWrapper) -> dict[str, Any]:
+        from trainguard.coord import _secret, connect
+
+        secret = _secret.current()
+        store = connect(os.environ["MASTER_ADDR"], port, timeout=30)
+        job = os.environ["TRAINGUARD_JOB_ID"]
+        handover = f"tg/{job}/0/secret"
+        sidecar = child_pid(os.getpid(), b"trainguard.restart.sidecar")
+        assert sidecar is not None
+        return {
+            "secret": secret,
+            "with": store.check([f"tg/{job}/0/{secret}/r0/ready"]),
+            "without": store.check([f"tg/{job}/0/r0/ready"]),
+            "handover": bytes(store.get(handover)).decode() if store.check([handover]) else None,
+            "digest": hashlib.sha256(secret.encode()).hexdigest(),
+            "in_cmdline": secret.encode() in Path(f"/proc/{sidecar}/cmdline").read_bytes(),
+        }
+
+    value: dict[str, Any] = fn()
+    return value

@@ -1,0 +1,146 @@
+"""The sidecar, run on its own against a real store and a real process it watches: its
+configuration never shows in its command line, it signals through its pidfd, its log cannot
+be planted, and garbage in a heartbeat key does not stop it judging the other ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainguard.coord import Keyspace
+from trainguard.restart.config import WrapperConfig
+from trainguard.restart.policy import ShiftRanks
+from trainguard.restart.sidecar import Sidecar, SidecarConfig
+
+
+@pytest.fixture()
+def store() -> Iterator[Any]:
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    yield server
+    del server
+
+
+@pytest.fixture()
+def watched() -> Iterator[subprocess.Popen[bytes]]:
+    """The process the sidecar watches (stands for a training process)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _config(store: Any, parent: int, *, rank: int = 0, world: int = 3, **timeouts: float):
+    cfg = WrapperConfig(
+        rank_assignment=ShiftRanks(),  # a policy that pickles: it travels to the sidecar
+        **{"soft_timeout": 20, "hard_timeout": 60, "heartbeat_timeout": 10, **timeouts},
+    )
+    config = SidecarConfig.build(
+        cfg,
+        rank=rank,
+        world=world,
+        keys=Keyspace("sec"),
+        addr=("127.0.0.1", store.port),
+        log_dir=None,
+    )
+    return dataclasses.replace(config, parent=parent)
+
+
+def _start(config: SidecarConfig) -> Sidecar:
+    sidecar = Sidecar(config).start()
+    sidecar.handshake(60)
+    return sidecar
+
+
+def test_configuration_is_not_on_the_command_line(store, watched) -> None:
+    config = _config(store, watched.pid)
+    assert config.policies  # the pickled policies are part of it
+    sidecar = _start(config)
+    try:
+        assert sidecar.proc is not None
+        cmdline = Path(f"/proc/{sidecar.proc.pid}/cmdline").read_bytes()
+        assert cmdline.split(b"\0")[-2:] == [b"trainguard.restart.sidecar", b""], cmdline
+        assert config.policies.encode() not in cmdline and b"{" not in cmdline
+    finally:
+        sidecar.stop(10)
+
+
+def test_hard_timeout_kills_the_watched_process_through_its_pidfd(store, watched) -> None:
+    # no watchdog line ever comes: at the hard timeout the sidecar sends SIGTERM
+    config = _config(store, watched.pid, soft_timeout=0.5, hard_timeout=1.5, heartbeat_interval=0.2)
+    sidecar = _start(config)
+    try:
+        assert watched.wait(30) == -signal.SIGTERM
+    finally:
+        sidecar.stop(10)
+
+
+def test_garbage_in_a_heartbeat_key_does_not_stop_liveness_checks(store, watched) -> None:
+    config = _config(store, watched.pid, heartbeat_interval=0.1, heartbeat_timeout=1.0)
+    keys = config.keys
+    store.set(f"{keys.prefix}hb/1", b"\xffnot a counter")
+    store.add(f"{keys.prefix}hb/2", 1)  # rank 2 beat once, then went silent
+    sidecar = _start(config)
+    try:
+        assert sidecar.send({"round": 0, "roster": [0, 1, 2]})
+        start = time.monotonic()
+        gone = [keys.member(1, 1), keys.member(1, 2)]  # both declared gone: departures
+        while time.monotonic() - start < 20:  # the watchdog's lines keep the hard timeout off
+            sidecar.send({"hb": 1, "in_fn": True, "stall": 0.0})
+            if store.check(gone):
+                break
+            time.sleep(0.1)
+        assert store.check(gone), "the sidecar stopped judging heartbeats"
+        records = [json.loads(bytes(store.get(k))) for k in gone]
+        assert all("no heartbeat" in r["leave"] for r in records), records
+        outcome = json.loads(bytes(store.get(keys.stop(0))))
+        assert outcome["type"] == "RankGone", outcome
+    finally:
+        sidecar.stop(10)
+
+
+def test_planted_log_paths_in_tmp_are_not_used(store, watched, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the sidecar's temporary directory
+    target = tmp_path / "victim"
+    target.write_text("")
+    (tmp_path / "sidecar-1.log").symlink_to(target)
+    (tmp_path / "sidecar-2.log").mkdir()
+    for rank in (1, 2):
+        sidecar = _start(_config(store, watched.pid, rank=rank))  # the directory: it starts
+        sidecar.stop(10)
+    assert target.read_text() == "" and (tmp_path / "sidecar-2.log").is_dir()
+    logs = sorted(p.name for p in tmp_path.glob(f"trainguard-{os.getuid()}/sidecar-*.log"))
+    assert logs == ["sidecar-sec-0-1.log", "sidecar-sec-0-2.log"]
+    assert "watching pid" in (tmp_path / f"trainguard-{os.getuid()}" / logs[0]).read_text()
+
+
+@pytest.mark.parametrize("from_env", [False, True])
+def test_every_key_of_a_job_holds_its_secret(from_env: bool) -> None:
+    from tests._dist import run_ranks
+    from tests.restart._secjobs import secret_job
+
+    env = {"TRAINGUARD_JOB_ID": "sj"}
+    if from_env:
+        env["TRAINGUARD_JOB_SECRET"] = "given-by-the-launcher-0123"
+    results = run_ranks(secret_job, 2, env=env, timeout=120)
+    values = [r.get() for r in results]
+    secret = values[0]["secret"]
+    assert [v["secret"] for v in values] == [secret, secret]
+    for v in values:
+        assert v["with"] and not v["without"] and not v["in_cmdline"], v
+    if from_env:
+        assert secret == env["TRAINGUARD_JOB_SECRET"] and values[0]["handover"] is None
+    else:  # handed over through a private file: the store holds only a digest
+        assert len(secret) == 32 and values[0]["handover"] == values[0]["digest"] != secret
