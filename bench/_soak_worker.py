@@ -161,8 +161,6 @@ class _Job:
             if fault.step != step or fault.rank != call.rank:
                 continue
             claim = demo_faults.Fault(fault.step, fault.rank, fault.kind)
-            if not demo_faults.claim(self.cfg.out, claim):
-                continue
             context = {
                 "step": step,
                 "rank": call.rank,
@@ -170,7 +168,20 @@ class _Job:
                 "process": self.process,
                 "round": call.round,
             }
-            inj.inject(self.cfg, fault, context, disk_writer=self.disk_writer, local_root=self.root)
+            # Claimed, recorded and carried out, or none of it: an abort (another rank's false
+            # hang, say) waits for the section, so a claimed fault is never lost. A hang is
+            # only recorded inside it: the hang itself must stay interruptible.
+            with call.atomic():
+                if not demo_faults.claim(self.cfg.out, claim):
+                    continue
+                if fault.kind == "hang":
+                    inj.record(self.cfg, fault, time=time.time(), **context, injected=True)
+                else:
+                    inj.inject(
+                        self.cfg, fault, context, disk_writer=self.disk_writer, local_root=self.root
+                    )
+            if fault.kind == "hang":
+                demo_faults.inject(claim)
 
     def _maybe_free_disk(self, step: int) -> None:
         """The operator's part of a full disk: free it ``disk_every`` steps after the fault

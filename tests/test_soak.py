@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 from bench._soak_plan import KINDS, draw_schedule, steps_for  # noqa: E402
 
 pytestmark = [
-    pytest.mark.soak,
+    pytest.mark.soak,  # in `make test`; `make soak-test` runs these alone
     pytest.mark.skipif(
         os.geteuid() != 0, reason="the soak mounts a tmpfs for its full-disk fault (run as root)"
     ),
@@ -100,10 +100,10 @@ def test_nothing_left_behind(soak: tuple[dict[str, Any], str]) -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.xfail(
-    strict=True,
-    reason="library: each rank that trained still holds one process group's sockets (a "
-    "listener, an epoll, a pipe pair, a store connection) after Wrapper returns; see "
-    "bench/soak.py's no_fds_after_return check",
+    strict=False,
+    reason="open (issue 12): a gloo group aborted in some rounds (seen after an exception or a "
+    "sidecar fault, not after a hang) keeps its store connection, listener, epoll and pipe "
+    "pair after Wrapper returns; nothing in Python holds it (not reproduced in 2-rank jobs)",
 )
 def test_no_descriptor_left_after_the_wrapper_returns(soak: tuple[dict[str, Any], str]) -> None:
     res, _ = soak

@@ -97,3 +97,30 @@ def test_main_thread_blocked_in_a_collective_does_not_delay_the_abort(monkeypatc
     seen = _abort_round(monkeypatch, 0.2, collective)
     assert seen["in_fn"] is True
     assert seen["time"] - seen["start"] < 5
+
+
+def test_the_interrupt_never_lands_inside_an_import(monkeypatch, tmp_path) -> None:
+    """A module whose top-level code runs when the round aborts (torch imports some of its
+    modules at first use, often in a spare's first round) is imported completely first: an
+    interrupt inside it would leave it half-initialized, and every later import of it fails."""
+    import importlib
+    import sys
+
+    name = "_trainguard_slow_module"
+    (tmp_path / f"{name}.py").write_text(
+        "import time\nend = time.monotonic() + 1.0\nwhile time.monotonic() < end:\n"
+        "    pass\nDONE = True\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def slow_import(release: threading.Event) -> None:
+        importlib.import_module(name)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # Python code: the interrupt lands here
+            pass
+
+    try:
+        _abort_round(monkeypatch, 5.0, slow_import)
+        assert sys.modules[name].DONE is True
+    finally:
+        sys.modules.pop(name, None)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import signal
+import sys
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 
@@ -24,6 +26,27 @@ Handler = Callable[[int, FrameType | None], object] | int | None
 def raise_in(thread_id: int) -> bool:
     """Schedule a RestartInterrupt in ``thread_id``; True when it was scheduled."""
     return _set_async_exc(thread_id, RestartInterrupt) == 1
+
+
+def importing(thread_id: int) -> bool:
+    """True while ``thread_id`` runs an import (importlib's bootstrap frames on its stack)."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def wait_out_of_imports(thread_id: int, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for ``thread_id`` to finish the import it runs.
+
+    An interrupt raised inside a module's top-level code leaves that module half-initialized
+    for the rest of the process (torch's lazy imports then fail at every later round).
+    """
+    deadline = time.monotonic() + timeout
+    while importing(thread_id) and time.monotonic() < deadline:
+        time.sleep(0.002)
 
 
 def cancel_in(thread_id: int) -> None:

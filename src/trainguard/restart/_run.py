@@ -34,7 +34,7 @@ from trainguard.errors import BarrierTimeoutError, JobEndedError, RetryLimitErro
 from trainguard.restart import _launch
 from trainguard.restart._interrupt import Kick
 from trainguard.restart._session import Session
-from trainguard.restart.abort import GroupSockets, destroy_groups
+from trainguard.restart.abort import GroupSockets, destroy_groups, shutdown_connections_to
 from trainguard.restart.call import CallWrapper
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.monitor import Monitor, MonitorHooks
@@ -66,6 +66,7 @@ class WrappedCall:
         self.watchdog: Watchdog | None = None
         self.call: CallWrapper | None = None
         self.left_early = False
+        self.round_store: str | None = None  # the round store's "host:port" (ready["pg"])
         self.state = RoundState(
             round=0, initial_rank=self.launch.rank, initial_world_size=self.launch.world_size
         )
@@ -217,6 +218,7 @@ class WrappedCall:
         assert monitor is not None
         state = self.state
         RestartInterrupt.last = None
+        self.round_store = ready["pg"] if state.active else None
         monitor.watch(n)
         if not state.active:
             return self._wait(n, None, "spare"), None, None
@@ -292,7 +294,12 @@ class WrappedCall:
         events.emit("end", error=describe(exc))
 
     def _aborted(self, n: int, outcome: RoundOutcome) -> None:
-        """Monitor thread, after torch.distributed was aborted: the user's ``abort`` hook."""
+        """Monitor thread, after torch.distributed was aborted: this process's connections to
+        the round's store are shut down (a wait on it returns at once: the round is over),
+        then the user's ``abort`` hook runs."""
+        if self.round_store:
+            host, _, port = self.round_store.rpartition(":")
+            shutdown_connections_to(host, int(port))
         if self.cfg.abort is not None:
             self.cfg.abort(self.state)
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from trainguard.coord import _sockets
 
-__all__ = ["GroupSockets", "abort_distributed", "destroy_groups"]
+__all__ = ["GroupSockets", "abort_distributed", "destroy_groups", "shutdown_connections_to"]
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +158,37 @@ def shutdown_sockets(recorded: dict[int, int]) -> int:
     return count
 
 
+def shutdown_connections_to(host: str, port: int) -> int:
+    """``shutdown(SHUT_RDWR)`` this process's TCP connections to ``host:port``; how many.
+
+    Used on the round's store when a round is aborted: a wait on that store (a gather of the
+    checkpointers, the rendezvous inside a process group's constructor) blocks in C++, where
+    the restart interrupt cannot land; with its connection shut down it raises at once. The
+    peer is compared by address (every address ``host`` resolves to) and port.
+    """
+    try:
+        peers = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+    except OSError as exc:
+        logger.debug("cannot resolve the round's store %s:%d: %s", host, port, exc)
+        return 0
+    recorded: dict[int, int] = {}
+    for inode, fd in _sockets.socket_fds().items():
+        dup = _sockets.fd_of_inode(fd, inode)
+        if dup is None:
+            continue
+        sock = socket.socket(fileno=dup)
+        try:
+            peer = sock.getpeername()
+            address = str(peer[0]).removeprefix("::ffff:")  # an IPv4 peer on an IPv6 socket
+            if sock.type == socket.SOCK_STREAM and address in peers and peer[1] == port:
+                recorded[inode] = fd
+        except (OSError, IndexError, TypeError):
+            pass  # not connected, or not an IP socket
+        finally:
+            sock.close()
+    return shutdown_sockets(recorded)
+
+
 def _has_cuda_backend(dist: Any) -> bool:
     import torch
 
@@ -170,13 +201,21 @@ def _has_cuda_backend(dist: Any) -> bool:
 
 
 def destroy_groups() -> bool:
-    """Destroy every process group (aborting NCCL communicators first); True if any existed."""
+    """Destroy every process group (aborting NCCL communicators first); True if any existed.
+
+    Also resets torch's group counter where a failed constructor left it raised."""
     import torch.distributed as dist
 
     if not dist.is_available():
         return False
     with _destroy_lock:
         if not dist.is_initialized():
+            world = dist.distributed_c10d._world
+            if not world.pg_map:
+                # An init_process_group that failed (or was interrupted) after naming its group
+                # leaves the group counter raised: this rank's next default group would get
+                # another store prefix than its peers' and wait for them forever.
+                world.group_count = 0
             return False
         try:
             if _has_cuda_backend(dist):

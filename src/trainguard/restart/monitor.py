@@ -11,8 +11,9 @@ round ``n`` (driven by the main thread):
    to leave; then aborts torch.distributed (:mod:`.abort`) and calls
    :attr:`MonitorHooks.aborted` (the user's ``abort`` hook). The interrupt comes first so that a main thread running Python code does
    not start a collective while the abort tears the group down (see
-   :meth:`Monitor._interrupt_first`). A round is aborted at most once, whatever happens
-   afterwards.
+   :meth:`Monitor._interrupt_first`); it is never raised while the main thread runs an
+   import (it waits for the import to end, up to ``abort_timeout``). A round is aborted at
+   most once, whatever happens afterwards.
 3. A main thread that does not leave the function within ``abort_timeout`` of the abort is
    reported to :attr:`MonitorHooks.stuck` (that rank then leaves the job).
 4. The main thread collects the outcome with :meth:`wait_outcome` before it goes on, so the
@@ -38,7 +39,7 @@ from trainguard import events
 from trainguard._threads import serve
 from trainguard.coord.barrier import wait_forever
 from trainguard.coord.keys import Keyspace
-from trainguard.restart._interrupt import cancel_in, raise_in
+from trainguard.restart._interrupt import cancel_in, raise_in, wait_out_of_imports
 from trainguard.restart.abort import abort_distributed
 from trainguard.restart.state import RestartInterrupt, RoundOutcome
 
@@ -254,6 +255,8 @@ class Monitor:
         is already blocked in a collective does not leave within :attr:`settle_s`; the
         shutdown that follows releases it.
         """
+        if self._in_fn:  # never inside an import (a module half-imported stays broken)
+            wait_out_of_imports(self._tid, self._abort_timeout)
         with self._lock:
             if not self._in_fn:
                 return
@@ -280,6 +283,8 @@ class Monitor:
                 self._hooks.aborted(n, outcome)
             except Exception:
                 logger.exception("the abort hook raised (ignored)")
+        if self._in_fn and not self._injected:
+            wait_out_of_imports(self._tid, self._abort_timeout)
         with self._lock:
             if self._in_fn and not self._injected:
                 self._injected = raise_in(self._tid)
