@@ -118,8 +118,11 @@ class _Job:
             done = step + 1
             if done % cfg.local_every == 0 and done < cfg.steps:
                 local.save(m.training_state(net, opt, done), done)
-            if done % cfg.disk_every == 0 and done < cfg.steps:
-                disk.save(m.training_state(net, opt, done), Path(cfg.disk) / f"step_{done:06d}")
+            path = Path(cfg.disk) / f"step_{done:06d}"
+            # resumed before a committed disk checkpoint: never saved again (a save to a
+            # committed path is refused)
+            if done % cfg.disk_every == 0 and done < cfg.steps and not demo_worker.committed(path):
+                disk.save(m.training_state(net, opt, done), path)
             self._maybe_free_disk(step)
         local.wait()
         disk.wait()
