@@ -160,6 +160,13 @@ def analyze(
         "disk": {**disk_check, "stray_tmp": stray_tmp},
         "leaks": _leaks(segments) + [f"/dev/shm: {n}" for n in shm_new],
         "fds_after_return": _fds_after_return(segments),
+        # what each process that returned normally (done or idle) still held
+        "fds_left_by_process": {
+            f"s{seg.index}-p{p}": r.get("fds_left", {})
+            for seg in segments
+            for p, r in sorted(seg.results.items())
+            if r["outcome"] in ("done", "idle")
+        },
         "rss": rss,
         "rss_judged": [f"s{r['segment']}-p{r['process']}" for r in judged],
         "missing_faults": missing,

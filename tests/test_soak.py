@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench._soak_plan import KINDS, draw_schedule, steps_for  # noqa: E402
+from bench._soak_report import FDS_PER_GROUP  # noqa: E402
 
 pytestmark = [
     pytest.mark.soak,  # in `make test`; `make soak-test` runs these alone
@@ -99,12 +100,14 @@ def test_nothing_left_behind(soak: tuple[dict[str, Any], str]) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    strict=False,
-    reason="open (issue 12): a gloo group aborted in some rounds (seen after an exception or a "
-    "sidecar fault, not after a hang) keeps its store connection, listener, epoll and pipe "
-    "pair after Wrapper returns; nothing in Python holds it (not reproduced in 2-rank jobs)",
-)
-def test_no_descriptor_left_after_the_wrapper_returns(soak: tuple[dict[str, Any], str]) -> None:
+def test_at_most_one_group_left_after_the_wrapper_returns(
+    soak: tuple[dict[str, Any], str],
+) -> None:
+    """Open (issue 12): a process that trained keeps one gloo group's descriptors (store
+    connection, listener, epoll, pipe pair) after the Wrapper returns, though nothing in
+    Python holds it; ``no_fds_after_return`` reports it. This bounds it: never more than one
+    group's worth, whatever the number of rounds (a leak per round fails here)."""
     res, _ = soak
-    assert res["checks"]["no_fds_after_return"], res["fds_after_return"]
+    left = res["fds_left_by_process"]
+    assert left, "no process returned"
+    assert max(len(fds) for fds in left.values()) <= FDS_PER_GROUP, left
