@@ -35,6 +35,29 @@ logger = logging.getLogger(__name__)
 
 _destroy_lock = threading.Lock()
 
+#: torch modules that read the default group at import time and keep it for good:
+#: ``torch.distributed.nn.functional`` binds ``group.WORLD`` as default arguments (imported by
+#: ``torch._dynamo``, i.e. by the first ``optimizer.step()``). Imported in a round, it pins
+#: that round's default group (store connection, gloo transport) for the life of the process.
+_PINNING_IMPORTS = ("torch.distributed.nn.functional",)
+
+
+def _import_before_groups() -> None:
+    """Import :data:`_PINNING_IMPORTS` while no default group exists (then they bind None)."""
+    import importlib
+    import sys
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    for name in _PINNING_IMPORTS:
+        if name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # a torch without it: nothing to pin
+                logger.debug("could not import %s: %s", name, exc)
+
 
 class GroupSockets:
     """Record the connected TCP sockets that process group constructors open (process-wide).
@@ -54,6 +77,7 @@ class GroupSockets:
     def install(cls) -> None:
         import torch.distributed.distributed_c10d as c10d
 
+        _import_before_groups()
         with cls._lock:
             cls._users += 1
             if cls._users > 1:
