@@ -132,6 +132,7 @@ class WrappedCall:
 
     def _stop(self, kick: Kick | None, finished: bool) -> None:
         """Stop the threads and the sidecar, leave the job, drop the store connections."""
+        RestartInterrupt.last = None  # one raised late holds the function's frames too
         if self.watchdog is not None:
             self.watchdog.close()
             self.watchdog = None
@@ -416,7 +417,9 @@ class WrappedCall:
                 continue
 
     def _check_swallowed(self, returned: bool) -> None:
-        interrupt = RestartInterrupt.last
+        # dropped here: its traceback holds the function's frames, and through them the
+        # round's process group (a collective's ``group`` local) and whatever else they held
+        interrupt, RestartInterrupt.last = RestartInterrupt.last, None
         if interrupt is None or not returned:
             return
         where = interrupt.swallowed_at()
