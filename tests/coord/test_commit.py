@@ -126,3 +126,18 @@ def test_more_reports_than_participants_is_an_error(store) -> None:
     CommitRound(store, "x", rank=0, world_size=1).report()
     with pytest.raises(CoordinationError, match="share one key prefix"):
         CommitRound(store, "x", rank=0, world_size=1).report()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xff",
+        b"[]",
+        b'{"state": "committed", "causes": {"x": "y"}}',
+        b'{"state": "failed", "causes": 3}',
+        b'{"state": "committed", "by": "0"}',
+    ],
+)
+def test_a_garbage_outcome_is_a_coordination_error(raw: bytes) -> None:
+    with pytest.raises(CoordinationError, match="malformed commit outcome"):
+        Outcome.decode(raw)

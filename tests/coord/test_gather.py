@@ -40,3 +40,10 @@ def test_gather_names_the_ranks_that_never_report(store) -> None:
             hint="call it on every rank",
         )
     assert sorted(err.value.causes) == [0, 2]
+
+
+def test_gather_names_a_rank_whose_value_is_garbage(store) -> None:
+    store.set("k/0", b"\xff not json")
+    with pytest.raises(CoordinationError, match=r"rank 0's value of .* unreadable") as err:
+        gather(store, "k", {"ok": 1}, rank=1, world_size=2, timeout=10, what="parts")
+    assert list(err.value.causes) == [0]

@@ -88,11 +88,19 @@ class Outcome:
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Outcome:
-        doc = decode(raw)
-        if not isinstance(doc, dict) or doc.get("state") not in (COMMITTED, FAILED):
-            raise CoordinationError(f"malformed commit outcome in the store: {raw!r}")
-        causes = {int(r): str(why) for r, why in dict(doc.get("causes", {})).items()}
-        return cls(str(doc["state"]), causes, int(doc.get("by", -1)))
+        try:
+            doc = decode(raw)
+            if not isinstance(doc, dict) or doc.get("state") not in (COMMITTED, FAILED):
+                raise ValueError("no state")
+            causes = {int(r): str(why) for r, why in dict(doc.get("causes", {})).items()}
+            by = doc.get("by", -1)
+            if type(by) is not int:
+                raise ValueError("bad decider")
+        except (ValueError, TypeError, AttributeError, UnicodeDecodeError):
+            raise CoordinationError(
+                f"malformed commit outcome in the store: {raw!r:.200}"
+            ) from None
+        return cls(str(doc["state"]), causes, by)
 
 
 class CommitRound:

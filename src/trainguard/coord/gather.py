@@ -51,7 +51,18 @@ def gather(
             causes={r: "did not report (dead, hung, or not calling)" for r in missing}
             or {rank: "the store wait timed out"},
         )
-    out = {r: decode(store.get(keys[r])) for r in range(world_size)}
+    out = {}
+    for r in range(world_size):
+        raw = store.get(keys[r])
+        try:
+            out[r] = decode(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise CoordinationError(
+                f"rank {r}'s value of {what} in the store is unreadable: {bytes(raw)[:200]!r}; "
+                "something other than this job wrote it (give each job its own store and set "
+                "TRAINGUARD_JOB_SECRET)",
+                causes={r: "unreadable value in the store"},
+            ) from None
     if int(store.add(f"{prefix}/seen", 1)) == world_size:
         for key in [*keys, f"{prefix}/seen"]:
             with contextlib.suppress(Exception):  # best effort: a missing key is fine
