@@ -125,6 +125,7 @@ class TrainguardAgent(LocalElasticAgent):
         self._tails: list[TailLog] = []
         self._error_files: dict[int, str] = {}
         self._died_at: dict[int, float] = {}
+        self.last_escalation: str | None = None  # why the last whole-job restart was asked
 
     # rendezvous and start ------------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -186,8 +187,8 @@ class TrainguardAgent(LocalElasticAgent):
         if stuck is not None:
             return stuck
         reason = self._escalation_requested()
-        if reason is not None:
-            return self._escalate(reason, {})
+        if reason is not None:  # already in the store (or the store is gone): nothing to set
+            return self._escalate(reason, {}, announce=False)
         context = _compat.pcontext(self)
         assert self.slots is not None
         for local_rank in self.slots.running():
@@ -269,13 +270,18 @@ class TrainguardAgent(LocalElasticAgent):
         )
         logger.info("rank %d respawned as pid %d (incarnation %d)", rank, new.proc.pid, incarnation)
 
-    def _escalate(self, reason: str, failures: dict[int, ProcessFailure]) -> RunResult:
-        """Ask every agent for a whole-job restart and report FAILED to torch's loop."""
+    def _escalate(
+        self, reason: str, failures: dict[int, ProcessFailure], *, announce: bool = True
+    ) -> RunResult:
+        """Ask every agent for a whole-job restart (``announce``: set the escalation key) and
+        report FAILED to torch's loop."""
         assert self.generation is not None
-        try:
-            self.coord.escalate(self.run_id, self.generation, reason)
-        except Exception as exc:
-            logger.warning("could not set the escalation key (%s); the others see it fail", exc)
+        self.last_escalation = reason
+        if announce:
+            try:
+                self.coord.escalate(self.run_id, self.generation, reason)
+            except Exception as exc:
+                logger.warning("could not set the escalation key (%s)", exc)
         self.events.emit("launch_escalated", reason=reason, generation=self.generation)
         logger.error("whole-job restart of generation %d: %s", self.generation, reason)
         return RunResult(state=WorkerState.FAILED, failures=failures)

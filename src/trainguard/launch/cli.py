@@ -228,8 +228,8 @@ def launch_agent(
             )
         if result.is_failed():
             raise RestartError(
-                "the job was asked to restart as a whole and no restart is left; raise "
-                "--max-restarts to let it restart"
+                f"the job needed a whole-job restart ({agent.last_escalation}) and no restart "
+                "is left; raise --max-restarts to let it restart"
             )
         return dict(result.return_values)
     except ChildFailedError:
