@@ -15,12 +15,15 @@ import signal
 import sys
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainguard.errors import ConfigError, RestartError
 from trainguard.launch.options import LaunchOptions
 
-__all__ = ["build_parser", "launch_agent", "main", "normalize", "options_from_args"]
+if TYPE_CHECKING:
+    from trainguard.launch.agent import TrainguardAgent
+
+__all__ = ["build_agent", "build_parser", "launch_agent", "main", "normalize", "options_from_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -156,19 +159,12 @@ def _entrypoint_name(entrypoint: str, args: Sequence[Any]) -> str:
     return os.path.basename(entrypoint)
 
 
-def launch_agent(
+def build_agent(
     config: Any, entrypoint: str, args: Sequence[Any], options: LaunchOptions
-) -> dict[int, Any]:
-    """Run one :class:`TrainguardAgent` for ``config`` (a torch ``LaunchConfig``) until the job
-    ends; returns the workers' results by global rank. A failed job raises torch's
-    ``ChildFailedError`` (naming the first failed worker), or :class:`RestartError` when the job
-    failed without a local worker failure (another node escalated, no restart left). On a
-    signal the rendezvous stays open, as torch keeps it."""
-    from torch.distributed.elastic import events as torch_events
-    from torch.distributed.elastic import metrics
+) -> TrainguardAgent:
+    """The agent torch's ``launch_agent`` would build for ``config`` (a torch ``LaunchConfig``),
+    as a :class:`TrainguardAgent`: rendezvous handler from torch's registry, ``WorkerSpec``."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
@@ -207,7 +203,7 @@ def launch_agent(
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         virtual_local_rank=config.virtual_local_rank,
     )
-    agent = TrainguardAgent(
+    return TrainguardAgent(
         spec,
         config.logs_specs,
         options=options,
@@ -215,6 +211,23 @@ def launch_agent(
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=config.shutdown_timeout,
     )
+
+
+def launch_agent(
+    config: Any, entrypoint: str, args: Sequence[Any], options: LaunchOptions
+) -> dict[int, Any]:
+    """Run one :class:`TrainguardAgent` (:func:`build_agent`) until the job ends; returns the
+    workers' results by global rank. A failed job raises torch's ``ChildFailedError`` (naming
+    the first failed worker), or :class:`RestartError` when the job failed without a local
+    worker failure (another node escalated, no restart left). On a signal the rendezvous stays
+    open, as torch keeps it."""
+    from torch.distributed.elastic import events as torch_events
+    from torch.distributed.elastic import metrics
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    agent = build_agent(config, entrypoint, args, options)
+    spec = agent.get_worker_group().spec
     shutdown_rdzv = True
     try:
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
