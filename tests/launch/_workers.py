@@ -9,6 +9,9 @@ Modes:
   are done, then exit 0. ``--crash-gen G --crash-rank R``: rank R of generation G exits 3 at
   once.
 - ``env``: write the environment to ``OUT/env-<rank>.json`` and exit 0.
+- ``gloo``: (imports torch) init a gloo group from torchrun's variables, ``--steps`` all_reduces
+  (rank ``--crash-rank`` of generation ``--crash-gen`` exits 3 after the first), write the sum
+  of the last one to ``OUT/sum-<rank>``.
 """
 
 from __future__ import annotations
@@ -52,9 +55,29 @@ def run(out: Path, rank: int, args: argparse.Namespace) -> int:
     return 0
 
 
+def gloo(out: Path, rank: int, args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.zeros(1)
+    for step in range(args.steps or 3):
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        crash = args.crash_rank == rank and os.environ.get("TRAINGUARD_GENERATION") == str(
+            args.crash_gen
+        )
+        if crash and step == 0:
+            os._exit(3)
+        time.sleep(args.step)
+    (out / f"sum-{rank}").write_text(str(int(total.item())))
+    dist.destroy_process_group()
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["run", "env"])
+    parser.add_argument("mode", choices=["run", "env", "gloo"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--step", type=float, default=0.05)
     parser.add_argument("--steps", type=int, default=None)
@@ -77,6 +100,8 @@ def main() -> int:
     if args.mode == "env":
         (args.out / f"env-{rank}.json").write_text(json.dumps(dict(os.environ), sort_keys=True))
         return 0
+    if args.mode == "gloo":
+        return gloo(args.out, rank, args)
     return run(args.out, rank, args)
 
 

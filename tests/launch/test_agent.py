@@ -104,3 +104,19 @@ def test_sigterm_to_a_launcher_ends_every_process(tmp_path: Path) -> None:
         assert time.monotonic() - start < 20
         assert not any(_alive(s["pid"]) for s in starts)
         assert leftovers(job.run_id) == [], job.output()
+
+
+def test_a_whole_job_restart_of_a_gloo_job_completes(tmp_path: Path) -> None:
+    """2 x 2 gloo workers, rank 1 dies in generation 0, no respawn budget: the whole job restarts.
+    With torch's shared agent store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0) the restarted
+    attempt hangs or fails in init_process_group/all_reduce; the launcher's default avoids it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    worker = ["gloo", str(out), "--steps=3", "--crash-gen=0", "--crash-rank=1"]
+    extra = ["--max-restarts=1", "--tg-respawns=0"]
+    with Agents(tmp_path, nodes=2, nproc=2, worker=worker, extra=extra) as job:
+        assert job.wait() == [0, 0], job.output()
+        assert leftovers(job.run_id) == []
+    starts = read_starts(out)
+    assert sorted(s["rank"] for s in starts if s["generation"] == "1") == [0, 1, 2, 3]
+    assert [(out / f"sum-{r}").read_text() for r in range(4)] == ["4"] * 4
