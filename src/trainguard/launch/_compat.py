@@ -120,13 +120,13 @@ def replace(
     own session, torch's command line and NUMA binding) and put it in the context in place of
     the old one, so that ``pids()`` and torch's ``close()`` see it."""
     new = get_subprocess_handler(
-        entrypoint=launch.entrypoint,
-        args=launch.args,
-        env=launch.env,
-        stdout=launch.stdout,
-        stderr=launch.stderr,
-        local_rank_id=local_rank,
-        numa_options=launch.numa_options,
+        launch.entrypoint,
+        launch.args,
+        launch.env,
+        launch.stdout,
+        launch.stderr,
+        local_rank,
+        launch.numa_options,
     )
     context.subprocess_handlers[local_rank] = new
     return new

@@ -31,6 +31,28 @@ logger = logging.getLogger(__name__)
 DEFAULT_MASTER_PORT = 29500
 
 
+#: the ``--tg-*`` options: LaunchOptions field, type, default, metavar, help.
+TG_OPTIONS: list[tuple[str, type, Any, str, str]] = [
+    ("store", str, None, "HOST:PORT", "external coordination store (default: "
+     "TRAINGUARD_STORE_ADDR, else the agent of group rank 0 hosts one, listening on the "
+     "rendezvous interface)"),
+    ("respawns", int, 3, "N", "respawns of one worker slot per generation before the whole "
+     "job restarts (default 3; 0: every death restarts the job)"),
+    ("respawn_backoff", float, 0.0, "S", "seconds before a slot's first respawn; each later "
+     "one waits twice as long, from 0.5 s when this is 0 (default 0: at once)"),
+    ("rejoin_timeout", float, 60.0, "S", "how long the other workers wait for a respawned "
+     "worker before they continue without it (default 60)"),
+    ("heartbeat_interval", float, 1.0, "S", "seconds between two heartbeats of a node "
+     "(default 1)"),
+    ("heartbeat_timeout", float, 10.0, "S", "a node without a heartbeat for this long is lost "
+     "(default 10); also bounds the agent's coordination store operations"),
+    ("exit_barrier_timeout", float, 30.0, "S", "how long an agent whose workers finished "
+     "waits for the other agents (default 30; torch's is 300)"),
+    ("events_dir", str, None, "DIR", "event log directory of the agents and their workers "
+     "(default: TRAINGUARD_EVENTS_DIR)"),
+]  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     """torchrun's parser plus the ``--tg-*`` options (they go before the script's name)."""
     from torch.distributed.run import get_args_parser
@@ -43,81 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
         "job restarts (a new generation) only when that cannot help."
     )
     tg = parser.add_argument_group("trainguard", "what trainguard launch adds to torchrun")
-    tg.add_argument(
-        "--tg-store",
-        metavar="HOST:PORT",
-        default=None,
-        help="external coordination store (default: TRAINGUARD_STORE_ADDR, else the agent of "
-        "group rank 0 hosts one, listening on the rendezvous interface)",
-    )
-    tg.add_argument(
-        "--tg-respawns",
-        type=int,
-        default=3,
-        metavar="N",
-        help="respawns of one worker slot per generation before the whole job restarts "
-        "(default 3; 0: every death restarts the job)",
-    )
-    tg.add_argument(
-        "--tg-respawn-backoff",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="seconds before a slot's first respawn; each later one waits twice as long, from "
-        "0.5 s when this is 0 (default 0: at once)",
-    )
-    tg.add_argument(
-        "--tg-rejoin-timeout",
-        type=float,
-        default=60.0,
-        metavar="S",
-        help="how long the other workers wait for a respawned worker before they continue "
-        "without it (default 60)",
-    )
-    tg.add_argument(
-        "--tg-heartbeat-interval",
-        type=float,
-        default=1.0,
-        metavar="S",
-        help="seconds between two heartbeats of a node (default 1)",
-    )
-    tg.add_argument(
-        "--tg-heartbeat-timeout",
-        type=float,
-        default=10.0,
-        metavar="S",
-        help="a node without a heartbeat for this long is lost (default 10); also bounds the "
-        "agent's coordination store operations",
-    )
-    tg.add_argument(
-        "--tg-exit-barrier-timeout",
-        type=float,
-        default=30.0,
-        metavar="S",
-        help="how long an agent whose workers finished waits for the other agents (default "
-        "30; torch's is 300)",
-    )
-    tg.add_argument(
-        "--tg-events-dir",
-        metavar="DIR",
-        default=None,
-        help="event log directory of the agents and their workers (default: TRAINGUARD_EVENTS_DIR)",
-    )
+    for field, kind, default, metavar, text in TG_OPTIONS:
+        flag = "--tg-" + field.replace("_", "-")
+        tg.add_argument(
+            flag, dest=f"tg_{field}", type=kind, default=default, metavar=metavar, help=text
+        )
     return parser
 
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     """The :class:`LaunchOptions` of parsed ``--tg-*`` arguments."""
-    return LaunchOptions(
-        store=args.tg_store,
-        respawns=args.tg_respawns,
-        respawn_backoff=args.tg_respawn_backoff,
-        rejoin_timeout=args.tg_rejoin_timeout,
-        heartbeat_interval=args.tg_heartbeat_interval,
-        heartbeat_timeout=args.tg_heartbeat_timeout,
-        exit_barrier_timeout=args.tg_exit_barrier_timeout,
-        events_dir=args.tg_events_dir,
-    )
+    return LaunchOptions(**{field: getattr(args, f"tg_{field}") for field, *_ in TG_OPTIONS})
 
 
 def normalize(args: argparse.Namespace) -> None:
@@ -159,6 +117,19 @@ def _entrypoint_name(entrypoint: str, args: Sequence[Any]) -> str:
     return os.path.basename(entrypoint)
 
 
+#: WorkerSpec fields torch copies from the LaunchConfig field of the same name.
+_SPEC_FROM_CONFIG = (
+    "max_restarts",
+    "monitor_interval",
+    "local_addr",
+    "event_log_handler",
+    "numa_options",
+    "duplicate_stdout_filters",
+    "duplicate_stderr_filters",
+    "virtual_local_rank",
+)
+
+
 def build_agent(
     config: Any, entrypoint: str, args: Sequence[Any], options: LaunchOptions
 ) -> TrainguardAgent:
@@ -186,22 +157,16 @@ def build_agent(
         **config.rdzv_configs,
     )
     master_addr, master_port = _static_master(config.rdzv_backend, config.rdzv_endpoint)
+    same = {name: getattr(config, name) for name in _SPEC_FROM_CONFIG}
     spec = WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
         entrypoint=entrypoint,
         args=tuple(args),
         rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
-        max_restarts=config.max_restarts,
-        monitor_interval=config.monitor_interval,
         master_addr=master_addr,
         master_port=master_port,
-        local_addr=config.local_addr,
-        event_log_handler=config.event_log_handler,
-        numa_options=config.numa_options,
-        duplicate_stdout_filters=config.duplicate_stdout_filters,
-        duplicate_stderr_filters=config.duplicate_stderr_filters,
-        virtual_local_rank=config.virtual_local_rank,
+        **same,
     )
     return TrainguardAgent(
         spec,
