@@ -97,6 +97,7 @@ def main() -> int:
             "time": time.time(),
         },
     )
+    print(f"worker rank {rank} incarnation {os.environ.get('TRAINGUARD_INCARNATION')}", flush=True)
     if args.mode == "env":
         (args.out / f"env-{rank}.json").write_text(json.dumps(dict(os.environ), sort_keys=True))
         return 0

@@ -120,3 +120,23 @@ def test_a_whole_job_restart_of_a_gloo_job_completes(tmp_path: Path) -> None:
     starts = read_starts(out)
     assert sorted(s["rank"] for s in starts if s["generation"] == "1") == [0, 1, 2, 3]
     assert [(out / f"sum-{r}").read_text() for r in range(4)] == ["4"] * 4
+
+
+def test_a_respawned_worker_logs_to_files_of_its_own_and_its_tee_reaches_the_console(
+    tmp_path: Path,
+) -> None:
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    extra = [f"--log-dir={logs}", "--redirects=3", "--tee=3"]
+    with Agents(tmp_path, nodes=1, nproc=2, worker=["run", str(out)], extra=extra) as job:
+        first = job.wait_for(lambda: len(read_starts(out)) >= 2 and read_starts(out), what="starts")
+        os.kill(next(s["pid"] for s in first if s["rank"] == 1), signal.SIGKILL)
+        job.wait_for(lambda: len(read_starts(out)) >= 3, what="respawn")
+        job.wait_for(lambda: "worker rank 1 incarnation 1" in job.output(), what="tee")
+        (out / "stop").touch()
+        assert job.wait() == [0], job.output()
+    (attempt,) = logs.glob("*/attempt_0")
+    assert "incarnation 0" in (attempt / "1" / "stdout.log").read_text()
+    assert "incarnation 1" in (attempt / "1" / "inc_1" / "stdout.log").read_text()
+    assert "incarnation 0" in (attempt / "0" / "stdout.log").read_text()
+    assert not (attempt / "0" / "inc_1").exists()
