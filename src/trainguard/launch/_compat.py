@@ -10,7 +10,7 @@ that a torch release that moves one of them breaks this module (and its contract
 - ``SubprocessHandler``: ``proc`` (its ``Popen``, leader of its own session), ``_stdout``,
   ``_stderr`` (the log files it opened);
 - ``LocalElasticAgent``: ``_pcontext``, ``_uninterruptible_state_timeout`` and
-  ``_check_uninterruptible_state_timeout`` (the D-state watchdog of torch >= 2.12; probed).
+  ``_check_uninterruptible_state_timeout`` (torch's D-state watchdog, absent from older releases; probed).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import TextIO
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
-__all__ = ["AgentLogsSpecs", "IncarnationFiles", "incarnation_files"]
+__all__ = ["AgentLogsSpecs", "IncarnationFiles", "incarnation_files", "tail"]
 
 
 class AgentLogsSpecs(LogsSpecs):
