@@ -26,6 +26,12 @@ VARIABLES: dict[str, str] = {
     "TRAINGUARD_JOB_ID": "job token that separates two jobs sharing one store",
     "TRAINGUARD_JOB_SECRET": "per-job secret in every store key (16+ of A-Z a-z 0-9 _ -); the "
     "same on every node",
+    "TRAINGUARD_GENERATION": "global generation of a job under `trainguard launch` (0, 1, ..: "
+    "bumped at each whole-job restart); set by the launcher",
+    "TRAINGUARD_INCARNATION": "how many times the launcher respawned this worker's slot in this "
+    "generation (0 for its first process); set by the launcher",
+    "TRAINGUARD_AGENT": "socket name of the launcher's sidecar service for this worker; set by "
+    "the launcher",
 }
 
 
@@ -37,6 +43,9 @@ class Settings:
     store_addr: tuple[str, int] | None = None
     job_id: str | None = None
     job_secret: str | None = None
+    generation: int | None = None
+    incarnation: int = 0
+    agent: str | None = None
 
 
 def _parse_addr(value: str) -> tuple[str, int]:
@@ -61,6 +70,14 @@ def _check_secret(value: str) -> str:
     return value
 
 
+def _count(name: str, value: str) -> int:
+    if not (value.isascii() and value.isdigit()):
+        raise ConfigError(
+            f"{name}={value!r} must be a whole number >= 0 (the launcher sets it); unset it"
+        )
+    return int(value)
+
+
 def settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Read the ``TRAINGUARD_*`` variables from ``environ`` (default ``os.environ``)."""
     env = os.environ if environ is None else environ
@@ -80,9 +97,14 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
         return value or None
 
     addr = get("TRAINGUARD_STORE_ADDR")
+    generation = get("TRAINGUARD_GENERATION")
+    incarnation = get("TRAINGUARD_INCARNATION")
     return Settings(
         events_dir=get("TRAINGUARD_EVENTS_DIR"),
         store_addr=_parse_addr(addr) if addr else None,
         job_id=get("TRAINGUARD_JOB_ID"),
         job_secret=_check_secret(secret) if (secret := get("TRAINGUARD_JOB_SECRET")) else None,
+        generation=_count("TRAINGUARD_GENERATION", generation) if generation else None,
+        incarnation=_count("TRAINGUARD_INCARNATION", incarnation) if incarnation else 0,
+        agent=get("TRAINGUARD_AGENT"),
     )

@@ -6,6 +6,8 @@ Subcommands:
 - ``trainguard ckpt ls ROOT | verify PATH | show PATH``: inspect checkpoints on disk.
 - ``trainguard report RUN_DIR [--json] [--plot FILE.png]``: goodput table and timeline.
 - ``trainguard demo``: train a small model through injected faults; check nothing was lost.
+- ``trainguard launch [torchrun options] script.py [args]``: start a job like torchrun; a dead
+  worker is respawned alone (see :mod:`trainguard.launch`).
 """
 
 from __future__ import annotations
@@ -111,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_report)
 
     ckpt_cli.add_parser(sub)
+    sub.add_parser(
+        "launch",
+        add_help=False,
+        help="start a training job like torchrun; a dead worker is respawned alone "
+        "('trainguard launch --help' lists the options)",
+    )
     from trainguard.demo import runner as demo_runner
 
     demo_runner.add_parser(sub)
@@ -118,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:  # everything after it is torchrun's and the script's
+        from trainguard.launch.cli import main as launch_main
+
+        return launch_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

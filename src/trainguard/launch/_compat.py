@@ -1,0 +1,154 @@
+"""The one module that touches private parts of ``torch.distributed.elastic``.
+
+The agent replaces one worker process of torch's ``SubprocessContext`` at a time, which torch has
+no public interface for. Everything it needs from torch's internals is read or written here, so
+that a torch release that moves one of them breaks this module (and its contract test,
+``tests/launch/test_compat.py``) instead of failing silently mid-job:
+
+- ``SubprocessContext``: ``subprocess_handlers`` (local rank -> ``SubprocessHandler``),
+  ``entrypoint``, ``args``, ``envs``, ``stdouts``, ``stderrs``, ``error_files``, ``_numa_options``;
+- ``SubprocessHandler``: ``proc`` (its ``Popen``, leader of its own session), ``_stdout``,
+  ``_stderr`` (the log files it opened);
+- ``LocalElasticAgent``: ``_pcontext``, ``_uninterruptible_state_timeout`` and
+  ``_check_uninterruptible_state_timeout`` (torch's D-state watchdog, absent from older releases; probed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import PContext, SubprocessContext
+from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+    SubprocessHandler,
+    get_subprocess_handler,
+)
+
+from trainguard.errors import ConfigError
+
+__all__ = [
+    "CONTEXT_ATTRIBUTES",
+    "HANDLER_ATTRIBUTES",
+    "WorkerLaunch",
+    "check_uninterruptible",
+    "handler",
+    "launch_of",
+    "missing",
+    "pcontext",
+    "release",
+    "replace",
+]
+
+#: attributes of a started ``SubprocessContext`` the agent relies on.
+CONTEXT_ATTRIBUTES = (
+    "subprocess_handlers",
+    "entrypoint",
+    "args",
+    "envs",
+    "stdouts",
+    "stderrs",
+    "error_files",
+    "_numa_options",
+)
+#: attributes of a ``SubprocessHandler`` the agent relies on.
+HANDLER_ATTRIBUTES = ("proc", "_stdout", "_stderr")
+#: attributes of ``LocalElasticAgent`` the agent relies on (the D-state ones are optional).
+AGENT_ATTRIBUTES = ("_pcontext",)
+AGENT_OPTIONAL = ("_uninterruptible_state_timeout", "_check_uninterruptible_state_timeout")
+
+
+def missing(context: object, handle: object, agent: object) -> list[str]:
+    """Names of the attributes above that ``context``, ``handle`` or ``agent`` lacks."""
+    gone = [f"SubprocessContext.{a}" for a in CONTEXT_ATTRIBUTES if not hasattr(context, a)]
+    gone += [f"SubprocessHandler.{a}" for a in HANDLER_ATTRIBUTES if not hasattr(handle, a)]
+    gone += [f"LocalElasticAgent.{a}" for a in AGENT_ATTRIBUTES if not hasattr(agent, a)]
+    return gone
+
+
+def pcontext(agent: LocalElasticAgent) -> SubprocessContext:
+    """The agent's running process context; it must run a command (not a Python function)."""
+    context: PContext | None = agent._pcontext
+    if not isinstance(context, SubprocessContext):
+        raise ConfigError(
+            "trainguard launch runs a command per worker (python -u script.py); it cannot "
+            f"replace one worker of a {type(context).__name__}: do not use --run-path"
+        )
+    return context
+
+
+def handler(context: SubprocessContext, local_rank: int) -> SubprocessHandler:
+    """The handler of ``local_rank``'s current process."""
+    return context.subprocess_handlers[local_rank]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerLaunch:
+    """What torch used to start ``local_rank``'s first process."""
+
+    entrypoint: str
+    args: tuple[Any, ...]
+    env: dict[str, str]
+    stdout: str
+    stderr: str
+    error_file: str
+    numa_options: Any
+
+
+def launch_of(context: SubprocessContext, local_rank: int) -> WorkerLaunch:
+    return WorkerLaunch(
+        entrypoint=str(context.entrypoint),
+        args=tuple(context.args[local_rank]),
+        env=dict(context.envs[local_rank]),
+        stdout=context.stdouts[local_rank],
+        stderr=context.stderrs[local_rank],
+        error_file=context.error_files[local_rank],
+        numa_options=context._numa_options,
+    )
+
+
+def replace(
+    context: SubprocessContext,
+    local_rank: int,
+    launch: WorkerLaunch,
+) -> SubprocessHandler:
+    """Start a new process for ``local_rank`` (torch's public ``get_subprocess_handler``: its
+    own session, torch's command line and NUMA binding) and put it in the context in place of
+    the old one, so that ``pids()`` and torch's ``close()`` see it."""
+    new = get_subprocess_handler(
+        launch.entrypoint,
+        launch.args,
+        launch.env,
+        launch.stdout,
+        launch.stderr,
+        local_rank,
+        launch.numa_options,
+    )
+    context.subprocess_handlers[local_rank] = new
+    return new
+
+
+def release(old: SubprocessHandler) -> None:
+    """After ``old``'s process exited: kill whatever it left in its process group (its session
+    leader is gone, not its children) and close the log files torch opened for it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(old.proc.pid, signal.SIGKILL)
+    for name in ("_stdout", "_stderr"):
+        stream = getattr(old, name, None)
+        if stream is not None:
+            stream.close()
+
+
+def check_uninterruptible(agent: LocalElasticAgent, group: WorkerGroup) -> RunResult | None:
+    """torch's D-state watchdog (a worker stuck in uninterruptible sleep for longer than
+    ``TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT``), where this torch has it."""
+    timeout = getattr(agent, "_uninterruptible_state_timeout", 0) or 0
+    probe = getattr(agent, "_check_uninterruptible_state_timeout", None)
+    if timeout <= 0 or probe is None:
+        return None
+    result: RunResult | None = probe(group, timeout)
+    return result

@@ -1,0 +1,330 @@
+"""The trainguard agent: torchrun's ``LocalElasticAgent`` that replaces one dead worker at a time.
+
+torch's agent stops every local worker as soon as one exits non-zero and then restarts the whole
+job. :class:`TrainguardAgent` keeps torch's state machine (rendezvous, rank assignment, the
+monitor loop, the whole-job restart with ``--max-restarts``, the exit barrier, signal handling)
+and changes what one worker's death does:
+
+1. ``_monitor_workers`` polls each worker's process itself (torch's ``PContext.wait`` would
+   kill the others). A non-zero exit emits ``launch_worker_died`` and, when a sidecar service
+   is set, calls ``service.died(...)``, which writes the death notice the in-process layer acts
+   on; only after it returned is the slot respawned.
+2. The slot gets a new process (same ``RANK``, ``TRAINGUARD_INCARNATION`` one higher, log and
+   error files of its own) within its respawn budget and after its back-off; the other workers
+   keep their processes.
+3. When a slot's budget is used up, it crash-loops, or any agent or worker set the job's
+   escalation key, the agent sets that key (so every agent sees it on its next tick) and
+   returns ``FAILED``: torch's own loop then stops every worker and, with restarts left,
+   rendezvous again; the next round gets a new generation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import socket
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from torch.distributed.elastic.agent.server.api import (
+    DEFAULT_ROLE,
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import LogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.multiprocessing.tail_log import TailLog
+
+from trainguard import _env, events
+from trainguard.coord import _bind
+from trainguard.launch import _compat
+from trainguard.launch._coordstore import CoordStore, Generation
+from trainguard.launch._logs import AgentLogsSpecs, incarnation_files, tail
+from trainguard.launch._slots import Escalate, Respawn, SlotPolicy, SlotTable
+from trainguard.launch.options import LaunchOptions
+
+__all__ = ["Heartbeat", "Service", "TrainguardAgent"]
+
+logger = logging.getLogger(__name__)
+
+
+class Service(Protocol):
+    """The agent's sidecar service for its workers (see ``trainguard.launch._service``)."""
+
+    address: str
+
+    def expect(self, slot: int, pid: int, incarnation: int) -> None: ...
+
+    def died(
+        self, slot: int, pid: int, exit_code: int | None, *, returning: bool, timeout: float
+    ) -> bool: ...
+
+
+class Heartbeat(Protocol):
+    """One node's heartbeat for one generation (see ``trainguard.launch.heartbeat``)."""
+
+    def start(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TrainguardAgent(LocalElasticAgent):
+    """torch's local agent with per-slot respawn (see the module docstring).
+
+    Args:
+        spec, logs_specs, start_method, log_line_prefix_template, shutdown_timeout,
+            health_check_server: as for ``LocalElasticAgent``.
+        options: the trainguard settings (``--tg-*``).
+
+    Hooks, set before :meth:`run`: :attr:`service` (``None``: no sidecar service; else
+    ``expect`` is called right after each worker process starts and ``died`` before a dead
+    worker's slot is respawned), :attr:`heartbeat_factory` (``None``: no node heartbeat; else
+    called with the agent once per generation, after the generation is known, to make
+    :attr:`heartbeat`, which is started then and closed when the workers stop).
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        logs_specs: LogsSpecs,
+        *,
+        options: LaunchOptions,
+        start_method: str = "spawn",
+        log_line_prefix_template: str | None = None,
+        shutdown_timeout: int = 30,
+        health_check_server: Any = None,
+    ) -> None:
+        self.logs = AgentLogsSpecs(logs_specs)
+        super().__init__(
+            spec,
+            self.logs,
+            start_method=start_method,
+            exit_barrier_timeout=options.exit_barrier_timeout,
+            log_line_prefix_template=log_line_prefix_template,
+            shutdown_timeout=shutdown_timeout,
+            health_check_server=health_check_server,
+        )
+        settings = _env.settings()
+        self.options = options
+        self.service: Service | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.heartbeat_factory: Callable[[TrainguardAgent], Heartbeat] | None = None
+        self.run_id = spec.rdzv_handler.get_run_id()
+        self.coord = CoordStore(
+            external=options.store or settings.store_addr, timeout=options.heartbeat_timeout
+        )
+        self.generation: int | None = None
+        self.slots: SlotTable | None = None
+        self.events_dir = options.events_dir or settings.events_dir
+        self.events = events.EventLog(self.events_dir)
+        self._tails: list[TailLog] = []
+        self._error_files: dict[int, str] = {}
+        self._died_at: dict[int, float] = {}
+        self.last_escalation: str | None = None  # why the last whole-job restart was asked
+
+    # rendezvous and start ------------------------------------------------------------------
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        joined = self._join_coordination(worker_group)
+        self.generation = joined.generation
+        self.events.set_context(rank=-1 - (worker_group.group_rank or 0))
+        self.events.emit(
+            "launch_generation",
+            generation=joined.generation,
+            node=worker_group.group_rank,
+            nodes=worker_group.group_world_size,
+            store=joined.addr,
+        )
+        self.logs.extra_env = self._worker_env(joined)
+        policy = SlotPolicy(self.options.respawns, self.options.respawn_backoff)
+        self.slots = SlotTable({w.local_rank: w.global_rank for w in worker_group.workers}, policy)
+        self._start_heartbeat()
+
+    def _join_coordination(self, group: WorkerGroup) -> Generation:
+        advertise = group.master_addr or socket.getfqdn()
+        local = bool(group.spec.local_addr) or _bind.is_loopback(advertise)
+        return self.coord.join(
+            group.store,
+            group_rank=group.group_rank or 0,
+            run_id=self.run_id,
+            advertise=advertise,
+            bind=_bind.bind_host(advertise, local=local),
+        )
+
+    def _worker_env(self, joined: Generation) -> dict[str, str]:
+        """What the agent adds to torch's environment of every worker it starts."""
+        env = {
+            "TRAINGUARD_STORE_ADDR": joined.addr,
+            "TRAINGUARD_GENERATION": str(joined.generation),
+            "TRAINGUARD_INCARNATION": "0",
+        }
+        if self.events_dir:
+            env["TRAINGUARD_EVENTS_DIR"] = self.events_dir
+        if self.service is not None:
+            env["TRAINGUARD_AGENT"] = self.service.address
+        return env
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        pids: dict[int, Any] = super()._start_workers(worker_group)
+        context = _compat.pcontext(self)
+        assert self.slots is not None
+        self._error_files = {lr: _compat.launch_of(context, lr).error_file for lr in pids}
+        for local_rank, pid in pids.items():
+            self.slots.started(local_rank, pid)
+            self._service_expect(self.slots.rank(local_rank), pid, 0)
+        return pids
+
+    # monitor -------------------------------------------------------------------------------
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        """One tick: D-state check, escalation key (one store ``check``), each worker's exit,
+        due respawns."""
+        stuck = _compat.check_uninterruptible(self, worker_group)
+        if stuck is not None:
+            return stuck
+        reason = self._escalation_requested()
+        if reason is not None:  # already in the store (or the store is gone): nothing to set
+            return self._escalate(reason, {}, announce=False)
+        context = _compat.pcontext(self)
+        assert self.slots is not None
+        for local_rank in self.slots.running():
+            code = _compat.handler(context, local_rank).proc.poll()
+            if code is not None:
+                result = self._on_exit(worker_group, local_rank, code)
+                if result is not None:
+                    return result
+        for local_rank in self.slots.due():
+            self._respawn(worker_group, local_rank)
+        if self.slots.all_done:
+            done = {w.global_rank: None for w in worker_group.workers}
+            return RunResult(state=WorkerState.SUCCEEDED, return_values=done)
+        return RunResult(state=WorkerState.HEALTHY)
+
+    def _escalation_requested(self) -> str | None:
+        assert self.generation is not None
+        try:
+            return self.coord.escalation(self.run_id, self.generation)
+        except Exception as exc:  # the store went away with its agent: the job cannot go on
+            logger.error("coordination store unreachable (%s): restarting the whole job", exc)
+            return f"coordination store unreachable: {exc}"
+
+    def _on_exit(self, group: WorkerGroup, local_rank: int, code: int) -> RunResult | None:
+        assert self.slots is not None
+        pid = _compat.handler(_compat.pcontext(self), local_rank).proc.pid
+        rank, incarnation = self.slots.rank(local_rank), self.slots.incarnation(local_rank)
+        decision = self.slots.exited(local_rank, code)
+        if decision is None:
+            return None
+        self._died_at[local_rank] = time.monotonic()
+        self.events.emit(
+            "launch_worker_died",
+            slot=rank,
+            worker_pid=pid,
+            exit_code=code,
+            incarnation=incarnation,
+        )
+        logger.warning(
+            "[%s] rank %d (pid %d, incarnation %d) exited with %d",
+            group.spec.role,
+            rank,
+            pid,
+            incarnation,
+            code,
+        )
+        self._service_died(rank, pid, code, returning=isinstance(decision, Respawn))
+        if isinstance(decision, Escalate):
+            failure = ProcessFailure(local_rank, pid, code, self._error_files[local_rank])
+            return self._escalate(decision.reason, {rank: failure})
+        return None
+
+    def _respawn(self, group: WorkerGroup, local_rank: int) -> None:
+        """Start the slot's next incarnation in place of its dead process."""
+        assert self.slots is not None
+        context = _compat.pcontext(self)
+        _compat.release(_compat.handler(context, local_rank))
+        first = _compat.launch_of(context, local_rank)
+        incarnation = self.slots.incarnation(local_rank) + 1
+        files = incarnation_files(first.stdout, first.stderr, first.error_file, incarnation)
+        env = dict(first.env, TRAINGUARD_INCARNATION=str(incarnation))
+        if env.get("TORCHELASTIC_ERROR_FILE"):
+            env["TORCHELASTIC_ERROR_FILE"] = files.error_file
+        launch = dataclasses.replace(first, env=env, stdout=files.stdout, stderr=files.stderr)
+        new = _compat.replace(context, local_rank, launch)
+        self.slots.started(local_rank, new.proc.pid)
+        self._error_files[local_rank] = files.error_file
+        group.workers[local_rank].id = new.proc.pid
+        rank = self.slots.rank(local_rank)
+        self._service_expect(rank, new.proc.pid, incarnation)
+        self._tails += tail(group.spec.role, self.logs.dest, local_rank, files)
+        waited = time.monotonic() - self._died_at.pop(local_rank, time.monotonic())
+        self.events.emit(
+            "launch_respawned",
+            slot=rank,
+            worker_pid=new.proc.pid,
+            incarnation=incarnation,
+            seconds=waited,
+        )
+        logger.info("rank %d respawned as pid %d (incarnation %d)", rank, new.proc.pid, incarnation)
+
+    def _escalate(
+        self, reason: str, failures: dict[int, ProcessFailure], *, announce: bool = True
+    ) -> RunResult:
+        """Ask every agent for a whole-job restart (``announce``: set the escalation key) and
+        report FAILED to torch's loop."""
+        assert self.generation is not None
+        self.last_escalation = reason
+        if announce:
+            try:
+                self.coord.escalate(self.run_id, self.generation, reason)
+            except Exception as exc:
+                logger.warning("could not set the escalation key (%s)", exc)
+        self.events.emit("launch_escalated", reason=reason, generation=self.generation)
+        logger.error("whole-job restart of generation %d: %s", self.generation, reason)
+        return RunResult(state=WorkerState.FAILED, failures=failures)
+
+    # hooks for the sidecar service and the node heartbeat ----------------------------------
+    def _service_expect(self, slot: int, pid: int, incarnation: int) -> None:
+        if self.service is not None:
+            self.service.expect(slot, pid, incarnation)
+
+    def _service_died(self, slot: int, pid: int, code: int, *, returning: bool) -> None:
+        if self.service is None:
+            return
+        try:
+            self.service.died(
+                slot, pid, code, returning=returning, timeout=self.options.heartbeat_timeout
+            )
+        except Exception:
+            logger.exception("the sidecar service could not record rank %d's death", slot)
+
+    def _start_heartbeat(self) -> None:
+        self._close_heartbeat()
+        if self.heartbeat_factory is not None:
+            self.heartbeat = self.heartbeat_factory(self)
+            self.heartbeat.start()
+
+    def _close_heartbeat(self) -> None:
+        if self.heartbeat is not None:
+            heartbeat, self.heartbeat = self.heartbeat, None
+            heartbeat.close()
+
+    # shutdown ------------------------------------------------------------------------------
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        self._close_heartbeat()
+        super()._shutdown(death_sig, timeout)
+        tails, self._tails = self._tails, []
+        for t in tails:
+            t.stop()
+
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        """torch's run loop; the coordination store and the event log close after it."""
+        try:
+            result: RunResult = super().run(role)
+            return result
+        finally:
+            self.coord.close()
+            self.events.close()

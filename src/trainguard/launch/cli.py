@@ -1,0 +1,263 @@
+"""``trainguard launch``: torchrun's command line, run by the trainguard agent.
+
+torch's own parser (``torch.distributed.run.get_args_parser``) with the ``--tg-*`` options added,
+torch's argument normalisation (``--standalone``, single-node static rendezvous -> c10d, the
+default master port), torch's ``config_from_args``; then :func:`launch_agent`, which builds what
+torch's ``launch_agent`` builds but runs :class:`~trainguard.launch.agent.TrainguardAgent`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from trainguard.errors import ConfigError, RestartError
+from trainguard.launch.options import LaunchOptions
+
+if TYPE_CHECKING:
+    from trainguard.launch.agent import TrainguardAgent
+
+__all__ = ["build_agent", "build_parser", "launch_agent", "main", "normalize", "options_from_args"]
+
+logger = logging.getLogger(__name__)
+
+#: torchrun's default master port (static rendezvous).
+DEFAULT_MASTER_PORT = 29500
+
+
+#: the ``--tg-*`` options: LaunchOptions field, type, default, metavar, help.
+TG_OPTIONS: list[tuple[str, type, Any, str, str]] = [
+    ("store", str, None, "HOST:PORT", "external coordination store (default: "
+     "TRAINGUARD_STORE_ADDR, else the agent of group rank 0 hosts one, listening on the "
+     "rendezvous interface)"),
+    ("respawns", int, 3, "N", "respawns of one worker slot per generation before the whole "
+     "job restarts (default 3; 0: every death restarts the job)"),
+    ("respawn_backoff", float, 0.0, "S", "seconds before a slot's first respawn; each later "
+     "one waits twice as long, from 0.5 s when this is 0 (default 0: at once)"),
+    ("rejoin_timeout", float, 60.0, "S", "how long the other workers wait for a respawned "
+     "worker before they continue without it (default 60)"),
+    ("heartbeat_interval", float, 1.0, "S", "seconds between two heartbeats of a node "
+     "(default 1)"),
+    ("heartbeat_timeout", float, 10.0, "S", "a node without a heartbeat for this long is lost "
+     "(default 10); also bounds the agent's coordination store operations"),
+    ("exit_barrier_timeout", float, 30.0, "S", "how long an agent whose workers finished "
+     "waits for the other agents (default 30; torch's is 300)"),
+    ("events_dir", str, None, "DIR", "event log directory of the agents and their workers "
+     "(default: TRAINGUARD_EVENTS_DIR)"),
+]  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """torchrun's parser plus the ``--tg-*`` options (they go before the script's name)."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "trainguard launch"
+    parser.description = (
+        "Start a training script like torchrun does (same options, same worker environment); "
+        "a worker that dies is respawned alone while the others keep running, and the whole "
+        "job restarts (a new generation) only when that cannot help."
+    )
+    tg = parser.add_argument_group("trainguard", "what trainguard launch adds to torchrun")
+    for field, kind, default, metavar, text in TG_OPTIONS:
+        flag = "--tg-" + field.replace("_", "-")
+        tg.add_argument(
+            flag, dest=f"tg_{field}", type=kind, default=default, metavar=metavar, help=text
+        )
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> LaunchOptions:
+    """The :class:`LaunchOptions` of parsed ``--tg-*`` arguments."""
+    return LaunchOptions(**{field: getattr(args, f"tg_{field}") for field, *_ in TG_OPTIONS})
+
+
+def normalize(args: argparse.Namespace) -> None:
+    """What torchrun's ``run()`` does to its arguments before ``config_from_args``."""
+    from torch.distributed.run import parse_min_max_nnodes
+
+    one_node_static = (
+        args.rdzv_backend == "static"
+        and not args.rdzv_endpoint
+        and args.master_port is None
+        and parse_min_max_nnodes(args.nnodes)[1] == 1
+    )
+    if args.standalone or one_node_static:  # one node: a c10d rendezvous on a free port
+        args.rdzv_backend = "c10d"
+        args.rdzv_endpoint = "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = DEFAULT_MASTER_PORT
+
+
+def _static_master(backend: str, endpoint: str) -> tuple[str | None, int | None]:
+    """``MASTER_ADDR``/``MASTER_PORT`` fixed by a static rendezvous; ``None`` otherwise."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    if backend != "static":
+        return None, None
+    if not endpoint.strip():
+        raise ConfigError("static rendezvous needs an endpoint: pass --master-addr/--master-port")
+    host, port = parse_rendezvous_endpoint(endpoint.strip(), default_port=-1)
+    if port == -1:
+        raise ConfigError(f"no port in rendezvous endpoint {endpoint!r}: pass --master-port")
+    return host, port
+
+
+def _entrypoint_name(entrypoint: str, args: Sequence[Any]) -> str:
+    if os.path.basename(entrypoint).startswith("python"):
+        script = next((str(a) for a in args if not str(a).startswith("-")), entrypoint)
+        return os.path.basename(script)
+    return os.path.basename(entrypoint)
+
+
+#: WorkerSpec fields torch copies from the LaunchConfig field of the same name.
+_SPEC_FROM_CONFIG = (
+    "max_restarts",
+    "monitor_interval",
+    "local_addr",
+    "event_log_handler",
+    "numa_options",
+    "duplicate_stdout_filters",
+    "duplicate_stderr_filters",
+    "virtual_local_rank",
+)
+
+
+def build_agent(
+    config: Any, entrypoint: str, args: Sequence[Any], options: LaunchOptions
+) -> TrainguardAgent:
+    """The agent torch's ``launch_agent`` would build for ``config`` (a torch ``LaunchConfig``),
+    as a :class:`TrainguardAgent`: rendezvous handler from torch's registry, ``WorkerSpec``."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+    from trainguard.launch.agent import TrainguardAgent
+
+    if not config.run_id:
+        config.run_id = str(uuid.uuid4().int)
+    # torch's shared agent store leaks one attempt's keys into the next (a restarted gloo
+    # group hangs); workers host their own bootstrap store unless the user chose otherwise.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    params = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    master_addr, master_port = _static_master(config.rdzv_backend, config.rdzv_endpoint)
+    same = {name: getattr(config, name) for name in _SPEC_FROM_CONFIG}
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+        master_addr=master_addr,
+        master_port=master_port,
+        **same,
+    )
+    return TrainguardAgent(
+        spec,
+        config.logs_specs,
+        options=options,
+        start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+        shutdown_timeout=config.shutdown_timeout,
+    )
+
+
+def launch_agent(
+    config: Any, entrypoint: str, args: Sequence[Any], options: LaunchOptions
+) -> dict[int, Any]:
+    """Run one :class:`TrainguardAgent` (:func:`build_agent`) until the job ends; returns the
+    workers' results by global rank. A failed job raises torch's ``ChildFailedError`` (naming
+    the first failed worker), or :class:`RestartError` when the job failed without a local
+    worker failure (another node escalated, no restart left). On a signal the rendezvous stays
+    open, as torch keeps it."""
+    from torch.distributed.elastic import events as torch_events
+    from torch.distributed.elastic import metrics
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    agent = build_agent(config, entrypoint, args, options)
+    spec = agent.get_worker_group().spec
+    shutdown_rdzv = True
+    try:
+        metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
+        result = agent.run()
+        torch_events.record(agent.get_event_succeeded(), config.event_log_handler)
+        if result is None:  # the rendezvous was closed: nothing to run
+            return {}
+        if result.is_failed() and result.failures:
+            raise ChildFailedError(
+                name=_entrypoint_name(entrypoint, args), failures=result.failures
+            )
+        if result.is_failed():
+            raise RestartError(
+                f"the job needed a whole-job restart ({agent.last_escalation}) and no restart "
+                "is left; raise --max-restarts to let it restart"
+            )
+        return dict(result.return_values)
+    except ChildFailedError:
+        raise
+    except SignalException:
+        shutdown_rdzv = False  # closing it would end this rendezvous id for good
+        torch_events.record(agent.get_event_failed(), config.event_log_handler)
+        raise
+    except Exception:
+        torch_events.record(agent.get_event_failed(), config.event_log_handler)
+        raise
+    finally:
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``trainguard launch ARGS``; returns the exit code (1 when the job failed, as torchrun)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+    from torch.distributed.run import config_from_args
+
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.run_path:
+        parser.error(
+            "--run-path runs the script inside the agent's worker pool (a Python function), "
+            "whose workers cannot be replaced one at a time; drop --run-path"
+        )
+    try:
+        options = options_from_args(args)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    normalize(args)
+    config, cmd, cmd_args = config_from_args(args)
+    if not isinstance(cmd, str):  # pragma: no cover - only --run-path gives a function
+        parser.error("trainguard launch runs a command per worker; drop --run-path")
+    try:
+        record(launch_agent)(config, cmd, cmd_args, options)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        print(
+            f"trainguard launch: rank {rank} failed (exit code {failure.exitcode}); the job ended",
+            file=sys.stderr,
+        )
+        return 1
+    except SignalException as exc:
+        print(f"trainguard launch: stopped by {signal.Signals(exc.sigval).name}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        print(f"trainguard launch: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,108 @@
+"""What ``trainguard launch`` adds to torchrun's options: :class:`LaunchOptions`.
+
+Every field has a ``--tg-*`` flag (see ``trainguard launch --help``); the object is checked when
+it is built, in the order of its arguments, and a bad value is a
+:class:`~trainguard.errors.ConfigError` that names the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+
+from trainguard._timeouts import Timeout, seconds, shorter
+from trainguard.errors import ConfigError
+
+__all__ = ["LaunchOptions"]
+
+
+def _backoff(value: Timeout) -> float:
+    """``respawn_backoff`` may be 0 (respawn at once), unlike a timeout."""
+    zero = timedelta(0) if isinstance(value, timedelta) else 0
+    if not isinstance(value, bool) and value == zero:
+        return 0.0
+    return seconds("respawn_backoff", value)
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class LaunchOptions:
+    """Settings of the trainguard agent, on top of torchrun's.
+
+    Args:
+        store: ``"host:port"`` of an external coordination store (``--tg-store``); ``None``:
+            the agent of group rank 0 hosts one for its lifetime.
+        respawns: how many times one worker slot is respawned per generation before the
+            launcher restarts the whole job (``--tg-respawns``).
+        respawn_backoff: delay before a slot's first respawn; later respawns of the same slot
+            wait twice as long each time, from 0.5 s when this is 0 (``--tg-respawn-backoff``).
+        rejoin_timeout: how long the survivors wait for a respawned worker before they go on
+            without it (``--tg-rejoin-timeout``).
+        heartbeat_interval, heartbeat_timeout: one heartbeat per node every interval; a node
+            silent for the timeout is lost (``--tg-heartbeat-interval``, ``--tg-heartbeat-timeout``).
+        exit_barrier_timeout: how long an agent whose workers all finished waits for the other
+            agents (``--tg-exit-barrier-timeout``; torch's own default is 300 s).
+        events_dir: directory of the event log of the agents and workers (``--tg-events-dir``;
+            default ``TRAINGUARD_EVENTS_DIR``).
+
+    Timeouts are keyword-only, in seconds or as a ``timedelta``.
+    """
+
+    store: tuple[str, int] | None
+    respawns: int
+    respawn_backoff: float
+    rejoin_timeout: float
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    exit_barrier_timeout: float
+    events_dir: str | None
+
+    def __init__(
+        self,
+        *,
+        store: str | None = None,
+        respawns: int = 3,
+        respawn_backoff: Timeout = 0.0,
+        rejoin_timeout: Timeout = 60.0,
+        heartbeat_interval: Timeout = 1.0,
+        heartbeat_timeout: Timeout = 10.0,
+        exit_barrier_timeout: Timeout = 30.0,
+        events_dir: str | None = None,
+    ) -> None:
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        if store is not None:
+            from trainguard.coord.store import parse_addr
+
+            put("store", parse_addr(store))
+        else:
+            put("store", None)
+        if isinstance(respawns, bool) or not isinstance(respawns, int) or respawns < 0:
+            raise ConfigError(
+                f"respawns={respawns!r} must be a whole number >= 0 (0: every worker death "
+                "restarts the whole job); pass --tg-respawns N"
+            )
+        put("respawns", respawns)
+        put("respawn_backoff", _backoff(respawn_backoff))
+        put("rejoin_timeout", seconds("rejoin_timeout", rejoin_timeout))
+        if self.respawn_backoff:
+            shorter(
+                "respawn_backoff",
+                self.respawn_backoff,
+                "rejoin_timeout",
+                self.rejoin_timeout,
+                "a worker respawned after the survivors stopped waiting for it is counted out",
+            )
+        put("heartbeat_interval", seconds("heartbeat_interval", heartbeat_interval))
+        put("heartbeat_timeout", seconds("heartbeat_timeout", heartbeat_timeout))
+        shorter(
+            "heartbeat_interval",
+            self.heartbeat_interval,
+            "heartbeat_timeout",
+            self.heartbeat_timeout,
+            "a node must be able to miss a heartbeat before it is declared lost",
+        )
+        put("exit_barrier_timeout", seconds("exit_barrier_timeout", exit_barrier_timeout))
+        if events_dir is not None and not isinstance(events_dir, str):
+            raise ConfigError(f"events_dir={events_dir!r} must be a directory path (a str)")
+        put("events_dir", events_dir or None)

@@ -1,0 +1,110 @@
+"""Plain-Python workers for the launcher tests (no torch import: they start in ~0.05 s).
+
+Run as ``python tests/launch/_workers.py MODE OUT [options]``; every worker appends one JSON line
+to ``OUT/starts.jsonl`` when it starts (rank, local rank, pid, generation, incarnation).
+
+Modes:
+- ``run``: count steps in ``OUT/progress-<rank>`` (continuing from the count a dead
+  predecessor left there) every ``--step`` seconds until ``OUT/stop`` exists or ``--steps``
+  are done, then exit 0. ``--crash-gen G --crash-rank R``: rank R of generation G exits 3 at
+  once.
+- ``env``: write the environment to ``OUT/env-<rank>.json`` and exit 0.
+- ``gloo``: (imports torch) init a gloo group from torchrun's variables, ``--steps`` all_reduces
+  (rank ``--crash-rank`` of generation ``--crash-gen`` exits 3 after the first), write the sum
+  of the last one to ``OUT/sum-<rank>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+
+def _append(path: Path, record: dict[str, object]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def _progress(path: Path) -> int:
+    try:
+        return int(path.read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def run(out: Path, rank: int, args: argparse.Namespace) -> int:
+    generation = os.environ.get("TRAINGUARD_GENERATION")
+    if args.crash_rank == rank and generation == str(args.crash_gen):
+        return 3
+    counter = out / f"progress-{rank}"
+    step = _progress(counter)
+    done = 0
+    while not (out / "stop").exists() and (args.steps is None or done < args.steps):
+        step += 1
+        done += 1
+        tmp = counter.with_suffix(f".{os.getpid()}")
+        tmp.write_text(str(step))
+        os.replace(tmp, counter)
+        time.sleep(args.step)
+    return 0
+
+
+def gloo(out: Path, rank: int, args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.zeros(1)
+    for step in range(args.steps or 3):
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        crash = args.crash_rank == rank and os.environ.get("TRAINGUARD_GENERATION") == str(
+            args.crash_gen
+        )
+        if crash and step == 0:
+            os._exit(3)
+        time.sleep(args.step)
+    (out / f"sum-{rank}").write_text(str(int(total.item())))
+    dist.destroy_process_group()
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["run", "env", "gloo"])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--step", type=float, default=0.05)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--crash-gen", type=int, default=None)
+    parser.add_argument("--crash-rank", type=int, default=None)
+    args = parser.parse_args()
+    rank = int(os.environ["RANK"])
+    _append(
+        args.out / "starts.jsonl",
+        {
+            "rank": rank,
+            "local_rank": int(os.environ["LOCAL_RANK"]),
+            "pid": os.getpid(),
+            "generation": os.environ.get("TRAINGUARD_GENERATION"),
+            "incarnation": os.environ.get("TRAINGUARD_INCARNATION"),
+            "restart_count": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
+            "time": time.time(),
+        },
+    )
+    print(f"worker rank {rank} incarnation {os.environ.get('TRAINGUARD_INCARNATION')}", flush=True)
+    if args.mode == "env":
+        (args.out / f"env-{rank}.json").write_text(json.dumps(dict(os.environ), sort_keys=True))
+        return 0
+    if args.mode == "gloo":
+        return gloo(args.out, rank, args)
+    return run(args.out, rank, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
