@@ -33,15 +33,19 @@ def _env(**extra: str) -> dict[str, str]:
     return {k: v for k, v in env.items() if v != "-"}  # "-": leave it out
 
 
+#: the options for :func:`_env`
+EXPECTED = [
+    "--nnodes=3",
+    "--node-rank=1",
+    "--rdzv-backend=c10d",
+    "--rdzv-id=4242",
+    "--rdzv-endpoint=gpu07:29400",
+    "--rdzv-conf=is_host=0",
+]
+
+
 def test_one_task_per_node() -> None:
-    assert slurm_launch_args(_env()) == [
-        "--nnodes=3",
-        "--node-rank=1",
-        "--rdzv-backend=c10d",
-        "--rdzv-id=4242",
-        "--rdzv-endpoint=gpu07:29400",
-        "--rdzv-conf=is_host=0",
-    ]
+    assert slurm_launch_args(_env()) == EXPECTED
 
 
 @pytest.mark.parametrize(
@@ -147,12 +151,7 @@ def test_the_sbatch_file_starts_one_launcher_with_the_slurm_options(tmp_path: Pa
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "args").read_text().splitlines() == [
         "launch",
-        "--nnodes=3",
-        "--node-rank=1",
-        "--rdzv-backend=c10d",
-        "--rdzv-id=4242",
-        "--rdzv-endpoint=gpu07:29400",
-        "--rdzv-conf=is_host=0",
+        *EXPECTED,
         "--nproc-per-node=8",
         "--max-restarts=3",
         "train.py",
