@@ -1,0 +1,341 @@
+"""One heartbeat per node: the agents watch each other in a ring through the coordination store.
+
+Protocol (one :class:`NodeHeartbeat` per agent, every agent of a generation starts its own right
+after the rendezvous, with the same ``run_id``, ``generation``, ``nodes``, ``interval`` and
+``timeout``):
+
+- Every ``interval`` the node writes its own key ``trainguard/launch/<run_id>/g<gen>/node/<node>``
+  (a fresh ``<instance>/<counter>`` value each time) and reads, in one ``multi_get``, the keys of
+  the nodes that follow it in ring order (``node+1, node+2, ...`` modulo ``nodes``) up to the
+  first two that are still live: the first is its *target*, which it judges; the second is a
+  *backup* whose clock it keeps so that, when the target is lost, the backup is judged at once
+  (two adjacent nodes lost together are both found within ``timeout``). Nodes that ended or were
+  declared lost are skipped. Store traffic: two operations per node per interval, O(nodes) in
+  total; a key is read by at most three nodes.
+- A target whose value did not change for ``timeout`` by this process's clock is lost. The node
+  declares it with ``compare_set`` from the value it last saw to ``lost/<declarer>/<instance>``:
+  exactly one node wins (``on_lost(node)`` runs once, in the job), a target that beat in between
+  is not declared, and every other watcher sees the mark and skips the node.
+- A node that ends normally writes ``bye`` (:meth:`NodeHeartbeat.close`): it is never reported.
+- A node that was declared lost while it was only slow finds the mark in place of its own last
+  value on its next beat: it stops beating and ``on_evicted()`` runs (its ranks were counted out).
+- A replacement node (one that claimed the lost node's group rank) overwrites the mark with its own
+  beats: its watcher sees the node live again and ``on_back(node)`` runs.
+
+If this process itself saw nothing for a while (the store did not answer, or it got no CPU), that
+time says nothing about the others: it starts every clock afresh, as the rank sidecars do.
+
+Ranks of a node: every agent publishes the global ranks of its workers with :func:`publish_ranks`
+so that whoever sees the node lost can name them (:func:`node_ranks`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from trainguard._timeouts import Timeout, seconds, shorter
+from trainguard.errors import ConfigError, CoordinationError
+from trainguard.launch._keys import node_key, ranks_key
+
+__all__ = ["NodeHeartbeat", "node_ranks", "publish_ranks"]
+
+logger = logging.getLogger(__name__)
+
+BYE = b"bye"  # the node ended normally
+LOST = b"lost/"  # prefix of the mark a watcher writes over a lost node's last value
+
+_Call = tuple[Callable[..., None], tuple[int, ...]]
+
+
+class NodeHeartbeat:
+    """The heartbeat of one node (agent) and its watch over the next live nodes (module doc).
+
+    Args:
+        store: a client of the coordination store; the heartbeat uses a clone of it (its own
+            connection) when the store has ``clone()``.
+        run_id: the rendezvous run id.
+        generation: the job's generation (keys of another generation are never read).
+        node: this agent's group rank, ``0 <= node < nodes``.
+        nodes: the number of nodes (group world size).
+        interval: seconds (or a ``timedelta``) between beats; default 1 s.
+        timeout: a node whose value did not move for this long is lost; more than twice
+            ``interval``; default 10 s.
+        on_lost: called with a node's group rank once when this heartbeat declared it lost.
+        on_back: called with a node's group rank when a node this heartbeat saw gone beats
+            again as its target (a replacement node took its place).
+        on_evicted: called once when this node finds itself declared lost by another.
+        clock: monotonic clock in seconds (tests give a fake one and call :meth:`beat`).
+
+    Callbacks run on the heartbeat's callback thread (``tg-node-calls``), never on the beat
+    thread, so a slow callback never delays a beat; before :meth:`start` (tests that call
+    :meth:`beat` themselves) they run inline.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        *,
+        run_id: str,
+        generation: int,
+        node: int,
+        nodes: int,
+        interval: Timeout = 1.0,
+        timeout: Timeout = 10.0,
+        on_lost: Callable[[int], None],
+        on_back: Callable[[int], None] | None = None,
+        on_evicted: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not run_id:
+            raise ConfigError("run_id must be a non-empty string: pass the rendezvous run id")
+        for name, value in (("generation", generation), ("nodes", nodes), ("node", node)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name}={value!r} must be an int >= 0")
+        if not 0 <= node < nodes:
+            raise ConfigError(f"node={node} must be a group rank in 0..{nodes - 1} (nodes={nodes})")
+        self.interval = seconds("interval", interval)
+        self.timeout = seconds("timeout", timeout)
+        shorter(
+            "2*interval",
+            2 * self.interval,
+            "timeout",
+            self.timeout,
+            "a node must miss at least two beats before it is declared lost",
+        )
+        self.run_id, self.generation, self.node, self.nodes = run_id, generation, node, nodes
+        self._on_lost, self._on_back, self._on_evicted = on_lost, on_back, on_evicted
+        self._clock = clock
+        self._store = store.clone() if callable(getattr(store, "clone", None)) else store
+        self._key = node_key(run_id, generation, node)
+        self._instance = uuid.uuid4().hex[:12].encode() + b"/"
+        self._sent = 0
+        self._mine: bytes | None = None  # the value of this node's last beat
+        self._successors = [(node + i) % nodes for i in range(1, nodes)]
+        self._window = min(2, nodes - 1)  # how many successors the next beat reads
+        self._ensured: set[int] = set()  # successors whose key exists (reading never blocks)
+        self._seen: dict[int, tuple[bytes, float]] = {}  # node -> (value, when it last moved)
+        self._away: set[int] = set()  # nodes this heartbeat saw gone (lost or bye)
+        self._last_beat: float | None = None
+        #: nodes this heartbeat declared lost, in order (a node again if it came back and
+        #: was lost again).
+        self.declared: list[int] = []
+        #: the node this heartbeat judges now (None: every other node is gone).
+        self.target: int | None = None
+        #: True once this node found itself declared lost; it beats no more.
+        self.evicted = False
+        self._lock = threading.Lock()  # this node's own writes: a beat vs the goodbye
+        self._closed = False
+        self._stop = threading.Event()
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._beats: threading.Thread | None = None
+        self._caller: threading.Thread | None = None
+
+    # lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Beat once (this node's key exists when it returns), then beat every ``interval``
+        on the ``tg-node-beats`` thread. Idempotent. Raises what the store raises."""
+        if self._beats is not None:
+            return
+        self._caller = threading.Thread(target=self._run_calls, name="tg-node-calls", daemon=True)
+        self._caller.start()
+        self.beat()
+        self._beats = threading.Thread(target=self._run_beats, name="tg-node-beats", daemon=True)
+        self._beats.start()
+
+    def close(self, *, bye: bool = True) -> None:
+        """Stop beating; with ``bye`` (a normal end) write ``bye`` so that no node reports this
+        one lost. Waits up to ``timeout`` for the threads (pending callbacks run first)."""
+        self._stop.set()
+        if self._beats is not None:
+            self._beats.join(self.timeout)
+        with self._lock:
+            if not self._closed and bye and not self.evicted and self._mine is not None:
+                try:
+                    self._store.set(self._key, BYE)
+                except Exception as exc:  # the store may be gone with the job
+                    logger.warning("node %d could not say goodbye: %s", self.node, exc)
+            self._closed = True
+        if self._caller is not None:
+            self._calls.put(None)
+            self._caller.join(self.timeout)
+
+    def _run_beats(self) -> None:
+        next_beat = time.monotonic() + self.interval
+        while not self._stop.wait(max(0.0, next_beat - time.monotonic())):
+            next_beat = max(next_beat + self.interval, time.monotonic())
+            if self.evicted:
+                return
+            try:
+                self.beat()
+            except Exception as exc:
+                logger.warning("node %d heartbeat failed: %s", self.node, exc)
+
+    def _run_calls(self) -> None:
+        while (item := self._calls.get()) is not None:
+            self._invoke(item)
+
+    def _call(self, fn: Callable[..., None] | None, *args: int) -> None:
+        if fn is None:
+            return
+        if self._caller is None:
+            self._invoke((fn, args))
+        else:
+            self._calls.put((fn, args))
+
+    def _invoke(self, item: _Call) -> None:
+        fn, args = item
+        try:
+            fn(*args)
+        except Exception:
+            logger.exception("node heartbeat callback %s%r failed", fn, args)
+
+    # one interval ------------------------------------------------------------------------
+    def beat(self) -> None:
+        """One interval's work: write this node's beat, read the successors up to the backup,
+        judge the target. Two store operations; more only right after nodes went (the read
+        goes on until two live nodes are found) and once per new successor (its key is made
+        sure to exist)."""
+        asked = self._clock()
+        if not self._beat_own():
+            return
+        lives, start, end = 0, 0, self._window
+        self.target = None
+        while start < end:
+            window = self._successors[start:end]
+            self._ensure(window)
+            keys = [node_key(self.run_id, self.generation, n) for n in window]
+            values = [bytes(v) for v in self._store.multi_get(keys)]
+            now = self._clock()
+            if start == 0:
+                self._restart_clocks(asked, now)
+            lives, end = self._judge(window, values, now, lives, start)
+            start, end = end, min(len(self._successors), end + 2 - lives)
+        self._window = end if lives == 2 else len(self._successors)
+
+    def _restart_clocks(self, asked: float, now: float) -> None:
+        quiet = max(self.timeout / 2, 2 * self.interval)
+        if self._last_beat is not None and now - self._last_beat > quiet:
+            # This process saw nothing for a while: that time says nothing about the others.
+            logger.info("node %d: no beat for %.1f s; clocks start afresh", self.node, now - asked)
+            self._seen.clear()
+        self._last_beat = asked
+
+    def _beat_own(self) -> bool:
+        with self._lock:
+            if self._closed or self.evicted:
+                return False
+            self._sent += 1
+            value = self._instance + str(self._sent).encode()
+            if self._mine is None:  # a replacement node overwrites the lost mark on purpose
+                self._store.set(self._key, value)
+            else:
+                got = bytes(self._store.compare_set(self._key, self._mine, value))
+                if got != value and got.startswith(self._instance):
+                    # an earlier beat of ours landed after its call failed
+                    got = bytes(self._store.compare_set(self._key, got, value))
+                if got != value:
+                    self.evicted = True
+                    logger.error(
+                        "node %d was declared lost by another node (its key holds %r); it "
+                        "stops beating",
+                        self.node,
+                        got[:60],
+                    )
+                    self._call(self._on_evicted)
+                    return False
+            self._mine = value
+            return True
+
+    def _ensure(self, window: Sequence[int]) -> None:
+        for n in window:
+            if n not in self._ensured:  # compare_set from "" creates a missing key only
+                self._store.compare_set(node_key(self.run_id, self.generation, n), "", "")
+                self._ensured.add(n)
+
+    def _judge(
+        self, window: Sequence[int], values: Sequence[bytes], now: float, lives: int, offset: int
+    ) -> tuple[int, int]:
+        """Judge successors ``offset...`` in ring order; returns how many live nodes were
+        found in all (at most two: target and backup) and where the reading may stop."""
+        for i, (n, raw) in enumerate(zip(window, values, strict=True)):
+            if raw == BYE or raw.startswith(LOST):
+                self._went(n, raw)
+                continue
+            if n in self._away:
+                self._away.discard(n)
+                if lives == 0:  # reported by its watcher only, not by those it backs up
+                    logger.warning("node %d beats again (a replacement took its place)", n)
+                    self._call(self._on_back, n)
+            previous = self._seen.get(n)
+            if previous is None or previous[0] != raw:
+                self._seen[n] = (raw, now)
+            elif (
+                lives == 0
+                and now - previous[1] >= self.timeout
+                and not self._declare(n, raw, now - previous[1], now)
+            ):
+                continue
+            if lives == 0:
+                self.target = n
+            lives += 1
+            if lives == 2:
+                return lives, offset + i + 1
+        return lives, offset + len(window)
+
+    def _declare(self, n: int, raw: bytes, silent: float, now: float) -> bool:
+        """Mark node ``n`` lost unless it moved; True when it is still live."""
+        mark = LOST + f"{self.node}/".encode() + self._instance
+        got = bytes(self._store.compare_set(node_key(self.run_id, self.generation, n), raw, mark))
+        if got == mark:
+            self._went(n, mark)
+            self.declared.append(n)
+            logger.warning("node %d lost: no heartbeat for %.1f s (timeout)", n, silent)
+            self._call(self._on_lost, n)
+            return False
+        if got == BYE or got.startswith(LOST):
+            self._went(n, got)
+            return False
+        self._seen[n] = (got, now)  # it beat just now
+        return True
+
+    def _went(self, n: int, raw: bytes) -> None:
+        self._seen.pop(n, None)
+        if n not in self._away:
+            self._away.add(n)
+            logger.info("node %d is gone (%s)", n, "ended" if raw == BYE else "lost")
+
+
+def publish_ranks(
+    store: Any, run_id: str, generation: int, node: int, ranks: Sequence[int]
+) -> None:
+    """Every agent, after its rendezvous: the global ranks of ``node``'s workers (JSON list)."""
+    store.set(ranks_key(run_id, generation, node), json.dumps([int(r) for r in ranks]))
+
+
+def node_ranks(store: Any, run_id: str, generation: int, node: int) -> list[int] | None:
+    """The global ranks ``node`` published in ``generation``; ``None`` if it never did.
+
+    Raises :class:`CoordinationError` for a value that is not a JSON list of ints."""
+    key = ranks_key(run_id, generation, node)
+    if not store.check([key]):
+        return None
+    raw = bytes(store.get(key))
+    try:
+        ranks = json.loads(raw)
+    except ValueError:
+        ranks = None
+    if not isinstance(ranks, list) or not all(
+        isinstance(r, int) and not isinstance(r, bool) for r in ranks
+    ):
+        raise CoordinationError(
+            f"garbage under {key} in the coordination store: {raw[:200]!r}; another program "
+            "writes there: give this job its own run id (--rdzv-id)"
+        )
+    return ranks
