@@ -75,6 +75,11 @@ class Sidecar:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def loss(self) -> str:
+        """Why :meth:`alive` is False, for the watchdog's report."""
+        code = self.proc.returncode if self.proc is not None else None
+        return f"its sidecar process died (exit code {code})"
+
     def send(self, message: dict[str, Any]) -> bool:
         """One line to the sidecar (from any thread); False if it is gone."""
         if self._stdin is None:
