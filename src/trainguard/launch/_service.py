@@ -298,8 +298,8 @@ class SidecarService:
             return None
         conn.sock.settimeout(None)
         conn.watch = watch
+        watch.start()  # the hard timeout counts from the handshake
         conn.sock.sendall(json.dumps({"ok": True, "pid": os.getpid()}).encode() + b"\n")
-        watch.start()
         with self._cond:
             self._joined[slot] = time.monotonic()
             self._rejoins.pop(slot, None)
