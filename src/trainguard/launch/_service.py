@@ -99,6 +99,9 @@ def exit_cause(exit_code: int | None) -> str:
 class SidecarService:
     """The agent's watch over its workers; see the module docstring for the protocol.
 
+    A *slot* is the worker's global rank (``RANK``, the same in every incarnation): the agent
+    passes the same numbers to :meth:`expect`, :meth:`died` and :meth:`gone`.
+
     Args:
         name: the start of the socket name (the run id, say); the agent's pid and random bytes
             follow, in :attr:`address`.
@@ -195,12 +198,19 @@ class SidecarService:
             conns = list(self._conns)
         for conn in conns:
             conn.shutdown(socket.SHUT_RDWR)
-        for thread in list(self._threads):
-            thread.join(_JOIN_TIMEOUT)
-            if thread.is_alive():
-                logger.warning("sidecar service: %s still running at close", thread.name)
+        waited: set[threading.Thread] = set()
+        while True:  # threads may start others meanwhile (a notice): until none is left
+            with self._cond:
+                left = [t for t in self._threads if t not in waited]
+            if not left:
+                break
+            for thread in left:
+                waited.add(thread)
+                thread.join(_JOIN_TIMEOUT)
+                if thread.is_alive():
+                    logger.warning("sidecar service: %s still running at close", thread.name)
         with self._cond:
-            for conn in self._conns:
+            for conn in list(self._conns):
                 self._drop(conn)
             self._conns.clear()
             self._rejoins.clear()
@@ -214,11 +224,12 @@ class SidecarService:
 
     # threads ------------------------------------------------------------------------------
     def _spawn(self, target: Any, name: str, args: tuple[Any, ...] = ()) -> threading.Thread:
+        """Start a thread that :meth:`close` waits for."""
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-        with self._cond:
+        with self._cond:  # started under the lock: close() sees it, pruning keeps it
             self._threads = [t for t in self._threads if t.is_alive()]
             self._threads.append(thread)
-        thread.start()
+            thread.start()
         return thread
 
     def _listen(self) -> None:
@@ -341,7 +352,7 @@ class SidecarService:
         watch = conn.watch
         assert watch is not None
         n, roster = watch.position()
-        notice = watch.notice(watch.coord, watch.rank, n, roster, cause, returning=returning)
+        notice = notify(watch.coord, watch.cfg, watch.rank, n, roster, cause, returning=returning)
         with self._cond:
             self._drop(conn)
             kept = returning and notice is not None and getattr(notice, "returning", False)

@@ -30,6 +30,7 @@ from typing import Any
 
 from trainguard.errors import CoordinationError
 from trainguard.restart.sidecar._config import SidecarConfig
+from trainguard.restart.sidecar._handle import handshake_reply
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +75,10 @@ class AgentSidecar:
         return self
 
     def handshake(self, timeout: float) -> None:
-        reply: dict[str, Any] = {"ok": False, "error": self.error or "no handshake"}
-        if self.sock is not None:
-            line = self._read_line(timeout)
-            try:
-                reply = json.loads(line) if line else reply
-            except ValueError:
-                reply = {"ok": False, "error": f"unreadable handshake {line!r}"}
+        if self.sock is None:
+            reply: dict[str, Any] = {"ok": False, "error": self.error}
+        else:
+            reply = handshake_reply(self._read_line(timeout))
         if not reply.get("ok"):
             self.stop(0.0)
             raise CoordinationError(
@@ -109,7 +107,10 @@ class AgentSidecar:
         sock = self.sock
         if sock is None or self._closed:
             return False
-        ready, _, _ = select.select([sock], [], [], 0)
+        try:
+            ready, _, _ = select.select([sock], [], [], 0)
+        except (OSError, ValueError):  # closed by stop() meanwhile
+            ready = [sock]
         if ready:
             self._closed = True
         return not self._closed

@@ -251,32 +251,21 @@ class Watch:
     def notice_thread(
         self, r: int, n: int, roster: tuple[int, ...], cause: str
     ) -> threading.Thread:
-        """:meth:`notice` on a connection of its own, in a thread of its own (started)."""
+        """The notice of rank ``r`` on a connection of its own, in a thread of its own."""
         thread = threading.Thread(
-            target=self.notice, args=(None, r, n, roster, cause), name="tg-notice"
+            target=self.clone_notice, args=(r, n, roster, cause), name="tg-notice"
         )
         thread.daemon = True
         thread.start()
         return thread
 
-    def notice(
-        self,
-        store: Any,
-        r: int,
-        n: int,
-        roster: tuple[int, ...],
-        cause: str,
-        *,
-        returning: bool | None = None,
-    ) -> Notice | None:
-        """:func:`notify` on ``store`` (None: a clone of this watch's connection)."""
+    def clone_notice(self, r: int, n: int, roster: tuple[int, ...], cause: str) -> None:
         try:
-            if store is None:
-                store = self.coord.clone()  # a connection of this notice's own
+            store = self.coord.clone()
         except Exception:
             logger.exception("could not write the notice that rank %d is gone", r)
-            return None
-        return notify(store, self.cfg, r, n, roster, cause, returning=returning)
+            return
+        notify(store, self.cfg, r, n, roster, cause)
 
     # the sidecar process ------------------------------------------------------------------
     def wait_parent(self, fd: int, buf: bytes = b"") -> str | None:
@@ -313,7 +302,7 @@ class Watch:
                 self.coord.set(self.keys.heartbeat(self.rank), b"bye")
         else:
             n, roster = self.position()
-            self.notice(self.coord, self.rank, n, roster, cause)
+            notify(self.coord, self.cfg, self.rank, n, roster, cause)
         # Notices about others still running go on up to the barrier timeout; a beat stuck in
         # a store call is not waited for (the process exits under it).
         deadline = time.monotonic() + self.cfg.barrier_timeout
