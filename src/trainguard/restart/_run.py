@@ -39,6 +39,7 @@ from trainguard.restart.call import CallWrapper
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.monitor import Monitor, MonitorHooks
 from trainguard.restart.sidecar import Sidecar, SidecarConfig
+from trainguard.restart.sidecar._agent import AgentSidecar, agent_address
 from trainguard.restart.state import RestartInterrupt, RoundOutcome, RoundState, describe
 from trainguard.restart.watchdog import Watchdog
 
@@ -62,7 +63,7 @@ class WrappedCall:
         self.launch = _launch.detect()
         self.session = Session(self.launch, next(_call_counter), cfg)
         self.monitor: Monitor | None = None
-        self.sidecar: Sidecar | None = None
+        self.sidecar: Sidecar | AgentSidecar | None = None
         self.watchdog: Watchdog | None = None
         self.call: CallWrapper | None = None
         self.left_early = False
@@ -393,7 +394,9 @@ class WrappedCall:
             return exc
         return None
 
-    def _start_sidecar(self, log_dir: Any) -> Sidecar:
+    def _start_sidecar(self, log_dir: Any) -> Sidecar | AgentSidecar:
+        """This rank's sidecar: a process of its own, or under ``trainguard launch`` the
+        agent's sidecar service (``TRAINGUARD_AGENT``)."""
         session = self.session
         assert session.coord_addr is not None
         config = SidecarConfig.build(
@@ -404,6 +407,9 @@ class WrappedCall:
             addr=session.coord_addr,
             log_dir=log_dir,
         )
+        agent = agent_address()
+        if agent is not None:
+            return AgentSidecar(config, agent).start()
         return Sidecar(config).start()
 
     def _leave_fn(self) -> None:
