@@ -3,6 +3,7 @@ attempt uses keys of its own, so nothing of the killed attempt is on its path.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -43,15 +44,15 @@ def test_torchrun_restart_after_a_worker_sigkill_completes(tmp_path: Path) -> No
     )
     try:
         output, _ = proc.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as exc:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        raise AssertionError("torchrun did not finish within 90 s:\n" + output.decode()[-4000:])
+        raise AssertionError(
+            "torchrun did not finish within 90 s:\n" + output.decode()[-4000:]
+        ) from exc
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # anything the job left in its session
-        except ProcessLookupError:
-            pass
     text = output.decode(errors="replace")
     assert proc.returncode == 0, text[-4000:]
     # sum over steps of (step + 0) + (step + 1), the same on both ranks
