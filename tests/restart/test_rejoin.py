@@ -1,0 +1,142 @@
+"""A rank's new process joins the running job (real gloo, real SIGKILL, real store).
+
+The respawn is what ``trainguard launch`` does (same RANK, ``TRAINGUARD_INCARNATION=1``),
+done here by :meth:`RankGroup.respawn`. The launcher's death notice with ``returning=True``
+is written by the test process itself against the job's store, as the launcher's agent
+would: the victim then runs without a sidecar, so that nobody else writes a notice for it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import trainguard.restart as tr
+from tests._dist import RankGroup, RankResult
+from tests.restart import _jobs, _rejoin_jobs
+from trainguard.events import read_events
+
+STEPS = 6
+FAULT_STEP = 2
+SECRET = "rejoin-test-secret-0123456789"
+JOB = "rejoin"
+RESPAWN = {"TRAINGUARD_INCARNATION": "1"}
+
+
+def _group(tmp_path: Path, world: int, hold_round: int | None, overrides: Any, **kw: Any):
+    return RankGroup(
+        _rejoin_jobs.rejoin_job,
+        world,
+        args=(STEPS, 1, FAULT_STEP, hold_round, str(tmp_path), overrides),
+        kwargs=kw,
+        timeout=60,
+        env={"TRAINGUARD_JOB_SECRET": SECRET, "TRAINGUARD_JOB_ID": JOB},
+    )
+
+
+def _events(tmp_path: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for e in read_events(tmp_path) if e["kind"] == kind]
+
+
+def _rounds(result: RankResult) -> list[tuple[int, int, int]]:
+    return [(x["round"], x["rank"], x["world"]) for x in result.get()["rounds"]]
+
+
+def _notice(group: RankGroup, *, returning: bool) -> Any:
+    """The launcher's death notice for rank 1, gone in round 0 of a 3-rank job."""
+    from trainguard.coord.keys import Keyspace
+    from trainguard.coord.store import connect
+    from trainguard.restart.sidecar import SidecarConfig
+    from trainguard.restart.sidecar._notice import write_notice
+
+    cfg = SidecarConfig.build(
+        tr.WrapperConfig(**_rejoin_jobs.TIMEOUTS),
+        rank=1,
+        world=3,
+        keys=Keyspace(JOB, 0, SECRET),
+        addr=("127.0.0.1", group.port),
+        log_dir=None,
+    )
+    store = connect("127.0.0.1", group.port, timeout=10)
+    return write_notice(store, cfg, 1, 0, (0, 1, 2), "process died", returning=returning)
+
+
+def test_respawn_joins_as_spare_after_the_spare_took_its_place(tmp_path: Path) -> None:
+    overrides = {"rank_filter": tr.MaxActiveWorldSize(2), "rank_assignment": tr.FillGaps()}
+    with _group(tmp_path, 3, 1, overrides) as group:
+        group.start()
+        group.wait_until(lambda: not group.is_alive(1), timeout=40)
+        joiner = group.respawn(1, RESPAWN)
+        group.wait_until(lambda: bool(_events(tmp_path, "join_wait")), timeout=40)
+        assert group.is_alive(0) and group.is_alive(2)
+        group.kill(2)  # the former spare, now active: the newcomer takes its place
+        results = group.join()
+    assert (results[1].exitcode, results[2].exitcode) == (-9, -9)
+    expected = _jobs.reference(STEPS, 2)
+    assert results[0].get()["weights"] == expected  # bit for bit: always 2 ranks
+    assert results[joiner].get()["weights"] == expected
+    assert _rounds(results[0]) == [(0, 0, 2), (1, 0, 2), (2, 0, 2)]
+    assert _rounds(results[joiner]) == [(2, 1, 2)]
+    [wait] = _events(tmp_path, "join_wait")
+    assert (wait["rank"], wait["waiting_round"], wait["admit"]) == (1, 2, False)
+    [admitted] = _events(tmp_path, "launch_admitted")
+    assert (admitted["rank"], admitted["round"], admitted["incarnation"]) == (1, 2, 1)
+
+
+def test_returning_notice_makes_the_barrier_wait_for_the_respawn(tmp_path: Path) -> None:
+    with _group(tmp_path, 3, None, {}, victim_sidecar=False) as group:
+        group.start()
+        group.wait_until(lambda: not group.is_alive(1), timeout=40)
+        notice = _notice(group, returning=True)
+        assert (notice.returning, notice.counted) == (True, False)
+        respawned_at = time.time()
+        joiner = group.respawn(1, RESPAWN)
+        results = group.join()
+    expected = _jobs.reference(STEPS, 3)  # world 3 throughout; the newcomer started afresh
+    for index, rank in ((0, 0), (2, 2), (joiner, 1)):
+        assert results[index].get()["weights"] == expected
+        assert _rounds(results[index])[-1] == (1, rank, 3)
+    assert results[0].get()["rounds"][1]["entered"] > respawned_at
+    [admitted] = _events(tmp_path, "launch_admitted")
+    assert (admitted["rank"], admitted["round"]) == (1, 1)
+
+
+def test_newcomer_without_an_idle_spare_is_admitted_at_once(tmp_path: Path) -> None:
+    overrides = {"rank_filter": tr.MaxActiveWorldSize(3), "rank_assignment": tr.FillGaps()}
+    with _group(tmp_path, 3, 1, overrides) as group:
+        group.start()
+        group.wait_until(lambda: not group.is_alive(1), timeout=40)
+        joiner = group.respawn(1, RESPAWN)
+        results = group.join()
+    expected = _jobs.reference(STEPS, 3)  # the newcomer has no checkpoint: all start afresh
+    assert results[0].get()["weights"] == expected
+    assert results[2].get()["weights"] == expected
+    assert results[joiner].get()["weights"] == expected
+    assert _rounds(results[0]) == [(0, 0, 3), (1, 0, 2), (2, 0, 3)]
+    assert _rounds(results[2]) == [(0, 2, 3), (1, 1, 2), (2, 1, 3)]
+    assert _rounds(results[joiner]) == [(2, 2, 3)]
+    [wait] = _events(tmp_path, "join_wait")
+    assert (wait["waiting_round"], wait["admit"]) == (2, True)
+    aborts = [e for e in _events(tmp_path, "abort") if e["round"] == 1]
+    assert aborts and all(e["cause"] == "admit" for e in aborts)
+
+
+def test_returning_rank_that_never_comes_back_is_let_go(tmp_path: Path) -> None:
+    with _group(tmp_path, 3, None, {}, victim_sidecar=False) as group:
+        group.start()
+        group.wait_until(lambda: not group.is_alive(1), timeout=40)
+        assert _notice(group, returning=True).returning
+        time.sleep(1.0)  # the survivors wait at round 1's barrier for rank 1
+        let_go = time.time()
+        notice = _notice(group, returning=False)
+        assert (notice.returning, notice.counted) == (False, True)
+        results = group.join()
+    expected = _jobs.reference(STEPS, 3, switch=FAULT_STEP, after=2)
+    for rank, new_rank in ((0, 0), (2, 1)):
+        value = results[rank].get()
+        assert value["weights"] == pytest.approx(expected, rel=1e-12, abs=1e-12)
+        assert _rounds(results[rank]) == [(0, rank, 3), (1, new_rank, 2)]
+        assert value["rounds"][1]["entered"] > let_go
