@@ -140,3 +140,83 @@ def test_returning_rank_that_never_comes_back_is_let_go(tmp_path: Path) -> None:
         assert value["weights"] == pytest.approx(expected, rel=1e-12, abs=1e-12)
         assert _rounds(results[rank]) == [(0, rank, 3), (1, new_rank, 2)]
         assert value["rounds"][1]["entered"] > let_go
+
+
+def _published_round_0(filter_: Any) -> tuple[Any, Any, Any]:
+    """A real store holding round 0 of a 3-rank job as its ranks published it."""
+    import torch.distributed as dist
+
+    from trainguard.coord.keys import Keyspace
+    from trainguard.restart._book import RoundBook
+    from trainguard.restart.sidecar import SidecarConfig
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False)
+    keys = Keyspace("unit", 0, "s3cret")
+    wcfg = tr.WrapperConfig(**{**_rejoin_jobs.TIMEOUTS, "rank_filter": filter_})
+    cfg = SidecarConfig.build(
+        wcfg, rank=1, world=3, keys=keys, addr=("127.0.0.1", store.port), log_dir=None
+    )
+    store.set(keys.pg_addr(0), "127.0.0.1:1")
+    for r in range(3):
+        book = RoundBook(store, keys, 3, wcfg.policies, store_timeout=5.0, writer=r)
+        book.record(0, r, {"r": r, "host": "h", "local_rank": r, "leave": None, "fault": None})
+        raw = book.arrive(0)
+    assert raw is not None and store.get(keys.latest) == raw  # the publisher copied it
+    return store, keys, cfg
+
+
+def test_returning_notice_with_an_idle_spare_is_an_ordinary_departure() -> None:
+    from trainguard.restart._book import peek
+    from trainguard.restart.sidecar._notice import write_notice
+
+    store, keys, cfg = _published_round_0(tr.MaxActiveWorldSize(2))  # active 0, 1; spare 2
+    notice = write_notice(store, cfg, 1, 0, (0, 1, 2), "died", returning=True)
+    assert (notice.returning, notice.counted) == (False, True)
+    assert b'"leave":"died"' in (peek(store, keys.member(1, 1)) or b"")
+
+
+def test_returning_notice_without_a_spare_keeps_the_rank_until_let_go() -> None:
+    from trainguard.restart._book import peek
+    from trainguard.restart.sidecar._notice import write_notice
+    from trainguard.restart.state import RoundOutcome
+
+    store, keys, cfg = _published_round_0(None)  # 3 active, no spare
+    notice = write_notice(store, cfg, 1, 0, (0, 1, 2), "died", returning=True)
+    assert (notice.returning, notice.counted) == (True, False)
+    stop = peek(store, keys.stop(0))
+    assert stop is not None and RoundOutcome.decode(stop).why == "fault"  # survivors abort
+    assert peek(store, keys.member(1, 1)) is None  # its arrival is not taken
+    assert peek(store, keys.left_mark(1)) is None  # nor is it counted out
+    notice = write_notice(store, cfg, 1, 0, (0, 1, 2), "never came back", returning=False)
+    assert (notice.returning, notice.counted) == (False, True)
+    assert b"never came back" in (peek(store, keys.member(1, 1)) or b"")
+
+
+def test_layout_writer_admits_a_gone_rank_and_recounts_it_when_its_layout_loses() -> None:
+    from trainguard.restart import _records
+    from trainguard.restart._book import RoundBook, peek
+    from trainguard.restart.sidecar._notice import write_notice
+
+    store, keys, cfg = _published_round_0(None)
+    write_notice(store, cfg, 1, 0, (0, 1, 2), "died")  # rank 1 is out: left = 1
+    policies = cfg.round_policies()
+    books = {r: RoundBook(store, keys, 3, policies, store_timeout=5.0, writer=r) for r in (0, 2)}
+    store.set(keys.pg_addr(1), "127.0.0.1:1")
+    store.set(keys.pg_addr(2), "127.0.0.1:1")
+    for n in (1, 2):
+        for r, book in books.items():
+            book.enter(_records.layout(store.get(keys.ready(n - 1))))
+            if n == 2 and r == 0:  # the newcomer's record, not counted (not in the roster)
+                rec = {"r": 1, "host": "h", "local_rank": 1, "leave": None, "fault": None}
+                assert books[0].record(2, 1, rec) is None
+            book.record(n, r, {"r": r, "host": "h", "local_rank": r, "leave": None, "fault": None})
+        if n == 1:
+            assert books[0].arrive(1) is None and books[2].arrive(1) is not None
+    payload, admitted = books[2]._lay_out(2)
+    ready = _records.layout(payload)
+    assert admitted == [1] and ready["active"] == [0, 2, 1] and ready["gone"] == {}
+    assert peek(store, keys.left_mark(1)) is None and store.add(keys.left, 0) == 0
+    # another writer published round 2 without it: this writer counts it out again
+    other = payload.replace(b'"active":[0,2,1]', b'"active":[0,2]')
+    books[2]._recount(admitted, other)
+    assert peek(store, keys.left_mark(1)) is not None and store.add(keys.left, 0) == 1
