@@ -16,7 +16,7 @@ import pytest
 
 import trainguard.restart as tr
 from tests._dist import RankGroup, RankResult
-from tests.restart import _jobs, _rejoin_jobs
+from tests.restart import _faults, _jobs
 from trainguard.events import read_events
 
 STEPS = 6
@@ -24,17 +24,22 @@ FAULT_STEP = 2
 SECRET = "rejoin-test-secret-0123456789"
 JOB = "rejoin"
 RESPAWN = {"TRAINGUARD_INCARNATION": "1"}
+TIMEOUTS = {"store_timeout": 30, "soft_timeout": 5.0, "hard_timeout": 10.0}
 
 
-def _group(tmp_path: Path, world: int, hold_round: int | None, overrides: Any, **kw: Any):
-    return RankGroup(
-        _rejoin_jobs.rejoin_job,
-        world,
-        args=(STEPS, 1, FAULT_STEP, hold_round, str(tmp_path), overrides),
-        kwargs=kw,
+def _started(tmp_path: Path, hold_round: int | None, overrides: Any, *, notice: bool = True):
+    """A 3-rank job whose rank 1 SIGKILLs itself at FAULT_STEP of round 0, once it is dead.
+    ``notice=False``: rank 1 runs without a sidecar (the test writes its death notice)."""
+    group = RankGroup(
+        _faults.fault_job,
+        3,
+        args=(STEPS, 1, FAULT_STEP, "sigkill", str(tmp_path), {**TIMEOUTS, **overrides}),
+        kwargs={"victim_overrides": {} if notice else {"sidecar": False}, "hold_round": hold_round},
         timeout=60,
         env={"TRAINGUARD_JOB_SECRET": SECRET, "TRAINGUARD_JOB_ID": JOB},
-    )
+    ).start()
+    group.wait_until(lambda: not group.is_alive(1), timeout=40)
+    return group
 
 
 def _events(tmp_path: Path, kind: str) -> list[dict[str, Any]]:
@@ -53,7 +58,7 @@ def _notice(group: RankGroup, *, returning: bool) -> Any:
     from trainguard.restart.sidecar._notice import write_notice
 
     cfg = SidecarConfig.build(
-        tr.WrapperConfig(**_rejoin_jobs.TIMEOUTS),
+        tr.WrapperConfig(**{**_faults.TIMEOUTS, **TIMEOUTS}),
         rank=1,
         world=3,
         keys=Keyspace(JOB, 0, SECRET),
@@ -66,9 +71,7 @@ def _notice(group: RankGroup, *, returning: bool) -> Any:
 
 def test_respawn_joins_as_spare_after_the_spare_took_its_place(tmp_path: Path) -> None:
     overrides = {"rank_filter": tr.MaxActiveWorldSize(2), "rank_assignment": tr.FillGaps()}
-    with _group(tmp_path, 3, 1, overrides) as group:
-        group.start()
-        group.wait_until(lambda: not group.is_alive(1), timeout=40)
+    with _started(tmp_path, 1, overrides) as group:
         joiner = group.respawn(1, RESPAWN)
         group.wait_until(lambda: bool(_events(tmp_path, "join_wait")), timeout=40)
         assert group.is_alive(0) and group.is_alive(2)
@@ -87,9 +90,7 @@ def test_respawn_joins_as_spare_after_the_spare_took_its_place(tmp_path: Path) -
 
 
 def test_returning_notice_makes_the_barrier_wait_for_the_respawn(tmp_path: Path) -> None:
-    with _group(tmp_path, 3, None, {}, victim_sidecar=False) as group:
-        group.start()
-        group.wait_until(lambda: not group.is_alive(1), timeout=40)
+    with _started(tmp_path, None, {}, notice=False) as group:
         notice = _notice(group, returning=True)
         assert (notice.returning, notice.counted) == (True, False)
         respawned_at = time.time()
@@ -106,9 +107,7 @@ def test_returning_notice_makes_the_barrier_wait_for_the_respawn(tmp_path: Path)
 
 def test_newcomer_without_an_idle_spare_is_admitted_at_once(tmp_path: Path) -> None:
     overrides = {"rank_filter": tr.MaxActiveWorldSize(3), "rank_assignment": tr.FillGaps()}
-    with _group(tmp_path, 3, 1, overrides) as group:
-        group.start()
-        group.wait_until(lambda: not group.is_alive(1), timeout=40)
+    with _started(tmp_path, 1, overrides) as group:
         joiner = group.respawn(1, RESPAWN)
         results = group.join()
     expected = _jobs.reference(STEPS, 3)  # the newcomer has no checkpoint: all start afresh
@@ -125,9 +124,7 @@ def test_newcomer_without_an_idle_spare_is_admitted_at_once(tmp_path: Path) -> N
 
 
 def test_returning_rank_that_never_comes_back_is_let_go(tmp_path: Path) -> None:
-    with _group(tmp_path, 3, None, {}, victim_sidecar=False) as group:
-        group.start()
-        group.wait_until(lambda: not group.is_alive(1), timeout=40)
+    with _started(tmp_path, None, {}, notice=False) as group:
         assert _notice(group, returning=True).returning
         time.sleep(1.0)  # the survivors wait at round 1's barrier for rank 1
         let_go = time.time()
@@ -152,7 +149,7 @@ def _published_round_0(filter_: Any) -> tuple[Any, Any, Any]:
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False)
     keys = Keyspace("unit", 0, "s3cret")
-    wcfg = tr.WrapperConfig(**{**_rejoin_jobs.TIMEOUTS, "rank_filter": filter_})
+    wcfg = tr.WrapperConfig(**{**_faults.TIMEOUTS, **TIMEOUTS, "rank_filter": filter_})
     cfg = SidecarConfig.build(
         wcfg, rank=1, world=3, keys=keys, addr=("127.0.0.1", store.port), log_dir=None
     )
