@@ -217,3 +217,6 @@ def test_layout_writer_admits_a_gone_rank_and_recounts_it_when_its_layout_loses(
     other = payload.replace(b'"active":[0,2,1]', b'"active":[0,2]')
     books[2]._recount(admitted, other)
     assert peek(store, keys.left_mark(1)) is not None and store.add(keys.left, 0) == 1
+    # a newcomer that dies while it waits outside the roster aborts no round
+    write_notice(store, cfg, 1, 2, (0, 2), "died while waiting")
+    assert peek(store, keys.stop(2)) is None
