@@ -179,7 +179,9 @@ class Agents:
         for i, log in enumerate(self.logs):
             text = log.read_text(errors="replace") if log.exists() else ""
             lines = [
-                ln for ln in text.splitlines() if "OMP_NUM_THREADS" not in ln and "****" not in ln
+                ln
+                for ln in text.splitlines()
+                if "OMP_NUM_THREADS" not in ln and "****" not in ln and "waitForInput" not in ln
             ]
             parts.append(f"--- agent {i} ---\n" + "\n".join(lines[-60:]))
         return "\n".join(parts)

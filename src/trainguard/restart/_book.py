@@ -47,7 +47,13 @@ _ABSENT = "\x00absent"  # compare_set's expected value for a key that no value e
 
 def peek(store: Any, key: str) -> bytes | None:
     """The value of ``key``, None when it is not set; never waits (unlike ``get``) and never
-    sets it (``compare_set`` with an expected value that no value equals)."""
+    sets it (``compare_set`` with an expected value that no value equals).
+
+    ``check`` first: a ``compare_set`` of a key that is not set wakes every client waiting for
+    that key although nothing was set (torch 2.13's TCPStore), and such a waiter then reads a
+    value that is not there (a monitor waiting for its round's outcome read an empty one)."""
+    if not store.check([key]):
+        return None
     value = bytes(store.compare_set(key, _ABSENT, _ABSENT))
     return None if value == _ABSENT.encode() else value
 
