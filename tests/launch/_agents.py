@@ -102,36 +102,46 @@ class Agents:
         self.env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(ROOT / "src"), str(ROOT), self.env.get("PYTHONPATH", "")) if p
         )
+        self.nodes, self.nproc, self.module = nodes, nproc, module
+        self.extra, self.worker = list(extra), list(worker)
         for node in range(nodes):
-            cmd = [
-                sys.executable,
-                "-m",
-                module,
-                f"--nnodes={nodes}",
-                f"--nproc-per-node={nproc}",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{self.port}",
-                f"--rdzv-id={self.run_id}",
-                "--local-addr=127.0.0.1",
-                f"--rdzv-conf=is_host={int(node == 0)},{RDZV_CONF}",
-                "--monitor-interval=0.05",
-                *extra,
-                WORKER,
-                *worker,
-            ]
-            log = tmp / f"agent-{node}.log"
-            self.logs.append(log)
-            with open(log, "wb") as f:
-                self.procs.append(
-                    subprocess.Popen(
-                        cmd,
-                        env=self.env,
-                        stdout=f,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                        cwd=ROOT,
-                    )
+            self.add(host=node == 0)
+
+    def add(self, *, host: bool = False, extra: Sequence[str] = ()) -> int:
+        """Start one more agent of the job (``host``: it hosts the rendezvous store); returns
+        its index in :attr:`procs` (a replacement node starts like this while the job runs)."""
+        index = len(self.procs)
+        cmd = [
+            sys.executable,
+            "-m",
+            self.module,
+            f"--nnodes={self.nodes}",
+            f"--nproc-per-node={self.nproc}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{self.port}",
+            f"--rdzv-id={self.run_id}",
+            "--local-addr=127.0.0.1",
+            f"--rdzv-conf=is_host={int(host)},{RDZV_CONF}",
+            "--monitor-interval=0.05",
+            *self.extra,
+            *extra,
+            WORKER,
+            *self.worker,
+        ]
+        log = self.tmp / f"agent-{index}.log"
+        self.logs.append(log)
+        with open(log, "wb") as f:
+            self.procs.append(
+                subprocess.Popen(
+                    cmd,
+                    env=self.env,
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    cwd=ROOT,
                 )
+            )
+        return index
 
     def left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())

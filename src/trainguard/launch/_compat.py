@@ -12,7 +12,9 @@ that a torch release that moves one of them breaks this module (and its contract
 - ``LocalElasticAgent``: ``_pcontext``, ``_uninterruptible_state_timeout`` and
   ``_check_uninterruptible_state_timeout`` (torch's D-state watchdog, absent from older releases; probed),
   ``_in_exit_barrier`` (the health check's "finished, waiting for the others" flag; set while
-  the agent's own exit barrier runs).
+  the agent's own exit barrier runs);
+- ``DynamicRendezvousHandler._stop_heartbeats`` (its keep-alive timer; probed): stopped when
+  the rendezvous store is gone, until the next rendezvous round starts it again.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ __all__ = [
     "pcontext",
     "release",
     "replace",
+    "stop_keepalive",
 ]
 
 #: attributes of a started ``SubprocessContext`` the agent relies on.
@@ -171,3 +174,12 @@ def in_exit_barrier(agent: LocalElasticAgent) -> Iterator[None]:
         yield
     finally:
         agent._in_exit_barrier = False
+
+
+def stop_keepalive(handler: object) -> None:
+    """Stop a c10d rendezvous handler's keep-alive writes (torch restarts them at its next
+    rendezvous round): its store went down with the node that hosted it, and each failed
+    write would log a stack trace."""
+    stop = getattr(handler, "_stop_heartbeats", None)
+    if callable(stop):
+        stop()

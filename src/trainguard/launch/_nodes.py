@@ -34,6 +34,7 @@ from torch.distributed.elastic.agent.server.api import Worker, WorkerGroup
 
 from trainguard import events
 from trainguard.errors import ConfigError
+from trainguard.launch import _compat
 from trainguard.launch._coordstore import CoordStore, Generation
 from trainguard.launch._gate import (
     AdmissionGate,
@@ -295,7 +296,12 @@ class NodeWatch:
             try:
                 mark_vacant(self.gate.store, self.run_id, place.vacancy(node))
             except Exception as exc:  # the rendezvous store went with that node
-                logger.warning("no replacement can take node %d's place (%s)", node, exc)
+                logger.warning(
+                    "no replacement can take node %d's place: the rendezvous store is gone (%s)",
+                    node,
+                    exc,
+                )
+                _compat.stop_keepalive(self.gate.handler)
 
     def back(self, place: Place, node: int) -> None:
         """A replacement took lost ``node``'s place and beats as it."""
