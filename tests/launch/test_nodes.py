@@ -173,3 +173,30 @@ def test_agent_0_lost_with_an_external_store_the_others_go_on(tmp_path: Path) ->
         store.wait(5)
         assert store.stdout is not None
         store.stdout.close()
+
+
+def test_a_node_declared_lost_while_only_slow_restarts_the_whole_job(tmp_path: Path) -> None:
+    """Agent 1 is stopped (SIGSTOP) past the heartbeat timeout while its workers run on: agent
+    0 counts its ranks out; when it runs again it finds itself declared lost, stops its workers
+    and asks for a whole-job restart, which completes in generation 1."""
+    out, ev = tmp_path / "out", tmp_path / "events"
+    out.mkdir()
+    extra = [*NODES, f"--tg-events-dir={ev}", "--max-restarts=1"]
+    with Agents(tmp_path, nodes=2, nproc=2, worker=["run", str(out)], extra=extra) as job:
+        _started(job, out)
+        job.procs[1].send_signal(signal.SIGSTOP)
+        try:
+            job.wait_for(lambda: _events(ev, "launch_node_lost"), timeout=TIMEOUT + 10)
+        finally:
+            job.procs[1].send_signal(signal.SIGCONT)
+        job.wait_for(
+            lambda: len([s for s in read_starts(out) if s["generation"] == "1"]) == 4,
+            what="generation 1",
+        )
+        (out / "stop").touch()
+        assert job.wait(timeout=30) == [0, 0], job.output()
+        assert leftovers(job.run_id) == []
+    (escalated, *_) = _events(ev, "launch_escalated")
+    assert escalated["rank"] == -2 and "declared lost" in escalated["reason"], escalated
+    starts = read_starts(out)
+    assert sorted(s["rank"] for s in starts if s["generation"] == "1") == [0, 1, 2, 3]
