@@ -64,6 +64,24 @@ def kill_all(run_id: str) -> list[int]:
     return found
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (exists and is not a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def progress(out: Path, rank: int) -> int:
+    """The step count rank ``rank``'s ``run`` workers reached (see ``_workers.py``)."""
+    try:
+        return int((out / f"progress-{rank}").read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
 def read_starts(out: Path) -> list[dict[str, Any]]:
     """The workers' start records (see ``_workers.py``), in order."""
     path = out / "starts.jsonl"

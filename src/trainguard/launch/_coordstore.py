@@ -95,19 +95,17 @@ class CoordStore:
                     "node runs trainguard launch (not torchrun) with the same options"
                 ) from exc
             if addr != self.addr or self.client is None:
-                host, port = parse_addr(addr)
-                self.client = connect(host, port, timeout=self.timeout)
-        self.addr = addr
-        self.last_generation = generation
+                return self.adopt(addr, generation)
+        self.addr, self.last_generation = addr, generation
         return Generation(addr, generation)
 
     def adopt(self, addr: str, generation: int) -> Generation:
-        """A replacement node: connect to the store at ``addr`` of a running ``generation``
-        (from the vacancy it claimed) instead of joining a rendezvous round."""
+        """Connect to the store at ``addr`` in ``generation``: what agents other than 0 do in
+        :meth:`join`, and what a replacement node does with the vacancy it claimed (no
+        rendezvous round)."""
         host, port = parse_addr(addr)
         self.client = connect(host, port, timeout=self.timeout)
-        self.addr = addr
-        self.last_generation = generation
+        self.addr, self.last_generation = addr, generation
         return Generation(addr, generation)
 
     def _open(self, advertise: str, bind: str) -> str:

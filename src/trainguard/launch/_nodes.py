@@ -80,15 +80,8 @@ class Place:
 
     def vacancy(self, node: int) -> Vacancy:
         """The vacancy that lost ``node`` of this generation leaves."""
-        return Vacancy(
-            node=node,
-            generation=self.generation,
-            nodes=self.nodes,
-            world_size=self.world_size,
-            store_addr=self.store_addr,
-            master_addr=self.master_addr,
-            master_port=self.master_port,
-        )
+        same = {f.name: getattr(self, f.name) for f in dataclasses.fields(Vacancy)}
+        return Vacancy(**dict(same, node=node))
 
 
 def adopted_workers(
@@ -102,15 +95,10 @@ def adopted_workers(
             f"the lost node {vacancy.node} {had}; this node starts {local_world_size}: start "
             "the replacement with the lost node's --nproc-per-node"
         )
+    n = vacancy.world_size  # one role: role ranks are global ranks
     return [
-        Worker(
-            local_rank=local_rank,
-            global_rank=rank,
-            role_rank=rank,
-            world_size=vacancy.world_size,
-            role_world_size=vacancy.world_size,
-        )
-        for local_rank, rank in enumerate(ranks)
+        Worker(i, global_rank=r, role_rank=r, world_size=n, role_world_size=n)
+        for i, r in enumerate(ranks)
     ]
 
 
