@@ -141,7 +141,7 @@ class Watchdog:
         if sidecar.alive() and sidecar.send({"hb": 1, "in_fn": in_fn, "stall": round(stall, 3)}):
             return
         code = sidecar.proc.returncode if sidecar.proc is not None else None
-        self.lost = f"its sidecar process died (exit code {code})"
+        self.lost = sidecar.loss()
         logger.error("rank's %s; this rank leaves the job", self.lost)
         events.emit("sidecar_lost", exitcode=code)
         self._record(self._state()[0], f"sidecar lost: {self.lost}")

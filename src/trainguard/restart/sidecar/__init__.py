@@ -7,12 +7,15 @@ it: it writes the death notice when the training process dies (:mod:`._notice`),
 hard timeout, and beats this rank's heartbeat in the store (declaring silent ranks gone).
 
 - :class:`Sidecar`: the training process's handle (start, handshake, lines, stop).
+- :class:`AgentSidecar`: the same handle when ``trainguard launch``'s agent watches this
+  process instead (``TRAINGUARD_AGENT``, :mod:`._agent`; no sidecar process).
 - :class:`SidecarConfig`: what the sidecar is told on its command line.
 """
 
 from __future__ import annotations
 
+from trainguard.restart.sidecar._agent import AgentSidecar
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._handle import Sidecar, log_path
 
-__all__ = ["Sidecar", "SidecarConfig", "log_path"]
+__all__ = ["AgentSidecar", "Sidecar", "SidecarConfig", "log_path"]

@@ -40,6 +40,18 @@ def private_log(config: SidecarConfig) -> Path:
     return _private.private_dir() / f"sidecar-{config.job}-{config.call}-{config.rank}.log"
 
 
+def handshake_reply(line: bytes) -> dict[str, Any]:
+    """A handshake line (the sidecar's or the agent's), parsed: ``{"ok": True, ...}`` or
+    ``{"ok": False, "error": ...}``, also for a missing or unreadable line."""
+    try:
+        reply = json.loads(line) if line else {"ok": False, "error": "no handshake"}
+    except ValueError:
+        reply = None
+    if not isinstance(reply, dict):
+        return {"ok": False, "error": f"unreadable handshake {line!r}"}
+    return reply
+
+
 class Sidecar:
     """Training-process side: start, send lines, notice the sidecar's death, stop."""
 
@@ -61,10 +73,7 @@ class Sidecar:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else b""
         self.proc.stdout.close()
-        try:
-            reply = json.loads(line) if line else {"ok": False, "error": "no handshake"}
-        except ValueError:
-            reply = {"ok": False, "error": f"unreadable handshake {line!r}"}
+        reply = handshake_reply(line)
         if not reply.get("ok"):
             self.stop(0.0)
             raise CoordinationError(
@@ -74,6 +83,11 @@ class Sidecar:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def loss(self) -> str:
+        """Why :meth:`alive` is False, for the watchdog's report."""
+        code = self.proc.returncode if self.proc is not None else None
+        return f"its sidecar process died (exit code {code})"
 
     def send(self, message: dict[str, Any]) -> bool:
         """One line to the sidecar (from any thread); False if it is gone."""

@@ -1,0 +1,146 @@
+"""The training process's handle of the launcher's sidecar service (``trainguard launch``).
+
+Under ``trainguard launch`` no sidecar process is started: the agent that started this worker
+(its parent) watches it (:class:`trainguard.launch._service.SidecarService`). The agent's
+address is ``TRAINGUARD_AGENT``: the name of a Unix socket in Linux's abstract namespace.
+
+:class:`AgentSidecar` has the methods of :class:`~trainguard.restart.sidecar.Sidecar`:
+
+1. :meth:`~AgentSidecar.start` connects and sends the :class:`SidecarConfig` as one JSON line
+   (the agent checks the connecting process's pid and uid with ``SO_PEERCRED``);
+2. :meth:`~AgentSidecar.handshake` reads the agent's one JSON reply line;
+3. :meth:`~AgentSidecar.send` writes the same lines a sidecar gets on its stdin (round, hb,
+   bye), from any thread;
+4. :meth:`~AgentSidecar.alive` is True while the connection is open: when the agent dies, the
+   watchdog sees it and this rank leaves the job (it must not run unwatched);
+5. :meth:`~AgentSidecar.stop` says goodbye and waits until the agent closed the connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import select
+import socket
+import threading
+import time
+from typing import Any
+
+from trainguard import _env
+from trainguard.errors import CoordinationError
+from trainguard.restart.sidecar._config import SidecarConfig
+from trainguard.restart.sidecar._handle import handshake_reply
+
+logger = logging.getLogger(__name__)
+
+
+def agent_address() -> str | None:
+    """The agent's socket name from ``TRAINGUARD_AGENT`` (None: not under the launcher)."""
+    return _env.settings().agent
+
+
+class AgentSidecar:
+    """Training-process side of the agent's watch; see the module docstring.
+
+    Args:
+        config: what a sidecar would be told.
+        address: the agent's abstract socket name (``TRAINGUARD_AGENT``, without the NUL).
+    """
+
+    proc: Any = None  # no process of its own (the watchdog reads a sidecar's exit code here)
+
+    def __init__(self, config: SidecarConfig, address: str) -> None:
+        self.config = config
+        self.address = address
+        self.sock: socket.socket | None = None
+        self.error: str | None = None
+        self._lock = threading.Lock()  # one line at a time, from any thread
+        self._closed = False
+
+    def start(self) -> AgentSidecar:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect("\0" + self.address)
+            sock.sendall(json.dumps(self.config.to_json()).encode() + b"\n")
+        except OSError as exc:
+            sock.close()
+            self.error = f"cannot reach it at {self.address!r}: {exc}"
+            return self
+        self.sock = sock
+        return self
+
+    def handshake(self, timeout: float) -> None:
+        if self.sock is None:
+            reply: dict[str, Any] = {"ok": False, "error": self.error}
+        else:
+            reply = handshake_reply(self._read_line(timeout))
+        if not reply.get("ok"):
+            self.stop(0.0)
+            raise CoordinationError(
+                f"the launcher's agent does not watch this process: {reply.get('error')}; "
+                "start it with `trainguard launch` (or unset TRAINGUARD_AGENT to run it with a "
+                "sidecar process of its own)"
+            )
+
+    def _read_line(self, timeout: float) -> bytes:
+        assert self.sock is not None
+        data = b""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in data:
+            ready, _, _ = select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            chunk = self.sock.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+        return data.partition(b"\n")[0]
+
+    def alive(self) -> bool:
+        """The connection is open (the agent never writes after the handshake: a readable
+        socket means it closed)."""
+        sock = self.sock
+        if sock is None or self._closed:
+            return False
+        try:
+            ready, _, _ = select.select([sock], [], [], 0)
+        except (OSError, ValueError):  # closed by stop() meanwhile
+            ready = [sock]
+        if ready:
+            self._closed = True
+        return not self._closed
+
+    def loss(self) -> str:
+        """Why :meth:`alive` is False, for the watchdog's report."""
+        return "its connection to the launcher's agent closed (the agent ended)"
+
+    def send(self, message: dict[str, Any]) -> bool:
+        """One line to the agent (from any thread); False if the connection is gone."""
+        with self._lock:
+            if self.sock is None:
+                return False
+            try:
+                self.sock.sendall(json.dumps(message).encode() + b"\n")
+                return True
+            except OSError:
+                self._closed = True
+                return False
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Say goodbye and wait up to ``timeout`` for the agent to close the connection (it has
+        then taken the goodbye: the process may exit)."""
+        if self.sock is None:
+            return
+        self.send({"bye": 1})
+        with self._lock:
+            sock, self.sock = self.sock, None
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                ready, _, _ = select.select([sock], [], [], deadline - time.monotonic())
+                if not ready or not sock.recv(4096):
+                    break
+        sock.close()
+        self._closed = True

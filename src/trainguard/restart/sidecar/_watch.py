@@ -1,0 +1,352 @@
+"""The watch over one training process: its lines, its hard timeout, its death notice.
+
+One :class:`Watch` per wrapped call of one training process. It runs in two places:
+
+- in the sidecar process (``python -m trainguard.restart.sidecar``): fed from the sidecar's
+  stdin, it also beats this rank's heartbeat and judges the others' (:meth:`Watch.run_piped`);
+- inside the launcher's agent (:class:`trainguard.launch._service.SidecarService`): fed from a
+  Unix socket connection, without heartbeats (the agent beats once per node), and it kills the
+  worker's whole process group at the hard timeout (``group_kill``).
+
+The lines (one JSON object each): ``{"round": n, "roster": [...]}`` after each barrier,
+``{"hb": 1, "in_fn": bool, "stall": s}`` from the training process's watchdog thread every few
+tenths of a second, ``{"bye": 1}`` when the wrapped call has left the job.
+
+Threads, so that no store operation ever delays the two duties that must be on time (a
+TCPStore operation on a server that stopped answering blocks far past its timeout):
+
+- the reader (the sidecar's main thread, or the agent's connection thread): no store work
+  until the training process is dead.
+- ``tg-hard``: the hard timeout, with no store access. When no watchdog line arrived for
+  ``hard_timeout`` (a thread holds the GIL), or the watchdog reports the function stalled that
+  long, it sends SIGTERM, waits ``termination_grace_time``, sends SIGKILL. Signals go through a
+  pidfd (``pidfd_send_signal``), so they never reach a process that reused the pid; with
+  ``group_kill`` a SIGCONT goes first (a stopped process cannot handle SIGTERM) and every signal
+  goes to the process group the training process leads, if it leads one.
+- ``tg-beats`` (sidecar only): counts this rank's counter up every ``heartbeat_interval`` and
+  reads the others' counters (one ``multi_get``); a rank whose counter did not move for
+  ``heartbeat_timeout`` by this process's clock is gone: a ``tg-notice`` thread with its own
+  connection writes the notice, so a notice waiting on a barrier never stops the beats. A
+  value that is not a counter counts as a counter that does not move.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import logging
+import os
+import select
+import signal
+import threading
+import time
+from typing import Any
+
+from trainguard import events
+from trainguard.coord.store import connect
+from trainguard.restart.sidecar._config import SidecarConfig
+from trainguard.restart.sidecar._notice import Notice, write_notice
+
+logger = logging.getLogger("trainguard.restart.sidecar")
+
+#: whether :func:`write_notice` knows notices of ranks that the launcher respawns
+NOTICE_TAKES_RETURNING = "returning" in inspect.signature(write_notice).parameters
+
+
+class Watch:
+    """See the module docstring.
+
+    Args:
+        cfg: the training process's sidecar configuration.
+        pid: the watched process (default ``cfg.parent``).
+        heartbeats: beat this rank's heartbeat and judge the others' (the sidecar does).
+        group_kill: at the hard timeout, SIGCONT first and signal the process group the
+            training process leads (the agent does: its workers lead their own groups).
+        killer: who kills, for the cause of the death notice ("its sidecar", "the launcher").
+    """
+
+    def __init__(
+        self,
+        cfg: SidecarConfig,
+        *,
+        pid: int | None = None,
+        heartbeats: bool = True,
+        group_kill: bool = False,
+        killer: str = "its sidecar",
+    ) -> None:
+        self.cfg = cfg
+        self.rank = cfg.rank
+        self.world = cfg.world
+        self.parent = cfg.parent if pid is None else pid
+        self.keys = cfg.keys
+        self.heartbeats = heartbeats
+        self.group_kill = group_kill
+        self.killer = killer
+        self.coord: Any = connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
+        self.beat_store: Any = self.coord.clone() if heartbeats else None
+        self.pidfd = os.pidfd_open(self.parent)
+        self.lock = threading.Lock()  # guards the fields below, shared by the threads
+        self.round = -1
+        self.roster: tuple[int, ...] = tuple(range(self.world))
+        self.last_line = time.monotonic()
+        self.in_fn = False
+        self.stall = 0.0
+        self.said_bye = False
+        self.killed: str | None = None  # set by tg-hard before its SIGTERM
+        self.done = threading.Event()  # the training process is gone or said goodbye
+        self.threads: list[threading.Thread] = []
+        self.notices: list[threading.Thread] = []
+        self.buffer = b""
+        # heartbeats of the others: rank -> (counter, when it last moved by our clock)
+        self.seen: dict[int, tuple[int, float]] = {}
+        self.declared: set[int] = set()
+        self.last_beat = time.monotonic()
+        self.sent = 0  # this rank's heartbeat counter
+        if heartbeats:
+            # Every counter must exist so that reading them never blocks on a missing key. Not
+            # by add(): a TCPStore server drops the connection of an add to a value that is no
+            # number.
+            for r in range(self.world):
+                self.coord.compare_set(self.keys.heartbeat(r), "", b"0")
+
+    # lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the clock of the hard timeout and the threads (tg-hard, tg-beats)."""
+        self.last_line = time.monotonic()
+        self.threads = [threading.Thread(target=self.enforce_hard_timeout, name="tg-hard")]
+        if self.heartbeats:
+            self.threads.append(threading.Thread(target=self.beats, name="tg-beats"))
+        for thread in self.threads:
+            thread.daemon = True
+            thread.start()
+
+    def stop(self) -> None:
+        """The training process is gone or said goodbye: end tg-hard (never blocked long: it
+        waits on the event, or up to the grace time of a kill) and tg-beats (not waited for
+        when stuck in a store call)."""
+        self.done.set()
+        for thread in self.threads:
+            thread.join(self.cfg.termination_grace_time + 1.0 if thread.name == "tg-hard" else 0.5)
+
+    def close(self) -> None:
+        """Drop the store connections and the pidfd (after :meth:`stop`)."""
+        self.coord = None
+        self.beat_store = None
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+    def position(self) -> tuple[int, tuple[int, ...]]:
+        """The last round the training process announced (-1: none yet) and its roster."""
+        with self.lock:
+            return self.round, self.roster
+
+    # lines --------------------------------------------------------------------------------
+    def handle(self, line: bytes) -> bool:
+        """One line from the training process; True for its goodbye."""
+        msg = json.loads(line)
+        with self.lock:
+            self.last_line = time.monotonic()
+            if "hb" in msg:
+                self.in_fn = bool(msg["in_fn"])
+                self.stall = float(msg["stall"])
+            elif "round" in msg:
+                self.round = int(msg["round"])
+                self.roster = tuple(int(r) for r in msg["roster"])
+            if "bye" in msg:
+                self.said_bye = True
+        return "bye" in msg
+
+    def feed(self, chunk: bytes) -> bool:
+        """Bytes read from the training process; True once it said goodbye."""
+        self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n")
+        return any(self.handle(line) for line in lines if line.strip())
+
+    # tg-hard: the hard timeout, no store access -------------------------------------------
+    def enforce_hard_timeout(self) -> None:
+        hard = self.cfg.hard_timeout
+        while not self.done.is_set():
+            now = time.monotonic()
+            with self.lock:  # the clock starts at the handshake, before the first line
+                silent = now - self.last_line
+                stalled = self.stall + silent if self.in_fn else 0.0
+            if silent >= hard:
+                self.kill_parent(f"no progress of any thread for {silent:.1f} s")
+                return
+            if stalled >= hard:
+                self.kill_parent(f"the function made no progress for {stalled:.1f} s")
+                return
+            # wake at the earliest deadline; a new line only moves it later
+            self.done.wait(max(0.001, hard - max(silent, stalled)))
+
+    def kill_parent(self, why: str) -> None:
+        grace = self.cfg.termination_grace_time
+        self.killed = f"killed by {self.killer} at the hard timeout ({why})"
+        events.emit("hard_timeout", reason=why, pid=self.parent, killed_rank=self.rank)
+        logger.error("rank %d: hard timeout: %s; SIGTERM to %d", self.rank, why, self.parent)
+        if self.group_kill:
+            self.signal(signal.SIGCONT)
+        self.signal(signal.SIGTERM)
+        ready, _, _ = select.select([self.pidfd], [], [], grace)
+        if not ready:
+            logger.error("rank %d: still alive %.1f s after SIGTERM; SIGKILL", self.rank, grace)
+            self.signal(signal.SIGKILL)
+
+    def signal(self, sig: signal.Signals) -> None:
+        """``sig`` to the watched process through its pidfd; with ``group_kill`` to the group
+        it leads as well (only while it lives, so the group id cannot have been reused)."""
+        with contextlib.suppress(ProcessLookupError):  # gone already: nothing else is hit
+            signal.pidfd_send_signal(self.pidfd, sig)
+            if self.group_kill and os.getpgid(self.parent) == self.parent:
+                os.killpg(self.parent, sig)
+
+    # tg-beats: heartbeats and verdicts (sidecar only) -------------------------------------
+    def beats(self) -> None:
+        interval = self.cfg.heartbeat_interval
+        next_beat = time.monotonic()
+        while not self.done.wait(max(0.0, next_beat - time.monotonic())):
+            next_beat = max(next_beat + interval, time.monotonic())
+            try:
+                self.beat()
+            except Exception as exc:
+                logger.warning("heartbeat failed: %s", exc)
+
+    def beat(self) -> None:
+        store = self.beat_store
+        asked = time.monotonic()
+        self.sent += 1  # set, not add: whatever another writer left there is overwritten
+        store.set(self.keys.heartbeat(self.rank), str(self.sent))
+        n, roster = self.position()
+        others = [r for r in roster if r != self.rank and r not in self.declared]
+        if not others or n < 0:  # judged once every rank passed the first barrier
+            return
+        values = store.multi_get([self.keys.heartbeat(r) for r in others])
+        now = time.monotonic()
+        timeout = self.cfg.heartbeat_timeout
+        if now - self.last_beat > max(timeout / 2, 2 * self.cfg.heartbeat_interval):
+            # This process saw nothing for a while (the store did not answer, or this process
+            # got no CPU): that time says nothing about the others. Start their clocks afresh.
+            self.seen = {}
+        self.last_beat = asked
+        self.seen = {r: v for r, v in self.seen.items() if r in roster}
+        for r, raw in zip(others, values, strict=True):
+            if bytes(raw) == b"bye":  # that rank finished normally
+                self.declared.add(r)
+                continue
+            counter = _counter(bytes(raw))
+            if counter == 0:
+                continue  # judged only once it beat
+            previous = self.seen.get(r)
+            if previous is None or previous[0] != counter:
+                self.seen[r] = (counter, now)
+            elif now - previous[1] >= timeout:
+                self.declared.add(r)
+                cause = f"silent: no heartbeat for {now - previous[1]:.1f} s (heartbeat_timeout)"
+                logger.warning("rank %d is %s", r, cause)
+                self.notices.append(self.notice_thread(r, n, roster, cause))
+
+    # notices -----------------------------------------------------------------------------
+    def notice_thread(
+        self, r: int, n: int, roster: tuple[int, ...], cause: str
+    ) -> threading.Thread:
+        """The notice of rank ``r`` on a connection of its own, in a thread of its own."""
+        thread = threading.Thread(
+            target=self.clone_notice, args=(r, n, roster, cause), name="tg-notice"
+        )
+        thread.daemon = True
+        thread.start()
+        return thread
+
+    def clone_notice(self, r: int, n: int, roster: tuple[int, ...], cause: str) -> None:
+        try:
+            store = self.coord.clone()
+        except Exception:
+            logger.exception("could not write the notice that rank %d is gone", r)
+            return
+        notify(store, self.cfg, r, n, roster, cause)
+
+    # the sidecar process ------------------------------------------------------------------
+    def wait_parent(self, fd: int, buf: bytes = b"") -> str | None:
+        """Until goodbye (None) or the training process's death (its cause). ``fd``: the pipe
+        the lines come on; ``buf``: what was read from it after the configuration line."""
+        os.set_blocking(fd, False)
+        eof = False
+        if self.feed(buf):
+            return None
+        while True:
+            ready, _, _ = select.select([self.pidfd] if eof else [self.pidfd, fd], [], [])
+            # the pipe first: a goodbye written just before a normal exit is not a death
+            while not eof:
+                try:
+                    chunk = os.read(fd, 65536)
+                except BlockingIOError:
+                    break
+                eof = not chunk
+                if self.feed(chunk):
+                    return None
+            if self.pidfd in ready:
+                return self.killed or f"process died (pid {self.parent} exited)"
+
+    def run_piped(self, fd: int, buf: bytes = b"") -> int:
+        """The sidecar process's life: watch until goodbye or death, then write the notice
+        (or this rank's ``bye`` heartbeat)."""
+        self.start()
+        cause = self.wait_parent(fd, buf)
+        self.done.set()
+        self.threads[0].join()  # never blocked: it only waits on the pidfd and the event
+        if cause is None:
+            logger.info("the training process said goodbye")
+            with contextlib.suppress(Exception):  # the store may be gone with the job
+                self.coord.set(self.keys.heartbeat(self.rank), b"bye")
+        else:
+            n, roster = self.position()
+            notify(self.coord, self.cfg, self.rank, n, roster, cause)
+        # Notices about others still running go on up to the barrier timeout; a beat stuck in
+        # a store call is not waited for (the process exits under it).
+        deadline = time.monotonic() + self.cfg.barrier_timeout
+        for thread in self.notices:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        for thread in self.threads[1:]:
+            thread.join(0.5)
+        return 0
+
+
+def notify(
+    store: Any,
+    cfg: SidecarConfig,
+    r: int,
+    n: int,
+    roster: tuple[int, ...],
+    cause: str,
+    *,
+    returning: bool | None = None,
+) -> Notice | None:
+    """Write the death notice of rank ``r`` in the wrapped call of ``cfg`` (``store``: a
+    connection of this notice's own) and log it; None when it could not be written (logged).
+    ``returning``: the launcher respawns ``r`` (None: the plain notice)."""
+    try:
+        args = (store, cfg, r, n, roster, cause)
+        if returning is not None and NOTICE_TAKES_RETURNING:
+            writer: Any = write_notice  # the keyword comes with the rejoin protocol
+            done: Notice = writer(*args, returning=returning)
+        else:
+            done = write_notice(*args)
+    except Exception:
+        logger.exception("could not write the notice that rank %d is gone", r)
+        return None
+    logger.warning(
+        "rank %d gone in round %d (%s); notice written in %.1f ms (counted: %s)",
+        r,
+        done.gone_round,
+        cause,
+        1000 * done.duration,
+        done.counted,
+    )
+    return done
+
+
+def _counter(raw: bytes) -> int:
+    """A heartbeat counter read from the store; -1 for a value that is no counter."""
+    return int(raw) if raw.isdigit() else (0 if not raw else -1)
