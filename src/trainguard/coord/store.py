@@ -17,7 +17,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from trainguard import _env, _subproc
+from trainguard import _subproc
 from trainguard.errors import ConfigError, CoordinationError
 
 __all__ = ["StoreProcess", "connect", "parse_addr"]
@@ -114,6 +114,8 @@ class StoreProcess:
         # Under ``trainguard launch`` the agent kills a dead worker's process group before it
         # respawns the slot; the store serves the others and must not go with it (once its
         # parent is gone it exits when no client is left, see ``orphan_grace``).
+        from trainguard import _env  # not at import: _env reads addresses with parse_addr
+
         self.proc = _subproc.start_module(
             "trainguard.coord._server",
             self.config,
