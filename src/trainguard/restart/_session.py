@@ -124,6 +124,7 @@ class Session:
             bind_host=_bind.bind_host(advertise, local=local),
             world_size=self.world,
             timeout=self.cfg.store_timeout,
+            new_session=_env.settings().agent is not None,  # see StoreProcess
         ).start()
 
     # barrier ------------------------------------------------------------------------------
