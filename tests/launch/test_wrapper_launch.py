@@ -29,15 +29,18 @@ def _steps(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _job(tmp_path: Path, nproc: int, active: int, steps: int) -> tuple[Agents, Path, Path]:
+def _job(
+    tmp_path: Path, nproc: int, active: int, steps: int, *more: str
+) -> tuple[Agents, Path, Path]:
     out, ev = tmp_path / "out", tmp_path / "events"
     out.mkdir()
-    worker = ["wrapper", str(out), f"--active={active}", f"--steps={steps}", "--step=0.1"]
+    worker = ["wrapper", str(out), f"--active={active}", f"--steps={steps}", "--step=0.1", *more]
     job = Agents(
         tmp_path,
         nodes=1,
         nproc=nproc,
         worker=worker,
+        extra=["--max-restarts=1"],
         env={"TRAINGUARD_EVENTS_DIR": str(ev)},
         timeout=110,
     )
@@ -130,3 +133,26 @@ def test_without_a_spare_the_survivors_wait_for_the_respawned_worker(
     kinds = [e["kind"] for e in events.read_events(ev)]
     assert kinds.index("launch_worker_died") < kinds.index("launch_respawned")
     assert "launch_admitted" in kinds
+
+
+def test_a_job_the_wrapper_cannot_recover_restarts_whole_in_a_new_generation(
+    tmp_path: Path,
+) -> None:
+    """Generation 0 fails the same way every round: the Wrapper gives up (RetryLimitError) and
+    asks the launcher for a whole-job restart; generation 1 completes."""
+    job, out, ev = _job(tmp_path, 2, 2, 5, "--raise-gen=0")
+    with job:
+        assert job.wait() == [0], job.output()
+        assert leftovers(job.run_id) == []
+    starts = read_starts(out)
+    assert sorted((s["generation"], s["rank"]) for s in starts) == [
+        ("0", 0),
+        ("0", 1),
+        ("1", 0),
+        ("1", 1),
+    ]
+    steps = _steps(out)
+    assert steps and {s["world"] for s in steps} == {2}
+    assert len([s for s in steps if s["step"] == 4]) == 2  # generation 1 ran to the end
+    escalated = [e for e in events.read_events(ev) if e["kind"] == "launch_escalated"]
+    assert escalated and "RetryLimitError" in escalated[0]["reason"], escalated
