@@ -47,6 +47,15 @@ def _job(
     return job, out, ev
 
 
+def _running(job: Agents, out: Path) -> None:
+    """Until two active ranks made 3 steps of round 0."""
+    job.wait_for(
+        lambda: sum(1 for s in _steps(out) if s["round"] == 0 and s["step"] >= 3) >= 2,
+        timeout=60,
+        what="round 0 steps on both active ranks",
+    )
+
+
 def _joining(ev: Path) -> bool:
     return ev.exists() and any(e["kind"] == "join_wait" for e in events.read_events(ev))
 
@@ -66,11 +75,7 @@ def _sidecar_processes(run_id: str) -> list[int]:
 def test_a_killed_active_worker_is_replaced_by_the_spare_and_rejoins(tmp_path: Path) -> None:
     job, out, ev = _job(tmp_path, nproc=3, active=2, steps=30)
     with job:
-        job.wait_for(
-            lambda: sum(1 for s in _steps(out) if s["round"] == 0 and s["step"] >= 3) >= 2,
-            timeout=60,
-            what="round 0 steps on both active ranks",
-        )
+        _running(job, out)
         assert _sidecar_processes(job.run_id) == []  # the agent watches its workers itself
         pids = {s["rank"]: s["pid"] for s in read_starts(out)}
         victim = next(s["initial"] for s in _steps(out) if s["round"] == 0 and s["initial"] != 0)
@@ -111,11 +116,7 @@ def test_without_a_spare_the_survivors_wait_for_the_respawned_worker(
     kills the dead worker's process group before the respawn."""
     job, out, ev = _job(tmp_path, nproc=2, active=2, steps=30)
     with job:
-        job.wait_for(
-            lambda: sum(1 for s in _steps(out) if s["round"] == 0 and s["step"] >= 3) >= 2,
-            timeout=60,
-            what="round 0 steps on both ranks",
-        )
+        _running(job, out)
         pids = {s["rank"]: s["pid"] for s in read_starts(out)}
         os.kill(pids[victim], signal.SIGKILL)
         back = job.wait_for(
