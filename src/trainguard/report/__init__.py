@@ -47,12 +47,20 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from trainguard.report._launch import (
+    exit_text,
+    is_rank,
+    plural,
+    root_cause,
+    section,
+    summary,
+    target,
+)
 from trainguard.report._timeline import (
     DETECTION_KINDS,
     Span,
     Timeline,
     measure,
-    plural,
     start_of,
     subtract,
 )
@@ -114,6 +122,8 @@ class Report:
     ckpt_stalls: dict[str, dict[str, float]]  # what -> {"count", "seconds"}
     faults: list[Fault]
     notes: list[str]
+    # ``trainguard launch``'s events (see trainguard.report._launch.summary), by time
+    launcher: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -131,8 +141,12 @@ def _describe(e: dict[str, Any] | None) -> tuple[str, int | None, str]:
         return f"exception ({e.get('type', '?')})", e.get("rank"), str(e.get("error", ""))
     if kind == "rank_gone":
         return "rank gone", e.get("gone_rank"), str(e.get("cause", ""))
+    if kind == "launch_worker_died":
+        return "worker died", target(e), exit_text(e.get("exit_code"))
+    if kind == "launch_node_lost":
+        return f"node {e.get('node')} lost", target(e), f"ranks {e.get('ranks')}"
     what = kind.replace("_", " ")
-    return what, e.get("rank"), str(e.get("reason", e.get("exitcode", "")))
+    return what, target(e), str(e.get("reason", e.get("exitcode", "")))
 
 
 def _fault(tl: Timeline, n: int, nxt: int | None, lo: float, hi: float) -> Fault:
@@ -155,9 +169,11 @@ def _fault(tl: Timeline, n: int, nxt: int | None, lo: float, hi: float) -> Fault
     before = [e for e in ending if detected is None or float(e["time"]) <= detected]
     chosen = before[-1] if before else (ending[0] if ending else None)
     first = min(detections, key=start_of) if detections else None
-    kind, rank, cause = _describe(first)
+    kind, rank, cause = _describe(root_cause(sorted(detections, key=start_of)))
     if first is None and aborts:
         rank, cause = aborts[0].get("fault_rank"), str(aborts[0].get("cause", ""))
+        if cause == "admit":  # no fault: a returning process is laid out with the others
+            kind, cause = "admission", "a respawned or replacement process joins"
     if chosen is not None:
         p1 = float(chosen["time"])
         kind = str(chosen.get("fault", kind))
@@ -165,6 +181,14 @@ def _fault(tl: Timeline, n: int, nxt: int | None, lo: float, hi: float) -> Fault
     else:
         p1 = start_of(first) if first is not None else detected if detected is not None else p0
     p2 = detected if detected is not None else p1
+    escalated = tl.found(n, "launch_escalated")
+    if escalated:
+        kind += " -> whole-job restart"
+        cause = (
+            f"{cause}; {escalated[0].get('reason', '')}"
+            if cause
+            else str(escalated[0].get("reason", ""))
+        )
     p3 = max((float(e["time"]) for e in aborts), default=p2)
     p4 = max(tl.round_start[nxt]) if nxt is not None and tl.round_start.get(nxt) else p3
     p5 = tl.first_step(nxt) if nxt is not None else None
@@ -228,7 +252,12 @@ def analyze(events: list[dict[str, Any]]) -> Report:
         )
     if not tl.round_start:
         notes.append("no round_start events: the run did not use trainguard.restart")
-    ranks = sorted({e["rank"] for e in tl.events if isinstance(e.get("rank"), int)})
+    notes += [
+        f"generation {g} (a whole-job restart) began again at round 0: its rounds are "
+        f"numbered from {first} here"
+        for g, first in sorted(tl.moved.items())
+    ]
+    ranks = sorted({e["rank"] for e in tl.events if is_rank(e.get("rank"))})
     return Report(
         start=t0,
         wall=wall,
@@ -248,6 +277,7 @@ def analyze(events: list[dict[str, Any]]) -> Report:
         },
         faults=faults,
         notes=notes,
+        launcher=summary(tl.events, t0),
     )
 
 
@@ -303,5 +333,6 @@ def format_table(report: Report) -> str:
         lines.append("goodput: unknown")
     else:
         lines.append(f"goodput: {100 * report.goodput:.1f} % (productive / wall)")
+    lines += section(report.launcher)
     lines += [f"note: {note}" for note in report.notes]
     return "\n".join(lines)

@@ -6,6 +6,11 @@ aborts of that rank, and a marker at a fault on its target rank. Across all lane
 detection, restart barrier and re-initialization phases, and a dashed line where each round
 began. The x axis is seconds from the report's start.
 
+Under ``trainguard launch``: a marker on the lane of the rank concerned where the launcher saw
+a worker die, respawned it, or a round admitted it, and on the lost ranks' lanes where a node
+was lost; a dotted line across all lanes for a whole-job restart, a replacement node and each
+new generation. The agents (negative ranks) get no lane.
+
 matplotlib is optional (``pip install 'trainguard[report]'``) and imported only here, with the
 Agg canvas and no pyplot, so no global backend or figure state is touched.
 """
@@ -16,7 +21,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from trainguard.report import Report
-from trainguard.report._timeline import Timeline, plural, start_of
+from trainguard.report._launch import is_rank, plural
+from trainguard.report._timeline import Timeline, start_of
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -57,7 +63,7 @@ def plot_timeline(
         raise ImportError(f"--plot needs matplotlib, which is not installed; {_HINT}") from exc
 
     tl = Timeline(events)
-    ranks = sorted({e["rank"] for e in tl.events if isinstance(e.get("rank"), int)})
+    ranks = sorted({e["rank"] for e in tl.events if is_rank(e.get("rank"))})
     lane = {r: i for i, r in enumerate(ranks)}
     fig = Figure(figsize=(12, 1.6 + 0.45 * max(1, len(ranks))), dpi=110)
     FigureCanvasAgg(fig)
@@ -66,11 +72,12 @@ def plot_timeline(
     _draw_faults(ax, report, lane)
     top = -0.6
     _draw_rounds(ax, tl, report, top)
+    shown = _draw_launcher(ax, report, lane, top)
     ax.set_yticks(list(lane.values()), [f"rank {r}" for r in ranks])
     ax.set_ylim(len(ranks) - 0.4, top - 0.3)
     ax.set_xlim(0, max(report.wall, 1e-6) * 1.02)
     ax.set_xlabel("seconds from start")
-    _add_title_and_legend(ax, report, len(ranks))
+    _add_title_and_legend(ax, report, len(ranks), shown)
     fig.savefig(os.fspath(path), format="png", bbox_inches="tight")
 
 
@@ -136,7 +143,52 @@ def _draw_rounds(ax: Axes, tl: Timeline, report: Report, top: float) -> None:
             labelled = x
 
 
-def _add_title_and_legend(ax: Axes, report: Report, ranks: int) -> None:
+# launcher event -> (marker, colour, legend label); on the lanes of the ranks it concerns
+_MARKS = {
+    "launch_worker_died": ("x", "#c0392b", "worker died (launcher)"),
+    "launch_respawned": ("^", "#2874a6", "worker respawned"),
+    "launch_admitted": (">", "#117a65", "admitted into a round"),
+    "launch_node_lost": ("v", "#6c3483", "node lost"),
+}
+# launcher event -> (colour, label) of a job-level line
+_LINES = {
+    "launch_escalated": ("#c0392b", "whole-job restart"),
+    "launch_node_back": ("#6c3483", "node back"),
+    "launch_generation": ("#2874a6", "generation"),
+}
+
+
+def _draw_launcher(ax: Axes, report: Report, lane: dict[int, int], top: float) -> list[str]:
+    """Markers and lines of ``trainguard launch``'s events; the kinds drawn."""
+    shown: list[str] = []
+    first_generation = min(
+        (r.get("generation", 0) for r in report.launcher if r["kind"] == "launch_generation"),
+        default=0,
+    )
+    for r in report.launcher:
+        kind, x = r["kind"], r["at"]
+        if kind in _MARKS:
+            marker, color, _ = _MARKS[kind]
+            ranks = r.get("ranks") if kind == "launch_node_lost" else [r.get("slot", r.get("rank"))]
+            ys: list[float] = [lane[k] for k in ranks or () if k in lane]
+            if not ys:  # no lane of its own: at the top, job level
+                ys = [top + 0.15]
+            ax.plot([x] * len(ys), ys, marker, color=color, markersize=9, zorder=6)
+        elif kind in _LINES:
+            if kind == "launch_generation" and r.get("generation", 0) == first_generation:
+                continue
+            color, label = _LINES[kind]
+            ax.axvline(x, color=color, linestyle=":", linewidth=1.4)
+            name = f"{label} {r.get('generation')}" if kind == "launch_generation" else label
+            ax.text(x, top + 0.25, f" {name}", va="top", ha="left", fontsize=7, color=color)
+        else:
+            continue
+        if kind not in shown:
+            shown.append(kind)
+    return shown
+
+
+def _add_title_and_legend(ax: Axes, report: Report, ranks: int, shown: list[str]) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -149,6 +201,13 @@ def _add_title_and_legend(ax: Axes, report: Report, ranks: int) -> None:
     )
     handles: list[Any] = [Patch(color=COLORS[k], label=v) for k, v in _LABELS.items()]
     handles.append(Line2D([], [], marker="X", color="black", linestyle="", label="fault"))
+    for kind in shown:
+        if kind in _MARKS:
+            marker, color, label = _MARKS[kind]
+            handles.append(Line2D([], [], marker=marker, color=color, linestyle="", label=label))
+        else:
+            color, label = _LINES[kind]
+            handles.append(Line2D([], [], color=color, linestyle=":", label=label))
     ax.legend(
         handles=handles,
         loc="upper center",

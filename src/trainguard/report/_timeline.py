@@ -13,8 +13,17 @@ from collections import defaultdict
 from typing import Any
 
 from trainguard.events import well_formed
+from trainguard.report._launch import renumber
 
-DETECTION_KINDS = ("fault", "hang", "rank_gone", "hard_timeout", "sidecar_lost")
+DETECTION_KINDS = (
+    "fault",
+    "hang",
+    "rank_gone",
+    "hard_timeout",
+    "sidecar_lost",
+    "launch_worker_died",
+    "launch_node_lost",
+)
 Span = tuple[float, float]
 
 
@@ -49,11 +58,6 @@ def measure(spans: list[Span]) -> float:
     return sum(b - a for a, b in union(spans))
 
 
-def plural(count: int, noun: str) -> str:
-    """``"1 rank"``, ``"2 ranks"``: a count and its noun, as the table and the plot write it."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
-
-
 def start_of(event: dict[str, Any]) -> float:
     duration = event.get("duration")
     if isinstance(duration, (int, float)) and math.isfinite(duration):
@@ -65,12 +69,15 @@ class Timeline:
     """The events of one run sorted and grouped by round (shared with the plot)."""
 
     def __init__(self, events: list[dict[str, Any]]) -> None:
-        self.events = sorted(
-            (e for e in events if well_formed(e)),
-            key=lambda e: float(e["time"]),
-        )
-        if not self.events:
+        ordered = sorted((e for e in events if well_formed(e)), key=lambda e: float(e["time"]))
+        if not ordered:
             raise ValueError("no events to report on")
+        # generation -> its first round here, where a whole-job restart began again at round 0
+        self.events, self.moved = renumber(ordered)
+        self._last_seen: dict[int, float] = {}  # pid -> time of its last event
+        for e in self.events:
+            if type(e.get("pid")) is int:
+                self._last_seen[e["pid"]] = float(e["time"])
         self.round_start: dict[int, list[float]] = defaultdict(list)
         for e in self.of("round_start"):
             if isinstance(e.get("round"), int):
@@ -99,7 +106,7 @@ class Timeline:
         for (n, step, _), (_, end) in self.stalls.items():
             self.round_stalls[n].append((step, end))
         self.in_round: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
-        for e in self.of("demo_fault", "abort", *DETECTION_KINDS):
+        for e in self.of("demo_fault", "abort", "launch_escalated", *DETECTION_KINDS):
             self.in_round[self.round_of(e), e["kind"]].append(e)
 
     @staticmethod
@@ -117,12 +124,17 @@ class Timeline:
         return sorted(out, key=lambda e: float(e["time"]))
 
     def round_of(self, e: dict[str, Any]) -> int:
-        """The event's round stamp; a sidecar's events (no stamp) go by ``gone_round`` or time."""
+        """The event's round stamp; a sidecar's events (no stamp) go by ``gone_round`` or time;
+        a launcher's ``launch_worker_died`` by the time of the dead process's last event (the
+        launcher may notice the exit after the survivors began their next round)."""
         if isinstance(e.get("round"), int):
             return int(e["round"])
         if isinstance(e.get("gone_round"), int):
             return int(e["gone_round"])
-        i = bisect.bisect_right(self._bounds, float(e["time"])) - 1
+        at = float(e["time"])
+        if e.get("kind") == "launch_worker_died" and type(e.get("worker_pid")) is int:
+            at = min(at, self._last_seen.get(e["worker_pid"], at))
+        i = bisect.bisect_right(self._bounds, at) - 1
         return self._rounds[i] if i >= 0 else (self._rounds[0] if self._rounds else 0)
 
     def wall(self) -> Span:
