@@ -180,30 +180,43 @@ class RankGroup:
     def start(self) -> RankGroup:
         self._deadline = time.monotonic() + self.timeout
         for rank in range(self.world_size):
-            env = {
-                "RANK": str(rank),
-                "WORLD_SIZE": str(self.world_size),
-                "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(self.world_size),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(self.port),
-                **self.env,
-                **(self.rank_env(rank) if self.rank_env else {}),
-            }
-            recv, send = self._ctx.Pipe(duplex=False)
-            proc = self._ctx.Process(
-                target=_child_main,
-                args=(self.fn, rank, env, self.args, self.kwargs, send),
-                name=f"rank{rank}",
-                daemon=False,
-            )
-            proc.start()
-            send.close()
-            self._procs.append(proc)
-            self._conns.append(recv)
+            self._spawn(rank, {})
         return self
 
+    def respawn(self, rank: int, env: Mapping[str, str] | None = None) -> int:
+        """Start one more process of the same job as ``rank`` (same RANK, ``env`` added), as
+        a launcher respawns a dead rank. Returns its index: for :meth:`pid`, :meth:`kill`
+        and in :meth:`join`'s results (after the ``world_size`` first ones)."""
+        self._results.append(RankResult(rank=rank))
+        self._spawn(rank, dict(env or {}))
+        return len(self._procs) - 1
+
+    def _spawn(self, rank: int, extra: dict[str, str]) -> None:
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(self.world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(self.port),
+            **self.env,
+            **(self.rank_env(rank) if self.rank_env else {}),
+            **extra,
+        }
+        recv, send = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(
+            target=_child_main,
+            args=(self.fn, rank, env, self.args, self.kwargs, send),
+            name=f"rank{rank}",
+            daemon=False,
+        )
+        proc.start()
+        send.close()
+        self._procs.append(proc)
+        self._conns.append(recv)
+
     def pid(self, rank: int) -> int:
+        """The pid of ``rank``'s process (or of the process :meth:`respawn` returned)."""
         pid = self._procs[rank].pid
         assert pid is not None
         return int(pid)

@@ -18,10 +18,12 @@ from typing import Any
 
 
 def start_module(
-    module: str, config: dict[str, Any], *, keep_stdin: bool
+    module: str, config: dict[str, Any], *, keep_stdin: bool, new_session: bool = False
 ) -> subprocess.Popen[bytes]:
     """Popen ``python -m module`` with stdout piped (for the handshake) and ``config`` sent as
-    the first line on its stdin; the pipe stays open for more lines when ``keep_stdin``."""
+    the first line on its stdin; the pipe stays open for more lines when ``keep_stdin``.
+    ``new_session``: the child leads a session of its own (a kill of this process's group
+    does not reach it)."""
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -31,6 +33,7 @@ def start_module(
         stdout=subprocess.PIPE,
         close_fds=True,
         env=env,
+        start_new_session=new_session,
     )
     assert proc.stdin is not None
     try:

@@ -12,6 +12,10 @@ Modes:
 - ``gloo``: (imports torch) init a gloo group from torchrun's variables, ``--steps`` all_reduces
   (rank ``--crash-rank`` of generation ``--crash-gen`` exits 3 after the first), write the sum
   of the last one to ``OUT/sum-<rank>``.
+- ``wrapper``: (imports torch) a :class:`trainguard.restart.Wrapper` job (``FillGaps`` and
+  ``MaxActiveWorldSize(--active)``): each round inits gloo and runs ``--steps`` all_reduces of
+  ones, appending ``{rank, initial, pid, round, world, step, sum}`` to ``OUT/steps.jsonl``;
+  ``OUT/result-<RANK>-<pid>`` gets the last round's world size (or ``spare``).
 """
 
 from __future__ import annotations
@@ -75,14 +79,57 @@ def gloo(out: Path, rank: int, args: argparse.Namespace) -> int:
     return 0
 
 
+def wrapper(out: Path, rank: int, args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from trainguard import restart as tr
+
+    @tr.Wrapper(
+        rank_assignment=tr.FillGaps(),
+        rank_filter=tr.MaxActiveWorldSize(args.active),
+        soft_timeout=10,
+        hard_timeout=20,
+        heartbeat_timeout=30,
+        barrier_timeout=60,
+    )
+    def train(call: tr.CallWrapper) -> int:
+        dist.init_process_group("gloo")
+        try:
+            for step in range(args.steps or 20):
+                total = torch.ones(1)
+                dist.all_reduce(total)
+                record = {
+                    "rank": call.rank,
+                    "initial": rank,
+                    "pid": os.getpid(),
+                    "round": call.round,
+                    "world": call.world_size,
+                    "step": step,
+                    "sum": int(total.item()),
+                    "time": time.time(),
+                }
+                _append(out / "steps.jsonl", record)
+                call.ping()
+                time.sleep(args.step)
+        finally:
+            dist.destroy_process_group()
+        return call.world_size
+
+    result = train()
+    (out / f"result-{rank}-{os.getpid()}").write_text(str(result if result else "spare"))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["run", "env", "gloo"])
+    parser.add_argument("mode", choices=["run", "env", "gloo", "wrapper"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--step", type=float, default=0.05)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--crash-gen", type=int, default=None)
     parser.add_argument("--crash-rank", type=int, default=None)
+    parser.add_argument("--active", type=int, default=2)
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     _append(
@@ -103,6 +150,8 @@ def main() -> int:
         return 0
     if args.mode == "gloo":
         return gloo(args.out, rank, args)
+    if args.mode == "wrapper":
+        return wrapper(args.out, rank, args)
     return run(args.out, rank, args)
 
 

@@ -16,6 +16,7 @@ ADDED = {
     "TRAINGUARD_STORE_ADDR",
     "TRAINGUARD_GENERATION",
     "TRAINGUARD_INCARNATION",
+    "TRAINGUARD_AGENT",
     # its default: each attempt's bootstrap store lives in worker rank 0 (torch's shared agent
     # store leaks one attempt's keys into the next), unless the user set it
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
@@ -52,4 +53,4 @@ def test_workers_see_torchruns_environment(tmp_path: Path, share: str | None) ->
         assert ours[rank]["TRAINGUARD_INCARNATION"] == "0"
         assert ours[rank]["TORCHELASTIC_USE_AGENT_STORE"] == "False"
         assert ours[rank]["TRAINGUARD_STORE_ADDR"].startswith("127.0.0.1:")
-        assert "TRAINGUARD_AGENT" not in ours[rank]  # no sidecar service set
+        assert ours[rank]["TRAINGUARD_AGENT"].startswith("trainguard-agent-")

@@ -126,8 +126,9 @@ def _fake_tools(bin_dir: Path, out: Path) -> None:
         '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n'
     )
     (bin_dir / "trainguard").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {out}\n')
-    (bin_dir / "python").symlink_to(sys.executable)
-    for tool in ("srun", "trainguard"):
+    # a script, not a link: a link to a venv's python outside the venv loses its packages
+    (bin_dir / "python").write_text(f'#!/bin/bash\nexec {sys.executable} "$@"\n')
+    for tool in ("srun", "trainguard", "python"):
         (bin_dir / tool).chmod(0o755)
 
 

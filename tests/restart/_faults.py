@@ -78,9 +78,11 @@ def fault_job(
     overrides: dict[str, Any] | None = None,
     lr: float = 0.1,
     victim_overrides: dict[str, Any] | None = None,
+    hold_round: int | None = None,
 ) -> dict[str, Any]:
     """One all_reduce per step; ``victim`` suffers fault ``kind`` at ``fault_step`` of round 0
-    (``victim_overrides``: Wrapper arguments of the victim only).
+    (``victim_overrides``: Wrapper arguments of the victim only). In round ``hold_round`` the
+    active ranks wait at step ``fault_step + 1`` until the round is aborted.
 
     In-memory checkpoints of the last steps; after a restart the ranks resume from the newest
     step they all have. Records each round's (round, rank, world) and when the function was
@@ -111,6 +113,9 @@ def fault_job(
         def fault(step: int) -> None:
             if call.initial_rank == victim and step == fault_step and call.round == 0:
                 _fault(kind, marker)
+            while call.round == hold_round and step == fault_step + 1:
+                call.ping()  # until the round is aborted (the interrupt ends the wait)
+                time.sleep(0.02)
 
         return sgd_steps(call, history, steps, lr=lr, before_step=fault)
 

@@ -85,6 +85,13 @@ class Keyspace:
         """Set when every initial rank has left; the store process then exits."""
         return self.prefix + "exit"
 
+    @property
+    def latest(self) -> str:
+        """JSON layout of the latest published round (a copy of its :meth:`ready` value, set
+        by its publisher right after publishing): where a newcomer joining the running job
+        starts (``restart/_join.py``)."""
+        return self.prefix + "latest"
+
     def pg_addr(self, n: int) -> str:
         """``host:port`` of the store that round ``n``'s process groups rendezvous on."""
         return f"{self.prefix}pg/{n}"

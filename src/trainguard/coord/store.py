@@ -17,7 +17,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from trainguard import _subproc
+from trainguard import _env, _subproc
 from trainguard.errors import ConfigError, CoordinationError
 
 __all__ = ["StoreProcess", "connect", "parse_addr"]
@@ -111,7 +111,15 @@ class StoreProcess:
 
     def start(self) -> StoreProcess:
         """Start the process and wait for its handshake (it binds its ports first)."""
-        self.proc = _subproc.start_module("trainguard.coord._server", self.config, keep_stdin=False)
+        # Under ``trainguard launch`` the agent kills a dead worker's process group before it
+        # respawns the slot; the store serves the others and must not go with it (once its
+        # parent is gone it exits when no client is left, see ``orphan_grace``).
+        self.proc = _subproc.start_module(
+            "trainguard.coord._server",
+            self.config,
+            keep_stdin=False,
+            new_session=_env.settings().agent is not None,
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         self.proc.stdout.close()

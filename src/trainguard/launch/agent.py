@@ -58,6 +58,10 @@ class Service(Protocol):
 
     address: str
 
+    def start(self) -> None: ...
+
+    def close(self) -> None: ...
+
     def expect(self, slot: int, pid: int, incarnation: int) -> None: ...
 
     def died(
@@ -217,7 +221,10 @@ class TrainguardAgent(LocalElasticAgent):
         pid = _compat.handler(_compat.pcontext(self), local_rank).proc.pid
         rank, incarnation = self.slots.rank(local_rank), self.slots.incarnation(local_rank)
         decision = self.slots.exited(local_rank, code)
-        if decision is None:
+        if (
+            decision is None
+        ):  # a normal end; a wrapped call left without goodbye still needs its notice
+            self._service_died(rank, pid, code, returning=False)
             return None
         self._died_at[local_rank] = time.monotonic()
         self.events.emit(
@@ -321,10 +328,19 @@ class TrainguardAgent(LocalElasticAgent):
             t.stop()
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
-        """torch's run loop; the coordination store and the event log close after it."""
+        """torch's run loop, with the sidecar service for the workers started before it; the
+        service, the coordination store and the event log close after it."""
+        if self.service is None:
+            from trainguard.launch._service import SidecarService
+
+            self.service = SidecarService(
+                name="agent", log_dir=self.events_dir, rejoin_timeout=self.options.rejoin_timeout
+            )
+        self.service.start()
         try:
             result: RunResult = super().run(role)
             return result
         finally:
+            self.service.close()
             self.coord.close()
             self.events.close()

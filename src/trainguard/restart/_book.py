@@ -12,7 +12,18 @@ right after them, before it laid the round out. So the count only says when to l
 counts at least as many arrivals as the roster holds checks that every record is in, lays the
 round out from the records and publishes it with ``compare_set`` (the first layout wins; later
 ones read it). The last ``add`` always sees every record, so the round is published exactly
-once however many extra adds death notices made (:meth:`RoundBook.take_arrival`).
+once however many extra adds death notices made (:meth:`RoundBook.take_arrival`). The
+publisher then copies the layout to :attr:`Keyspace.latest` (one more ``set``), where a
+newcomer finds the running round (:mod:`._join`).
+
+Newcomers: a rank that left the job (it is in ``gone``) may come back as a new process
+(respawned by a launcher). It writes its record for the next round without counting itself
+(it is not in the roster); the layout writer looks for such records of gone ranks only
+(nothing to do while ``gone`` is empty) and admits those present and not leaving: each is
+taken out of ``gone`` and its departure undone (its left mark deleted, ``left`` decremented
+once, whoever deletes the mark), so that the store process does not exit while it still
+serves. A layout writer whose layout lost the publication counts out again the ranks it
+admitted that the published round does not hold.
 """
 
 from __future__ import annotations
@@ -30,6 +41,15 @@ from trainguard.restart import _records
 from trainguard.restart._repeat import Repeats
 from trainguard.restart.policy._round import RoundPolicies
 from trainguard.restart.policy.layout import Layout
+
+_ABSENT = "\x00absent"  # compare_set's expected value for a key that no value equals
+
+
+def peek(store: Any, key: str) -> bytes | None:
+    """The value of ``key``, None when it is not set; never waits (unlike ``get``) and never
+    sets it (``compare_set`` with an expected value that no value equals)."""
+    value = bytes(store.compare_set(key, _ABSENT, _ABSENT))
+    return None if value == _ABSENT.encode() else value
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,10 +100,13 @@ class RoundBook:
             return None
         if not self.store.check([self.keys.member(n, r) for r in self.roster]):
             return None  # a rank wrote no record yet: its own add comes later
-        payload = self._lay_out(n)
+        payload, admitted = self._lay_out(n)
         published = bytes(self.store.compare_set(self.keys.ready(n), "", payload))
         if published == payload:
+            self.store.set(self.keys.latest, payload)
             self._delete_round(n - 1)  # after publishing: off the others' critical path
+        elif admitted:
+            self._recount(admitted, published)
         return published
 
     def enter(self, ready: dict[str, Any]) -> None:
@@ -93,8 +116,9 @@ class RoundBook:
         self.gone = {int(k): v for k, v in ready["gone"].items()}
         self.repeats = Repeats.decode(ready.get("repeats"))
 
-    def _lay_out(self, n: int) -> bytes:
-        """Run by the last arriver: read every record, apply the policies, publish."""
+    def _lay_out(self, n: int) -> tuple[bytes, list[int]]:
+        """Run by the last arriver: read every record, apply the policies; the layout to
+        publish and the gone ranks it admits."""
         raws = self.store.multi_get([self.keys.member(n, r) for r in self.roster])
         gone = dict(self.gone)
         present: set[int] = set()
@@ -114,6 +138,7 @@ class RoundBook:
             else:
                 present.add(r)
                 info[r] = {"host": str(rec["host"]), "local_rank": str(rec["local_rank"])}
+        admitted = self._admit(n, gone, present, info) if gone else []
         layout = Layout.start(
             round=n,
             initial_world_size=self.world,
@@ -135,7 +160,7 @@ class RoundBook:
             if present
             else b""
         )
-        return encode(
+        payload = encode(
             {
                 "round": n,
                 "active": list(layout.active) if end is None else [],
@@ -147,6 +172,37 @@ class RoundBook:
                 "repeats": repeats.encode(),
             }
         )
+        return payload, admitted
+
+    def _admit(
+        self, n: int, gone: dict[int, str], present: set[int], info: dict[int, dict[str, str]]
+    ) -> list[int]:
+        """Admit the gone ranks that came back: a record of round ``n`` that is not leaving.
+        Moves each from ``gone`` to ``present`` and undoes its departure; returns them."""
+        admitted = []
+        for r in sorted(gone):
+            if r in self.roster:
+                continue
+            raw = peek(self.store, self.keys.member(n, r))
+            rec = _records.record(raw) if raw is not None else None
+            if rec is None or rec["r"] != r or rec.get("leave"):
+                continue
+            del gone[r]
+            present.add(r)
+            info[r] = {"host": str(rec["host"]), "local_rank": str(rec["local_rank"])}
+            if self.store.delete_key(self.keys.left_mark(r)):
+                self.store.add(self.keys.left, -1)
+            admitted.append(r)
+        return admitted
+
+    def _recount(self, admitted: list[int], published: bytes) -> None:
+        """This writer admitted ``admitted`` but another layout was published: count out
+        again those it does not hold."""
+        ready = _records.layout(published)
+        holds = set(ready["active"]) | set(ready["spare"])
+        for r in admitted:
+            if r not in holds:
+                self.count_out(r)
 
     def _delete_round(self, n: int) -> None:
         """Delete round ``n``'s keys: every rank of it has reached round ``n+1``'s barrier."""

@@ -3,6 +3,13 @@
 Understands the standard variables set by torchrun and plain launchers (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and Slurm's (SLURM_PROCID, SLURM_NTASKS,
 SLURM_LOCALID, SLURM_JOB_NODELIST, SLURM_JOB_ID).
+
+The job token names one attempt of the job: under ``trainguard launch`` it ends with
+``-g<generation>`` (``TRAINGUARD_GENERATION``, bumped at each whole-job restart), under plain
+torchrun with ``-a<restart count>`` (``TORCHELASTIC_RESTART_COUNT``), so that no key of an
+earlier attempt is on the path of a new one (torchrun reuses its agent store across restarts).
+``TRAINGUARD_INCARNATION`` (k for the k-th respawn of a rank by the launcher) makes the
+process a newcomer that joins the running job (:mod:`._join`).
 """
 
 from __future__ import annotations
@@ -27,6 +34,30 @@ class Launch:
     master_port: int
     agent_store: bool  # torchrun's agent hosts a store at MASTER_ADDR:MASTER_PORT
     job: str
+    incarnation: int = 0  # k > 0: the k-th respawn of this rank (it joins the running job)
+
+
+def _launcher_int(env: Mapping[str, str], name: str) -> int | None:
+    """A non-negative integer variable set by the launcher (None when unset).
+
+    TRAINGUARD_GENERATION and TRAINGUARD_INCARNATION are read here until ``_env.settings()``
+    declares them."""
+    value = env.get(name, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ConfigError(f"{name}={value!r} must be an integer >= 0; unset it or fix the launcher")
+    return int(value)
+
+
+def attempt_suffix(env: Mapping[str, str]) -> str:
+    """``-g<generation>`` under ``trainguard launch``, ``-a<count>`` under plain torchrun,
+    else ``""``: what makes the job token unique to one attempt of the job."""
+    generation = _launcher_int(env, "TRAINGUARD_GENERATION")
+    if generation is not None:
+        return f"-g{generation}"
+    restarts = _launcher_int(env, "TORCHELASTIC_RESTART_COUNT")
+    return f"-a{restarts}" if restarts is not None else ""
 
 
 def first_host(nodelist: str) -> str:
@@ -72,9 +103,10 @@ def detect(environ: Mapping[str, str] | None = None) -> Launch:
         )
     settings = _env.settings(env)
     job = settings.job_id or pick("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID") or f"{addr}-{port}"
-    job = re.sub(r"[^A-Za-z0-9_.-]", "_", job)
+    job = re.sub(r"[^A-Za-z0-9_.-]", "_", job) + attempt_suffix(env)
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    return Launch(int(rank), int(world), int(local), addr, int(port), agent, job)
+    incarnation = _launcher_int(env, "TRAINGUARD_INCARNATION") or 0
+    return Launch(int(rank), int(world), int(local), addr, int(port), agent, job, incarnation)
 
 
 def is_local_address(host: str) -> bool:

@@ -67,6 +67,7 @@ class WrappedCall:
         self.watchdog: Watchdog | None = None
         self.call: CallWrapper | None = None
         self.left_early = False
+        self.entered = False  # this process entered a round (a newcomer may never)
         self.round_store: str | None = None  # the round store's "host:port" (ready["pg"])
         self.state = RoundState(
             round=0, initial_rank=self.launch.rank, initial_world_size=self.launch.world_size
@@ -90,7 +91,8 @@ class WrappedCall:
             return value
         except BaseException:
             # Make sure the others learn that this rank is gone from the round it was in.
-            if self.monitor is not None and self.monitor.outcome is None:
+            outside = self.session.joining and not self.entered
+            if self.monitor is not None and self.monitor.outcome is None and not outside:
                 with contextlib.suppress(Exception):
                     self.session.stop(
                         self.state.round,
@@ -156,12 +158,22 @@ class WrappedCall:
         leaving = self._hook("health_check", self.state)
         fault: str | None = None
         n = 0
+        joined = self._join(leaving) if self.session.joining else None
+        if self.session.joining and joined is None:
+            return None  # the job completed before this newcomer was admitted
         mark = _progress.count()
         while True:
             progress, mark = _progress.count() != mark, _progress.count()
-            ready = self.session.barrier(
-                n, leaving=describe(leaving) if leaving else None, fault=fault, progress=progress
-            )
+            ready: dict[str, Any] | None
+            if joined is not None:
+                (n, ready), joined = joined, None
+            else:
+                ready = self.session.barrier(
+                    n,
+                    leaving=describe(leaving) if leaving else None,
+                    fault=fault,
+                    progress=progress,
+                )
             if ready is None:
                 assert leaving is not None
                 self.left_early = True
@@ -180,11 +192,12 @@ class WrappedCall:
                     f"the job ended in round {n}: rank {rank} {reason}; not restarted",
                     causes={rank: reason} if rank is not None else None,
                 )
-            # a fault: this rank restarts
+            # a fault (or a newcomer's admission): this rank restarts
             destroy_groups()
             GroupSockets.take()
+            faulted = outcome.rank if outcome.rank is not None else -1
             self.state = self.state.replace(
-                faults={outcome.rank if outcome.rank is not None else -1: outcome.error or ""}
+                faults={faulted: outcome.error or ""} if outcome.why == "fault" else {}
             )
             leaving = (
                 self._hook("finalize", self.state)
@@ -193,8 +206,23 @@ class WrappedCall:
             )
             n += 1
 
+    def _join(self, leaving: BaseException | None) -> tuple[int, dict[str, Any]] | None:
+        """A newcomer's first round (:meth:`Session.join`), None when the job completed
+        before it was admitted; raises ``leaving`` (its health check failed)."""
+        if leaving is not None:
+            self.left_early = True
+            raise leaving
+        sidecar = self.sidecar
+
+        def notify(n: int, roster: tuple[int, ...]) -> None:
+            if sidecar is not None:
+                sidecar.send({"round": n, "roster": list(roster)})
+
+        return self.session.join(notify)
+
     def _enter(self, n: int, ready: dict[str, Any]) -> None:
         """Take round ``n`` as published; raise if the job stops there."""
+        self.entered = True
         self.state = self._state(n, ready)
         if self.sidecar is not None:
             self.sidecar.send({"round": n, "roster": list(self.session.roster)})

@@ -13,7 +13,8 @@ from trainguard.coord.keys import Keyspace
 from trainguard.coord.store import StoreProcess, connect, parse_addr
 from trainguard.errors import RestartError
 from trainguard.restart import _records
-from trainguard.restart._book import RoundBook
+from trainguard.restart._book import RoundBook, peek
+from trainguard.restart._join import Newcomer, Notify
 from trainguard.restart._launch import Launch, is_local_address
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.state import RoundOutcome
@@ -43,6 +44,8 @@ class Session:
         self.left = False
         self.coord_addr: tuple[str, int] | None = None
         self.secret: _secret.Handover | None = None
+        #: this process joins the running job (a respawn, or its rank is gone): see :meth:`join`
+        self.joining = launch.incarnation > 0
 
     @property
     def coord(self) -> Any:
@@ -74,18 +77,20 @@ class Session:
             host, port, own = launch.master_addr, launch.master_port, True
         self.coord_addr = (host, port)
         self.secret = _secret.Handover(self.keys, _secret.source(launch.master_addr))
-        if self.irank == 0:
+        first = self.irank == 0 and not self.joining  # a respawned rank 0 finds them running
+        if first:
             self.keys = self.keys.with_secret(self.secret.create())
             self.server = self._start_server(host, port, own)
         if given is not None and not isinstance(given, str):
             coord = given.clone()
         else:
             coord = connect(host, port, timeout=cfg.store_timeout)
-        if self.irank == 0:
+        if first:
             self.secret.publish(coord)
         else:
             secret = self.secret.receive(coord, cfg.barrier_timeout)
             self.keys = self.keys.with_secret(secret)
+            self.joining = self.joining or peek(coord, self.keys.latest) is not None
         self.book = RoundBook(
             coord,
             self.keys,
@@ -125,14 +130,7 @@ class Session:
         first; ``progress``: this rank made progress in round ``n-1``."""
         book = self.book
         assert book is not None
-        record = {
-            "r": self.irank,
-            "host": self.host,
-            "local_rank": self.launch.local_rank,
-            "leave": leaving,
-            "fault": fault,
-            "progress": progress,
-        }
+        record = self._record(leaving, fault, progress)
         found = book.record(n, self.irank, record)
         if found is not None:  # another process declared this rank gone meanwhile
             self._declared_gone(n, found.get("leave"))
@@ -152,6 +150,43 @@ class Session:
         events.emit("barrier", duration=waited, round_=n, last=last)
         book.enter(ready)
         return ready
+
+    def join(self, notify: Notify | None) -> tuple[int, dict[str, Any]] | None:
+        """A newcomer's way in (:mod:`._join`), instead of round 0's barrier: the first
+        round it is laid out in and its layout; None when the job completed first.
+        ``notify(round, roster)``: tells this rank's sidecar where it waits."""
+        book = self.book
+        assert book is not None
+        start = time.monotonic()
+        newcomer = Newcomer(
+            book,
+            self._record(None, None, False),
+            barrier_timeout=self.cfg.barrier_timeout,
+            notify=notify,
+        )
+        joined = newcomer.join()
+        if joined is None:
+            return None
+        n, ready = joined
+        waited = time.monotonic() - start
+        if str(self.irank) in ready["gone"]:  # declared gone after it arrived
+            self._declared_gone(n, ready["gone"][str(self.irank)])
+        events.set_context(round=n)
+        events.emit(
+            "launch_admitted", duration=waited, incarnation=self.launch.incarnation, waited=waited
+        )
+        book.enter(ready)
+        return joined
+
+    def _record(self, leaving: str | None, fault: str | None, progress: bool) -> dict[str, Any]:
+        return {
+            "r": self.irank,
+            "host": self.host,
+            "local_rank": self.launch.local_rank,
+            "leave": leaving,
+            "fault": fault,
+            "progress": progress,
+        }
 
     def _declared_gone(self, n: int, why: str | None) -> None:
         self.left = True  # whoever declared it gone counted it out of the job
@@ -193,6 +228,8 @@ class Session:
         self.watch_store = None
         self.book = None
         if self.secret is not None:
+            if early:  # the job goes on: a newcomer may still need the secret's file
+                self.secret.file = None
             self.secret.close()
         if self.server is not None:
             if not early:

@@ -13,8 +13,9 @@ from typing import Literal
 
 __all__ = ["RestartInterrupt", "RoundOutcome", "RoundState", "describe"]
 
-#: how a round ended: every active rank returned, a fault (restart), or the job ends.
-Why = Literal["fault", "complete", "end"]
+#: how a round ended: every active rank returned, a fault (restart), the job ends, or a
+#: newcomer asked to be admitted (a restart like a fault, never counted as one).
+Why = Literal["fault", "complete", "end", "admit"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +72,12 @@ class RoundOutcome:
     fields left out) and read back by :meth:`decode`.
 
     Attributes:
-        why: ``"complete"`` (every active rank returned), ``"fault"`` (restart the round) or
-            ``"end"`` (the job ends: a rank left with an error, a wait timed out...).
-        rank: the initial rank that faulted or ended the job (None when no rank did).
+        why: ``"complete"`` (every active rank returned), ``"fault"`` (restart the round),
+            ``"end"`` (the job ends: a rank left with an error, a wait timed out...) or
+            ``"admit"`` (a newcomer waits at the next barrier: restart so that it joins; not
+            a fault, never counted by ``max_repeated_faults``).
+        rank: the initial rank that faulted, ended the job or asks to be admitted (None when
+            no rank did).
         reason: why the job ended (``end``).
         error: one-line description of the exception (see :func:`describe`) or of the fault.
         type: the fault's kind: the exception's type name, ``Hang``, ``SidecarLost``,
@@ -97,6 +101,12 @@ class RoundOutcome:
     def end(cls, reason: str, *, rank: int | None = None, error: str | None = None) -> RoundOutcome:
         """The job ends for ``reason`` (caused by ``rank``, when a rank did)."""
         return cls("end", rank=rank, reason=reason, error=error)
+
+    @classmethod
+    def admit(cls, rank: int) -> RoundOutcome:
+        """Initial rank ``rank`` came back (a respawned process) and waits at the next
+        barrier: the round restarts so that it is laid out with the others."""
+        return cls("admit", rank=rank, time=time.time())
 
     @classmethod
     def complete(cls) -> RoundOutcome:
@@ -141,7 +151,7 @@ def _invalid(value: object) -> str | None:
     """What makes ``value`` (decoded JSON) not an outcome; None when it is one."""
     if not isinstance(value, dict):
         return "not a JSON object"
-    if value.get("why") not in ("fault", "complete", "end"):
+    if value.get("why") not in ("fault", "complete", "end", "admit"):
         return f"why={value.get('why')!r}"
     for name, types in _OUTCOME_TYPES.items():
         field = value.get(name)

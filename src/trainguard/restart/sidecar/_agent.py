@@ -21,27 +21,23 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import select
 import socket
 import threading
 import time
 from typing import Any
 
+from trainguard import _env
 from trainguard.errors import CoordinationError
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._handle import handshake_reply
 
 logger = logging.getLogger(__name__)
 
-#: the variable that names the agent's socket (read through ``_env`` once the launcher adds it)
-AGENT_VARIABLE = "TRAINGUARD_AGENT"
-
 
 def agent_address() -> str | None:
     """The agent's socket name from ``TRAINGUARD_AGENT`` (None: not under the launcher)."""
-    value = os.environ.get(AGENT_VARIABLE, "").strip()
-    return value or None
+    return _env.settings().agent
 
 
 class AgentSidecar:
@@ -83,7 +79,7 @@ class AgentSidecar:
             self.stop(0.0)
             raise CoordinationError(
                 f"the launcher's agent does not watch this process: {reply.get('error')}; "
-                f"start it with `trainguard launch` (or unset {AGENT_VARIABLE} to run it with a "
+                "start it with `trainguard launch` (or unset TRAINGUARD_AGENT to run it with a "
                 "sidecar process of its own)"
             )
 

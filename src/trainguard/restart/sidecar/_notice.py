@@ -14,6 +14,16 @@ must learn it at once, wherever the rank was in the protocol:
 
 The rank is then counted out of the job once, whoever writes the notice
 (:meth:`RoundBook.count_out`).
+
+A launcher that respawns the rank writes the notice with ``returning=True``. When round
+``n`` (as published) has a live idle spare other than the rank, the spare takes its place at
+once: the notice is an ordinary one (the respawned process later joins as a newcomer, see
+:mod:`trainguard.restart._join`). Otherwise round ``n`` becomes a fault, but the rank is
+neither counted out nor is its arrival at round ``n+1`` taken: that barrier waits for the
+rank's new process, which arrives there like any rank. If it never comes, the launcher
+writes the notice again with ``returning=False``: an ordinary departure, so the barrier
+completes without it. A rank that had already arrived at round ``n+1`` gets an ordinary
+notice (its new process then joins as a newcomer).
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from typing import Any
 from trainguard import events
 from trainguard.coord.barrier import wait_key
 from trainguard.restart import _records
-from trainguard.restart._book import RoundBook
+from trainguard.restart._book import RoundBook, peek
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.state import RoundOutcome
 
@@ -39,16 +49,29 @@ class Notice:
     cause: str
     counted: bool  # this notice counted the rank out of the job (not an earlier one)
     duration: float  # seconds the notice took
+    returning: bool = False  # the barrier of round gone_round + 1 waits for its new process
 
 
 def write_notice(
-    store: Any, cfg: SidecarConfig, r: int, n: int, roster: tuple[int, ...], cause: str
+    store: Any,
+    cfg: SidecarConfig,
+    r: int,
+    n: int,
+    roster: tuple[int, ...],
+    cause: str,
+    *,
+    returning: bool = False,
 ) -> Notice:
     """Rank ``r``, last seen in round ``n`` (-1: before the first barrier) whose ranks were
-    ``roster``, is gone for ``cause``; ``store`` is this notice's own connection."""
+    ``roster``, is gone for ``cause``; ``store`` is this notice's own connection.
+    ``returning``: a new process of ``r`` is on its way (see the module docstring)."""
     keys = cfg.keys
-    policies = cfg.round_policies()
     start = time.monotonic()
+    if returning and _awaits_return(store, cfg, r, n, cause):
+        notice = Notice(r, n, cause, False, time.monotonic() - start, returning=True)
+        _emit(notice)
+        return notice
+    policies = cfg.round_policies()
     while True:
         book = RoundBook(
             store, keys, cfg.world, policies, store_timeout=cfg.store_timeout, roster=roster
@@ -69,12 +92,40 @@ def write_notice(
             break
     counted = book.count_out(r)
     notice = Notice(r, n, cause, counted, time.monotonic() - start)
+    _emit(notice)
+    return notice
+
+
+def _awaits_return(store: Any, cfg: SidecarConfig, r: int, n: int, cause: str) -> bool:
+    """With no live idle spare in round ``n``, make round ``n`` a fault and leave ``r`` in
+    the roster of round ``n+1`` (True). False: an ordinary notice is needed (there is a
+    spare, ``r`` already arrived at ``n+1``, or round ``n`` is not readable)."""
+    keys = cfg.keys
+    if store.check([keys.member(n + 1, r)]):
+        return False
+    if n < 0:
+        return True  # round 0's barrier waits for every rank anyway: nothing to abort
+    raw = peek(store, keys.ready(n))
+    if raw is None:
+        return False
+    ready = _records.layout(raw)
+    if r not in ready["active"] and r not in ready["spare"]:
+        return False
+    spares = [s for s in ready["spare"] if s != r]
+    if any(peek(store, keys.left_mark(s)) is None for s in spares) and not ready["end"]:
+        return False  # a live idle spare takes r's place at once
+    outcome = RoundOutcome.fault(r, cause, "RankGone")
+    store.compare_set(keys.stop(n), "", outcome.encode())
+    return True
+
+
+def _emit(notice: Notice) -> None:
     events.emit(
         "rank_gone",
         duration=notice.duration,
-        gone_rank=r,
-        gone_round=n,
-        cause=cause,
-        counted=counted,
+        gone_rank=notice.gone_rank,
+        gone_round=notice.gone_round,
+        cause=notice.cause,
+        counted=notice.counted,
+        returning=notice.returning,
     )
-    return notice

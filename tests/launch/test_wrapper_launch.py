@@ -1,0 +1,117 @@
+"""End to end: in-process restart (the Wrapper, gloo) under ``trainguard launch``.
+
+The agent respawns a killed worker alone; its sidecar service writes the death notice, so the
+survivors restart in-process at once; the respawned process joins the running job at a round
+boundary. No process but the agent watches the workers (no sidecar processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.launch._agents import Agents, leftovers, read_starts
+from trainguard import events
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _steps(out: Path) -> list[dict[str, Any]]:
+    path = out / "steps.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _job(tmp_path: Path, nproc: int, active: int, steps: int) -> tuple[Agents, Path, Path]:
+    out, ev = tmp_path / "out", tmp_path / "events"
+    out.mkdir()
+    worker = ["wrapper", str(out), f"--active={active}", f"--steps={steps}", "--step=0.1"]
+    job = Agents(
+        tmp_path,
+        nodes=1,
+        nproc=nproc,
+        worker=worker,
+        env={"TRAINGUARD_EVENTS_DIR": str(ev)},
+        timeout=110,
+    )
+    return job, out, ev
+
+
+def _sidecar_processes(run_id: str) -> list[int]:
+    found = []
+    for pid in leftovers(run_id):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"trainguard.restart.sidecar" in cmdline:
+            found.append(pid)
+    return found
+
+
+def test_a_killed_active_worker_is_replaced_by_the_spare_and_rejoins(tmp_path: Path) -> None:
+    job, out, ev = _job(tmp_path, nproc=3, active=2, steps=30)
+    with job:
+        job.wait_for(
+            lambda: sum(1 for s in _steps(out) if s["round"] == 0 and s["step"] >= 3) >= 2,
+            timeout=60,
+            what="round 0 steps on both active ranks",
+        )
+        assert _sidecar_processes(job.run_id) == []  # the agent watches its workers itself
+        pids = {s["rank"]: s["pid"] for s in read_starts(out)}
+        victim = next(s["initial"] for s in _steps(out) if s["round"] == 0 and s["initial"] != 0)
+        killed = time.time()
+        os.kill(pids[victim], signal.SIGKILL)
+        back = job.wait_for(
+            lambda: [s for s in _steps(out) if s["round"] >= 1 and s["pid"] != pids[victim]],
+            timeout=30,
+            what="a round after the kill",
+        )
+        recovered = min(s["time"] for s in back) - killed
+        assert recovered < 8.0, f"survivors took {recovered:.2f} s (soft_timeout is 10 s)"
+        assert {s["world"] for s in back} == {2}
+        assert job.wait() == [0], job.output()
+        assert leftovers(job.run_id) == []
+    starts = read_starts(out)
+    again = [s for s in starts if s["incarnation"] == "1"]
+    assert [s["rank"] for s in again] == [victim]
+    for s in starts:  # the survivors kept their processes
+        if s["rank"] != victim:
+            assert s["pid"] == pids[s["rank"]]
+    admitted = [e for e in events.read_events(ev) if e["kind"] == "launch_admitted"]
+    assert [(e["rank"], e["incarnation"]) for e in admitted] == [(victim, 1)], admitted
+    results = {p.name: p.read_text() for p in out.glob("result-*")}
+    assert sorted(results.values()) == ["2", "2", "spare"], results
+
+
+def test_without_a_spare_the_survivors_wait_for_the_respawned_worker(tmp_path: Path) -> None:
+    job, out, ev = _job(tmp_path, nproc=2, active=2, steps=30)
+    with job:
+        job.wait_for(
+            lambda: sum(1 for s in _steps(out) if s["round"] == 0 and s["step"] >= 3) >= 2,
+            timeout=60,
+            what="round 0 steps on both ranks",
+        )
+        pids = {s["rank"]: s["pid"] for s in read_starts(out)}
+        os.kill(pids[1], signal.SIGKILL)
+        back = job.wait_for(
+            lambda: [s for s in _steps(out) if s["round"] >= 1], timeout=40, what="round 1"
+        )
+        assert {s["world"] for s in back} == {2}  # the world is back to its full size
+        assert job.wait() == [0], job.output()
+        assert leftovers(job.run_id) == []
+    steps = _steps(out)
+    last = max(s["round"] for s in steps)
+    final = {s["initial"]: s["pid"] for s in steps if s["round"] == last}
+    assert final[0] == pids[0] and final[1] != pids[1]
+    assert sorted(s["step"] for s in steps if s["round"] == last)[-2:] == [29, 29]
+    kinds = [e["kind"] for e in events.read_events(ev)]
+    assert kinds.index("launch_worker_died") < kinds.index("launch_respawned")
+    assert "launch_admitted" in kinds

@@ -1,0 +1,219 @@
+"""A rank's new process joins the running job (real gloo, real SIGKILL, real store).
+
+The respawn is what ``trainguard launch`` does (same RANK, ``TRAINGUARD_INCARNATION=1``),
+done here by :meth:`RankGroup.respawn`. The launcher's death notice with ``returning=True``
+is written by the test process itself against the job's store, as the launcher's agent
+would: the victim then runs without a sidecar, so that nobody else writes a notice for it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import trainguard.restart as tr
+from tests._dist import RankGroup, RankResult
+from tests.restart import _faults, _jobs
+from trainguard.events import read_events
+
+STEPS = 6
+FAULT_STEP = 2
+SECRET = "rejoin-test-secret-0123456789"
+JOB = "rejoin"
+RESPAWN = {"TRAINGUARD_INCARNATION": "1"}
+TIMEOUTS = {"store_timeout": 30, "soft_timeout": 5.0, "hard_timeout": 10.0}
+
+
+def _started(tmp_path: Path, hold_round: int | None, overrides: Any, *, notice: bool = True):
+    """A 3-rank job whose rank 1 SIGKILLs itself at FAULT_STEP of round 0, once it is dead.
+    ``notice=False``: rank 1 runs without a sidecar (the test writes its death notice)."""
+    group = RankGroup(
+        _faults.fault_job,
+        3,
+        args=(STEPS, 1, FAULT_STEP, "sigkill", str(tmp_path), {**TIMEOUTS, **overrides}),
+        kwargs={"victim_overrides": {} if notice else {"sidecar": False}, "hold_round": hold_round},
+        timeout=60,
+        env={"TRAINGUARD_JOB_SECRET": SECRET, "TRAINGUARD_JOB_ID": JOB},
+    ).start()
+    group.wait_until(lambda: not group.is_alive(1), timeout=40)
+    return group
+
+
+def _events(tmp_path: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for e in read_events(tmp_path) if e["kind"] == kind]
+
+
+def _rounds(result: RankResult) -> list[tuple[int, int, int]]:
+    return [(x["round"], x["rank"], x["world"]) for x in result.get()["rounds"]]
+
+
+def _notice(group: RankGroup, *, returning: bool) -> Any:
+    """The launcher's death notice for rank 1, gone in round 0 of a 3-rank job."""
+    from trainguard.coord.keys import Keyspace
+    from trainguard.coord.store import connect
+    from trainguard.restart.sidecar import SidecarConfig
+    from trainguard.restart.sidecar._notice import write_notice
+
+    cfg = SidecarConfig.build(
+        tr.WrapperConfig(**{**_faults.TIMEOUTS, **TIMEOUTS}),
+        rank=1,
+        world=3,
+        keys=Keyspace(JOB, 0, SECRET),
+        addr=("127.0.0.1", group.port),
+        log_dir=None,
+    )
+    store = connect("127.0.0.1", group.port, timeout=10)
+    return write_notice(store, cfg, 1, 0, (0, 1, 2), "process died", returning=returning)
+
+
+def test_respawn_joins_as_spare_after_the_spare_took_its_place(tmp_path: Path) -> None:
+    overrides = {"rank_filter": tr.MaxActiveWorldSize(2), "rank_assignment": tr.FillGaps()}
+    with _started(tmp_path, 1, overrides) as group:
+        joiner = group.respawn(1, RESPAWN)
+        group.wait_until(lambda: bool(_events(tmp_path, "join_wait")), timeout=40)
+        assert group.is_alive(0) and group.is_alive(2)
+        group.kill(2)  # the former spare, now active: the newcomer takes its place
+        results = group.join()
+    assert (results[1].exitcode, results[2].exitcode) == (-9, -9)
+    expected = _jobs.reference(STEPS, 2)
+    assert results[0].get()["weights"] == expected  # bit for bit: always 2 ranks
+    assert results[joiner].get()["weights"] == expected
+    assert _rounds(results[0]) == [(0, 0, 2), (1, 0, 2), (2, 0, 2)]
+    assert _rounds(results[joiner]) == [(2, 1, 2)]
+    [wait] = _events(tmp_path, "join_wait")
+    assert (wait["rank"], wait["waiting_round"], wait["admit"]) == (1, 2, False)
+    [admitted] = _events(tmp_path, "launch_admitted")
+    assert (admitted["rank"], admitted["round"], admitted["incarnation"]) == (1, 2, 1)
+
+
+def test_returning_notice_makes_the_barrier_wait_for_the_respawn(tmp_path: Path) -> None:
+    with _started(tmp_path, None, {}, notice=False) as group:
+        notice = _notice(group, returning=True)
+        assert (notice.returning, notice.counted) == (True, False)
+        respawned_at = time.time()
+        joiner = group.respawn(1, RESPAWN)
+        results = group.join()
+    expected = _jobs.reference(STEPS, 3)  # world 3 throughout; the newcomer started afresh
+    for index, rank in ((0, 0), (2, 2), (joiner, 1)):
+        assert results[index].get()["weights"] == expected
+        assert _rounds(results[index])[-1] == (1, rank, 3)
+    assert results[0].get()["rounds"][1]["entered"] > respawned_at
+    [admitted] = _events(tmp_path, "launch_admitted")
+    assert (admitted["rank"], admitted["round"]) == (1, 1)
+
+
+def test_newcomer_without_an_idle_spare_is_admitted_at_once(tmp_path: Path) -> None:
+    overrides = {"rank_filter": tr.MaxActiveWorldSize(3), "rank_assignment": tr.FillGaps()}
+    with _started(tmp_path, 1, overrides) as group:
+        joiner = group.respawn(1, RESPAWN)
+        results = group.join()
+    expected = _jobs.reference(STEPS, 3)  # the newcomer has no checkpoint: all start afresh
+    assert results[0].get()["weights"] == expected
+    assert results[2].get()["weights"] == expected
+    assert results[joiner].get()["weights"] == expected
+    assert _rounds(results[0]) == [(0, 0, 3), (1, 0, 2), (2, 0, 3)]
+    assert _rounds(results[2]) == [(0, 2, 3), (1, 1, 2), (2, 1, 3)]
+    assert _rounds(results[joiner]) == [(2, 2, 3)]
+    [wait] = _events(tmp_path, "join_wait")
+    assert (wait["waiting_round"], wait["admit"]) == (2, True)
+    aborts = [e for e in _events(tmp_path, "abort") if e["round"] == 1]
+    assert aborts and all(e["cause"] == "admit" for e in aborts)
+
+
+def test_returning_rank_that_never_comes_back_is_let_go(tmp_path: Path) -> None:
+    with _started(tmp_path, None, {}, notice=False) as group:
+        assert _notice(group, returning=True).returning
+        time.sleep(1.0)  # the survivors wait at round 1's barrier for rank 1
+        let_go = time.time()
+        notice = _notice(group, returning=False)
+        assert (notice.returning, notice.counted) == (False, True)
+        results = group.join()
+    expected = _jobs.reference(STEPS, 3, switch=FAULT_STEP, after=2)
+    for rank, new_rank in ((0, 0), (2, 1)):
+        value = results[rank].get()
+        assert value["weights"] == pytest.approx(expected, rel=1e-12, abs=1e-12)
+        assert _rounds(results[rank]) == [(0, rank, 3), (1, new_rank, 2)]
+        assert value["rounds"][1]["entered"] > let_go
+
+
+def _published_round_0(filter_: Any) -> tuple[Any, Any, Any]:
+    """A real store holding round 0 of a 3-rank job as its ranks published it."""
+    import torch.distributed as dist
+
+    from trainguard.coord.keys import Keyspace
+    from trainguard.restart._book import RoundBook
+    from trainguard.restart.sidecar import SidecarConfig
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False)
+    keys = Keyspace("unit", 0, "s3cret")
+    wcfg = tr.WrapperConfig(**{**_faults.TIMEOUTS, **TIMEOUTS, "rank_filter": filter_})
+    cfg = SidecarConfig.build(
+        wcfg, rank=1, world=3, keys=keys, addr=("127.0.0.1", store.port), log_dir=None
+    )
+    store.set(keys.pg_addr(0), "127.0.0.1:1")
+    for r in range(3):
+        book = RoundBook(store, keys, 3, wcfg.policies, store_timeout=5.0, writer=r)
+        book.record(0, r, {"r": r, "host": "h", "local_rank": r, "leave": None, "fault": None})
+        raw = book.arrive(0)
+    assert raw is not None and store.get(keys.latest) == raw  # the publisher copied it
+    return store, keys, cfg
+
+
+def test_returning_notice_with_an_idle_spare_is_an_ordinary_departure() -> None:
+    from trainguard.restart._book import peek
+    from trainguard.restart.sidecar._notice import write_notice
+
+    store, keys, cfg = _published_round_0(tr.MaxActiveWorldSize(2))  # active 0, 1; spare 2
+    notice = write_notice(store, cfg, 1, 0, (0, 1, 2), "died", returning=True)
+    assert (notice.returning, notice.counted) == (False, True)
+    assert b'"leave":"died"' in (peek(store, keys.member(1, 1)) or b"")
+
+
+def test_returning_notice_without_a_spare_keeps_the_rank_until_let_go() -> None:
+    from trainguard.restart._book import peek
+    from trainguard.restart.sidecar._notice import write_notice
+    from trainguard.restart.state import RoundOutcome
+
+    store, keys, cfg = _published_round_0(None)  # 3 active, no spare
+    notice = write_notice(store, cfg, 1, 0, (0, 1, 2), "died", returning=True)
+    assert (notice.returning, notice.counted) == (True, False)
+    stop = peek(store, keys.stop(0))
+    assert stop is not None and RoundOutcome.decode(stop).why == "fault"  # survivors abort
+    assert peek(store, keys.member(1, 1)) is None  # its arrival is not taken
+    assert peek(store, keys.left_mark(1)) is None  # nor is it counted out
+    notice = write_notice(store, cfg, 1, 0, (0, 1, 2), "never came back", returning=False)
+    assert (notice.returning, notice.counted) == (False, True)
+    assert b"never came back" in (peek(store, keys.member(1, 1)) or b"")
+
+
+def test_layout_writer_admits_a_gone_rank_and_recounts_it_when_its_layout_loses() -> None:
+    from trainguard.restart import _records
+    from trainguard.restart._book import RoundBook, peek
+    from trainguard.restart.sidecar._notice import write_notice
+
+    store, keys, cfg = _published_round_0(None)
+    write_notice(store, cfg, 1, 0, (0, 1, 2), "died")  # rank 1 is out: left = 1
+    policies = cfg.round_policies()
+    books = {r: RoundBook(store, keys, 3, policies, store_timeout=5.0, writer=r) for r in (0, 2)}
+    store.set(keys.pg_addr(1), "127.0.0.1:1")
+    store.set(keys.pg_addr(2), "127.0.0.1:1")
+    for n in (1, 2):
+        for r, book in books.items():
+            book.enter(_records.layout(store.get(keys.ready(n - 1))))
+            if n == 2 and r == 0:  # the newcomer's record, not counted (not in the roster)
+                rec = {"r": 1, "host": "h", "local_rank": 1, "leave": None, "fault": None}
+                assert books[0].record(2, 1, rec) is None
+            book.record(n, r, {"r": r, "host": "h", "local_rank": r, "leave": None, "fault": None})
+        if n == 1:
+            assert books[0].arrive(1) is None and books[2].arrive(1) is not None
+    payload, admitted = books[2]._lay_out(2)
+    ready = _records.layout(payload)
+    assert admitted == [1] and ready["active"] == [0, 2, 1] and ready["gone"] == {}
+    assert peek(store, keys.left_mark(1)) is None and store.add(keys.left, 0) == 0
+    # another writer published round 2 without it: this writer counts it out again
+    other = payload.replace(b'"active":[0,2,1]', b'"active":[0,2]')
+    books[2]._recount(admitted, other)
+    assert peek(store, keys.left_mark(1)) is not None and store.add(keys.left, 0) == 1
