@@ -274,6 +274,7 @@ class _Guarded:
             if cfg.step_time > 0:  # a longer step, as if the model were larger
                 time.sleep(max(0.0, cfg.step_time - (time.monotonic() - t0)))
             events.emit("train_step", step=step, loss=loss, duration=time.monotonic() - t0)
+            call.ping()
             recent.append(loss)
             if call.rank == 0 and (step % cfg.report_every == 0 or step == cfg.steps - 1):
                 mean = sum(recent) / len(recent)  # the loss averaged since the last report
