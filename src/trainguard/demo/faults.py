@@ -108,6 +108,27 @@ def claim(run_dir: str | os.PathLike[str], fault: Fault) -> bool:
     return True
 
 
+def request(run_dir: str | os.PathLike[str], fault: Fault) -> None:
+    """Add ``fault`` to the schedule of a running demo (its processes look before each step)."""
+    folder = Path(run_dir) / "faults" / "requested"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / fault.label).touch()
+
+
+def requested(run_dir: str | os.PathLike[str]) -> tuple[Fault, ...]:
+    """The faults added by :func:`request` so far (one directory listing)."""
+    try:
+        names = os.listdir(Path(run_dir) / "faults" / "requested")
+    except FileNotFoundError:
+        return ()
+    found = []
+    for name in names:
+        m = _ITEM.match(name)
+        if m:
+            found.append(Fault(int(m.group(2)), int(m.group(3)), m.group(1)))
+    return tuple(found)
+
+
 def inject(fault: Fault) -> None:
     """Carry out ``fault`` in this process (``lostdir``'s deletion is the caller's part)."""
     if fault.kind == "exception":

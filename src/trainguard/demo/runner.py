@@ -302,7 +302,10 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--disk-every", type=int, default=50, help="disk checkpoint every N steps (50)")
     p.add_argument(
-        "--soft-timeout", type=float, default=3.0, help="seconds without progress = hang (3)"
+        "--soft-timeout",
+        type=float,
+        help="seconds without progress = hang (default 3; --launch: 10, for the start-up of "
+        "new processes on a busy machine)",
     )
     p.add_argument(
         "--timeout", type=float, default=600.0, help="give up after this many seconds (600)"
@@ -348,6 +351,8 @@ def _shape(args: argparse.Namespace) -> tuple[int, int, float]:
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
     ranks, spares, step_time = _shape(args)
     args.ranks, args.spares = ranks, spares
+    if args.soft_timeout is None:
+        args.soft_timeout = 10.0 if args.launch else 3.0
     if args.ranks < 2:
         raise ConfigError(f"--ranks {args.ranks}: the demo needs at least 2 ranks")
     if args.spares < 0:

@@ -301,7 +301,7 @@ class _Guarded:
         close_round(resources, strict=strict)
 
     def _maybe_inject(self, call: Any, step: int) -> None:
-        for fault in self.cfg.faults:
+        for fault in (*self.cfg.faults, *_faults.requested(self.cfg.out)):
             if fault.step != step or fault.rank != call.rank:
                 continue
             if not _faults.claim(self.cfg.out, fault):

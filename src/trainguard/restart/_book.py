@@ -47,7 +47,11 @@ _ABSENT = "\x00absent"  # compare_set's expected value for a key that no value e
 
 def peek(store: Any, key: str) -> bytes | None:
     """The value of ``key``, None when it is not set; never waits (unlike ``get``) and never
-    sets it (``compare_set`` with an expected value that no value equals)."""
+    sets it (``compare_set`` with an expected value that no value equals). Looks with
+    ``check`` first: a ``compare_set`` on a missing key wakes the processes that ``wait``
+    for it (libuv TCPStore), which would then read a key that is not there."""
+    if not store.check([key]):
+        return None
     value = bytes(store.compare_set(key, _ABSENT, _ABSENT))
     return None if value == _ABSENT.encode() else value
 
