@@ -64,6 +64,24 @@ def kill_all(run_id: str) -> list[int]:
     return found
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (exists and is not a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def progress(out: Path, rank: int) -> int:
+    """The step count rank ``rank``'s ``run`` workers reached (see ``_workers.py``)."""
+    try:
+        return int((out / f"progress-{rank}").read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
 def read_starts(out: Path) -> list[dict[str, Any]]:
     """The workers' start records (see ``_workers.py``), in order."""
     path = out / "starts.jsonl"
@@ -102,36 +120,46 @@ class Agents:
         self.env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(ROOT / "src"), str(ROOT), self.env.get("PYTHONPATH", "")) if p
         )
+        self.nodes, self.nproc, self.module = nodes, nproc, module
+        self.extra, self.worker = list(extra), list(worker)
         for node in range(nodes):
-            cmd = [
-                sys.executable,
-                "-m",
-                module,
-                f"--nnodes={nodes}",
-                f"--nproc-per-node={nproc}",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{self.port}",
-                f"--rdzv-id={self.run_id}",
-                "--local-addr=127.0.0.1",
-                f"--rdzv-conf=is_host={int(node == 0)},{RDZV_CONF}",
-                "--monitor-interval=0.05",
-                *extra,
-                WORKER,
-                *worker,
-            ]
-            log = tmp / f"agent-{node}.log"
-            self.logs.append(log)
-            with open(log, "wb") as f:
-                self.procs.append(
-                    subprocess.Popen(
-                        cmd,
-                        env=self.env,
-                        stdout=f,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                        cwd=ROOT,
-                    )
+            self.add(host=node == 0)
+
+    def add(self, *, host: bool = False, extra: Sequence[str] = ()) -> int:
+        """Start one more agent of the job (``host``: it hosts the rendezvous store); returns
+        its index in :attr:`procs` (a replacement node starts like this while the job runs)."""
+        index = len(self.procs)
+        cmd = [
+            sys.executable,
+            "-m",
+            self.module,
+            f"--nnodes={self.nodes}",
+            f"--nproc-per-node={self.nproc}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{self.port}",
+            f"--rdzv-id={self.run_id}",
+            "--local-addr=127.0.0.1",
+            f"--rdzv-conf=is_host={int(host)},{RDZV_CONF}",
+            "--monitor-interval=0.05",
+            *self.extra,
+            *extra,
+            WORKER,
+            *self.worker,
+        ]
+        log = self.tmp / f"agent-{index}.log"
+        self.logs.append(log)
+        with open(log, "wb") as f:
+            self.procs.append(
+                subprocess.Popen(
+                    cmd,
+                    env=self.env,
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    cwd=ROOT,
                 )
+            )
+        return index
 
     def left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -179,7 +207,9 @@ class Agents:
         for i, log in enumerate(self.logs):
             text = log.read_text(errors="replace") if log.exists() else ""
             lines = [
-                ln for ln in text.splitlines() if "OMP_NUM_THREADS" not in ln and "****" not in ln
+                ln
+                for ln in text.splitlines()
+                if "OMP_NUM_THREADS" not in ln and "****" not in ln and "waitForInput" not in ln
             ]
             parts.append(f"--- agent {i} ---\n" + "\n".join(lines[-60:]))
         return "\n".join(parts)

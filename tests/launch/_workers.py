@@ -15,7 +15,8 @@ Modes:
 - ``wrapper``: (imports torch) a :class:`trainguard.restart.Wrapper` job (``FillGaps`` and
   ``MaxActiveWorldSize(--active)``): each round inits gloo and runs ``--steps`` all_reduces of
   ones, appending ``{rank, initial, pid, round, world, step, sum}`` to ``OUT/steps.jsonl``;
-  ``OUT/result-<RANK>-<pid>`` gets the last round's world size (or ``spare``).
+  ``OUT/result-<RANK>-<pid>`` gets the last round's world size (or ``spare``). A round goes on
+  past ``--steps`` while ``OUT/hold`` exists.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def wrapper(out: Path, rank: int, args: argparse.Namespace) -> int:
     def train(call: tr.CallWrapper) -> int:
         dist.init_process_group("gloo")
         try:
-            for step in range(args.steps or 20):
+            step = 0
+            while step < (args.steps or 20) or (out / "hold").exists():
                 total = torch.ones(1)
                 dist.all_reduce(total)
                 record = {
@@ -112,6 +114,7 @@ def wrapper(out: Path, rank: int, args: argparse.Namespace) -> int:
                 _append(out / "steps.jsonl", record)
                 call.ping()
                 time.sleep(args.step)
+                step += 1
         finally:
             dist.destroy_process_group()
         return call.world_size

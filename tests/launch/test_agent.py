@@ -9,26 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch._agents import Agents, leftovers, read_starts
+from tests.launch._agents import Agents, alive, leftovers, progress, read_starts
 from trainguard import events
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _progress(out: Path, rank: int) -> int:
-    try:
-        return int((out / f"progress-{rank}").read_text() or 0)
-    except (FileNotFoundError, ValueError):
-        return 0
 
 
 def test_a_killed_worker_is_respawned_alone_and_the_job_completes(tmp_path: Path) -> None:
@@ -45,15 +29,15 @@ def test_a_killed_worker_is_respawned_alone_and_the_job_completes(tmp_path: Path
             "0"
         }
         pids = {s["rank"]: s["pid"] for s in first}
-        job.wait_for(lambda: _progress(out, 2) >= 3, what="rank 2 progress")
-        killed_at = _progress(out, 2)
+        job.wait_for(lambda: progress(out, 2) >= 3, what="rank 2 progress")
+        killed_at = progress(out, 2)
         os.kill(pids[2], signal.SIGKILL)
         again = job.wait_for(
             lambda: [s for s in read_starts(out) if s["incarnation"] == "1"], what="respawn"
         )
         assert [(s["rank"], s["local_rank"], s["generation"]) for s in again] == [(2, 0, "0")]
-        job.wait_for(lambda: _progress(out, 2) > killed_at + 2, what="progress after respawn")
-        assert all(_alive(pids[r]) for r in (0, 1, 3)), "a survivor lost its process"
+        job.wait_for(lambda: progress(out, 2) > killed_at + 2, what="progress after respawn")
+        assert all(alive(pids[r]) for r in (0, 1, 3)), "a survivor lost its process"
         assert len(read_starts(out)) == 5  # nobody else was restarted
         (out / "stop").touch()
         assert job.wait() == [0, 0], job.output()
@@ -102,7 +86,7 @@ def test_sigterm_to_a_launcher_ends_every_process(tmp_path: Path) -> None:
         codes = job.wait(timeout=30)
         assert codes[0] != 0 and codes[1] != 0, job.output()
         assert time.monotonic() - start < 20
-        assert not any(_alive(s["pid"]) for s in starts)
+        assert not any(alive(s["pid"]) for s in starts)
         assert leftovers(job.run_id) == [], job.output()
 
 

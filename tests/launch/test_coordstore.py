@@ -11,7 +11,8 @@ from tests._dist import free_port
 from trainguard.coord.store import parse_addr
 from trainguard.errors import ConfigError, CoordinationError
 from trainguard.launch import escalate
-from trainguard.launch._coordstore import CoordStore, escalate_key, generation_key
+from trainguard.launch._coordstore import CoordStore
+from trainguard.launch._keys import escalate_key, generation_key
 
 
 def rdzv_store():

@@ -217,3 +217,70 @@ def test_layout_writer_admits_a_gone_rank_and_recounts_it_when_its_layout_loses(
     other = payload.replace(b'"active":[0,2,1]', b'"active":[0,2]')
     books[2]._recount(admitted, other)
     assert peek(store, keys.left_mark(1)) is not None and store.add(keys.left, 0) == 1
+    # a newcomer that dies while it waits outside the roster aborts no round
+    write_notice(store, cfg, 1, 2, (0, 2), "died while waiting")
+    assert peek(store, keys.stop(2)) is None
+
+
+def test_peeking_a_key_that_is_not_set_wakes_no_waiter() -> None:
+    """A newcomer peeks the running round's outcome while the ranks of that round wait for it:
+    the peek must not wake them (torch 2.13's TCPStore wakes waiters on a ``compare_set`` of a
+    key that is not set, and the woken monitor then read an empty outcome)."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from trainguard.restart._book import peek
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    peeker = dist.TCPStore("127.0.0.1", server.port, is_master=False, use_libuv=True)
+    waiter = dist.TCPStore("127.0.0.1", server.port, is_master=False, use_libuv=True)
+    woke: list[float] = []
+
+    def wait() -> None:
+        start = time.monotonic()
+        try:
+            waiter.wait(["outcome"], timedelta(seconds=1.5))
+            woke.append(time.monotonic() - start)
+        except Exception:
+            pass  # the timeout: nothing woke it
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    time.sleep(0.2)
+    assert peek(peeker, "outcome") is None
+    thread.join(10)
+    assert woke == [], f"the waiter woke {woke[0]:.2f} s after it began without a value"
+    server.set("outcome", b"done")
+    assert peek(peeker, "outcome") == b"done"
+
+
+def _short_job() -> int | None:
+    @tr.Wrapper(**TIMEOUTS, barrier_timeout=60)
+    def train(call: tr.CallWrapper) -> int:
+        return call.world_size
+
+    return train()
+
+
+@pytest.mark.parametrize("secret", ["file", "env"])
+def test_a_respawn_that_comes_after_the_job_ended_returns_at_once(secret: str) -> None:
+    """The launcher may respawn a rank that died just before the others finished: the new
+    process must learn that the job is over (its keys were deleted from the external store)
+    instead of waiting for a secret or a round that never comes."""
+    import torch.distributed as dist
+
+    from tests._dist import run_ranks
+    from trainguard.coord.keys import Keyspace
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    env = {"TRAINGUARD_STORE_ADDR": f"127.0.0.1:{server.port}", "TRAINGUARD_JOB_ID": JOB}
+    if secret == "env":
+        env["TRAINGUARD_JOB_SECRET"] = SECRET
+    assert [r.get() for r in run_ranks(_short_job, 2, env=env, timeout=60)] == [2, 2]
+    assert server.check([Keyspace(JOB, 0).ended])
+    start = time.monotonic()
+    late = run_ranks(_short_job, 2, env={**env, **RESPAWN}, timeout=50)
+    assert [r.get() for r in late] == [None, None]
+    assert time.monotonic() - start < 30

@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import secrets
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +39,8 @@ from trainguard.errors import CoordinationError
 __all__ = ["Handover", "current", "source"]
 
 logger = logging.getLogger(__name__)
+
+_SLICE = 0.25  # seconds between two looks at whether the job ended (a late process's wait)
 
 Source = Literal["env", "file", "store"]
 _SECRET = re.compile(r"[0-9a-f]{32}")
@@ -100,12 +103,15 @@ class Handover:
             value = self.secret if self.how == "store" else _digest(self.secret)
             store.set(self.keys.handover, value)
 
-    def receive(self, store: Any, timeout: float) -> str:
-        """The secret rank 0 created (waits up to ``timeout`` s for it to be published)."""
+    def receive(self, store: Any, timeout: float, *, ended: str | None = None) -> str | None:
+        """The secret rank 0 created (waits up to ``timeout`` s for it to be published).
+
+        ``ended``: a key that says the job is over (:attr:`Keyspace.ended`); when it is set
+        before the secret, returns None (a process that came too late to join)."""
         if self.how != "env":
-            raw = barrier.wait_key(
-                store, self.keys.handover, timeout, what="the job secret from rank 0"
-            ).decode(errors="replace")
+            raw = self._wait(store, timeout, ended)
+            if raw is None:
+                return None
             self.secret = raw if self.how == "store" else self._read_file(raw)
             if not _SECRET.fullmatch(self.secret):
                 raise CoordinationError(
@@ -131,6 +137,20 @@ class Handover:
                 "same user; or set TRAINGUARD_JOB_SECRET"
             ) from exc
         return secret if _digest(secret) == digest else ""
+
+    def _wait(self, store: Any, timeout: float, ended: str | None) -> str | None:
+        what = "the job secret from rank 0"
+        if ended is None:
+            return barrier.wait_key(store, self.keys.handover, timeout, what=what).decode(
+                errors="replace"
+            )
+        deadline = time.monotonic() + timeout
+        while not barrier.wait_all(store, [self.keys.handover], _SLICE, what=what):
+            if store.check([ended]):
+                return None
+            if time.monotonic() >= deadline:
+                barrier.wait_key(store, self.keys.handover, 0.001, what=what)  # raises
+        return bytes(store.get(self.keys.handover)).decode(errors="replace")
 
     def close(self) -> None:
         if self.secret in _active:

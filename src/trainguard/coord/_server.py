@@ -142,6 +142,8 @@ class _Host:
         for key in keys:
             with contextlib.suppress(Exception):  # best effort: the store may be going too
                 self.coord.delete_key(key)
+        with contextlib.suppress(Exception):
+            self.coord.set(self.keys.ended, b"1")
 
 
 def main() -> int:

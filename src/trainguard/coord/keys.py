@@ -70,6 +70,13 @@ class Keyspace:
         """Outside the secret: where the secret, or a digest of it, is handed to the others."""
         return f"tg/{self.job}/{self.call}/secret"
 
+    @property
+    def ended(self) -> str:
+        """Outside the secret: set once the job ended and its keys were deleted from an
+        external store, so that a process that comes later (a respawned rank) learns that
+        there is nothing left to join instead of waiting for keys that will never come."""
+        return f"tg/{self.job}/{self.call}/ended"
+
     # job-level keys ---------------------------------------------------------------------
     @property
     def left(self) -> str:

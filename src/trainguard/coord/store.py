@@ -17,7 +17,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from trainguard import _env, _subproc
+from trainguard import _subproc
 from trainguard.errors import ConfigError, CoordinationError
 
 __all__ = ["StoreProcess", "connect", "parse_addr"]
@@ -74,6 +74,9 @@ class StoreProcess:
         world_size: initial world size (for deleting keys from an external store).
         timeout: store operation timeout in seconds.
         orphan_grace: seconds without clients, once the parent is gone, before it exits.
+        new_session: start it in a session of its own, so that a kill of this process's group
+            does not reach it (under ``trainguard launch`` the agent kills a dead worker's
+            group before it respawns the slot; the store serves the others meanwhile).
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class StoreProcess:
         world_size: int,
         timeout: float,
         orphan_grace: float = 10.0,
+        new_session: bool = False,
     ) -> None:
         self.config = {
             "job": job,
@@ -106,19 +110,17 @@ class StoreProcess:
             "parent": os.getpid(),
         }
         self.timeout = timeout
+        self.new_session = new_session
         self.proc: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
 
     def start(self) -> StoreProcess:
         """Start the process and wait for its handshake (it binds its ports first)."""
-        # Under ``trainguard launch`` the agent kills a dead worker's process group before it
-        # respawns the slot; the store serves the others and must not go with it (once its
-        # parent is gone it exits when no client is left, see ``orphan_grace``).
         self.proc = _subproc.start_module(
             "trainguard.coord._server",
             self.config,
             keep_stdin=False,
-            new_session=_env.settings().agent is not None,
+            new_session=self.new_session,
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()

@@ -10,7 +10,11 @@ that a torch release that moves one of them breaks this module (and its contract
 - ``SubprocessHandler``: ``proc`` (its ``Popen``, leader of its own session), ``_stdout``,
   ``_stderr`` (the log files it opened);
 - ``LocalElasticAgent``: ``_pcontext``, ``_uninterruptible_state_timeout`` and
-  ``_check_uninterruptible_state_timeout`` (torch's D-state watchdog, absent from older releases; probed).
+  ``_check_uninterruptible_state_timeout`` (torch's D-state watchdog, absent from older releases; probed),
+  ``_in_exit_barrier`` (the health check's "finished, waiting for the others" flag; set while
+  the agent's own exit barrier runs);
+- ``DynamicRendezvousHandler._stop_heartbeats`` (its keep-alive timer; probed): stopped when
+  the rendezvous store is gone, until the next rendezvous round starts it again.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
@@ -37,11 +42,13 @@ __all__ = [
     "WorkerLaunch",
     "check_uninterruptible",
     "handler",
+    "in_exit_barrier",
     "launch_of",
     "missing",
     "pcontext",
     "release",
     "replace",
+    "stop_keepalive",
 ]
 
 #: attributes of a started ``SubprocessContext`` the agent relies on.
@@ -59,7 +66,11 @@ CONTEXT_ATTRIBUTES = (
 HANDLER_ATTRIBUTES = ("proc", "_stdout", "_stderr")
 #: attributes of ``LocalElasticAgent`` the agent relies on (the D-state ones are optional).
 AGENT_ATTRIBUTES = ("_pcontext",)
-AGENT_OPTIONAL = ("_uninterruptible_state_timeout", "_check_uninterruptible_state_timeout")
+AGENT_OPTIONAL = (
+    "_uninterruptible_state_timeout",
+    "_check_uninterruptible_state_timeout",
+    "_in_exit_barrier",
+)
 
 
 def missing(context: object, handle: object, agent: object) -> list[str]:
@@ -152,3 +163,23 @@ def check_uninterruptible(agent: LocalElasticAgent, group: WorkerGroup) -> RunRe
         return None
     result: RunResult | None = probe(group, timeout)
     return result
+
+
+@contextlib.contextmanager
+def in_exit_barrier(agent: LocalElasticAgent) -> Iterator[None]:
+    """Mark ``agent`` as waiting in its exit barrier (torch's health check then reports it
+    alive although its workers ended), as torch's own exit barrier does."""
+    agent._in_exit_barrier = True
+    try:
+        yield
+    finally:
+        agent._in_exit_barrier = False
+
+
+def stop_keepalive(handler: object) -> None:
+    """Stop a c10d rendezvous handler's keep-alive writes (torch restarts them at its next
+    rendezvous round): its store went down with the node that hosted it, and each failed
+    write would log a stack trace."""
+    stop = getattr(handler, "_stop_heartbeats", None)
+    if callable(stop):
+        stop()

@@ -14,9 +14,9 @@ torch's rendezvous, before the workers start):
 3. Every other agent reads that key (blocking, with the rendezvous store's timeout) and
    connects to the address.
 
-Keys (all under ``trainguard/launch/<run_id>/``): ``generation`` (the counter: generations
-started), ``escalate/g<gen>`` (set by any agent or worker to restart the whole job; the value is
-the reason).
+Keys (all under ``trainguard/launch/<run_id>/``, named in :mod:`trainguard.launch._keys`):
+``generation`` (the counter: generations started), ``escalate/g<gen>`` (set by any agent or
+worker to restart the whole job; the value is the reason).
 """
 
 from __future__ import annotations
@@ -30,28 +30,19 @@ from typing import Any
 from trainguard.coord import _bind
 from trainguard.coord.store import connect, parse_addr
 from trainguard.errors import CoordinationError
+from trainguard.launch._keys import escalate_key, generation_key
 
 __all__ = [
     "PUBLISHED",
     "CoordStore",
     "Generation",
-    "escalate_key",
     "format_addr",
-    "generation_key",
 ]
 
 logger = logging.getLogger(__name__)
 
 #: key in the round's rendezvous store where agent 0 publishes the store and the generation.
 PUBLISHED = "trainguard/launch/coord"
-
-
-def generation_key(run_id: str) -> str:
-    return f"trainguard/launch/{run_id}/generation"
-
-
-def escalate_key(run_id: str, generation: int) -> str:
-    return f"trainguard/launch/{run_id}/escalate/g{generation}"
 
 
 def format_addr(host: str, port: int) -> str:
@@ -104,10 +95,17 @@ class CoordStore:
                     "node runs trainguard launch (not torchrun) with the same options"
                 ) from exc
             if addr != self.addr or self.client is None:
-                host, port = parse_addr(addr)
-                self.client = connect(host, port, timeout=self.timeout)
-        self.addr = addr
-        self.last_generation = generation
+                return self.adopt(addr, generation)
+        self.addr, self.last_generation = addr, generation
+        return Generation(addr, generation)
+
+    def adopt(self, addr: str, generation: int) -> Generation:
+        """Connect to the store at ``addr`` in ``generation``: what agents other than 0 do in
+        :meth:`join`, and what a replacement node does with the vacancy it claimed (no
+        rendezvous round)."""
+        host, port = parse_addr(addr)
+        self.client = connect(host, port, timeout=self.timeout)
+        self.addr, self.last_generation = addr, generation
         return Generation(addr, generation)
 
     def _open(self, advertise: str, bind: str) -> str:

@@ -96,7 +96,8 @@ class SlotTable:
     Protocol (all from the agent's monitor thread): :meth:`started` after each process start,
     :meth:`exited` when the agent saw it exit (returns ``None`` for exit code 0, a
     :class:`Respawn` or an :class:`Escalate`), :meth:`due` on each tick for respawns whose time
-    has come, then :meth:`started` again with the new pid.
+    has come, then :meth:`started` again with the new pid. ``incarnation``: of every slot's
+    first process (a replacement node's workers are newcomers: >= 1).
     """
 
     def __init__(
@@ -105,10 +106,13 @@ class SlotTable:
         policy: SlotPolicy,
         *,
         clock: Callable[[], float] = time.monotonic,
+        incarnation: int = 0,
     ) -> None:
         self.policy = policy
         self.clock = clock
-        self._slots = {lr: _Slot(lr, rank) for lr, rank in sorted(ranks.items())}
+        self._slots = {
+            lr: _Slot(lr, rank, incarnation=incarnation) for lr, rank in sorted(ranks.items())
+        }
 
     def __contains__(self, local_rank: int) -> bool:
         return local_rank in self._slots

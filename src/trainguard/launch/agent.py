@@ -16,6 +16,21 @@ and changes what one worker's death does:
    escalation key, the agent sets that key (so every agent sees it on its next tick) and
    returns ``FAILED``: torch's own loop then stops every worker and, with restarts left,
    rendezvous again; the next round gets a new generation.
+
+Nodes (with the node heartbeat and, for the c10d rendezvous, the admission gate; see
+:mod:`trainguard.launch.heartbeat`, :mod:`trainguard.launch._gate`,
+:mod:`trainguard.launch._nodes`):
+
+4. After each rendezvous the agent follows the generation in the gate, publishes its workers'
+   ranks and starts its heartbeat; group rank 0 drops the vacancies of older generations.
+5. The agent that declares a node lost tells the sidecar service that each of its ranks is
+   gone, emits ``launch_node_lost``, marks the node lost for the exit barrier and offers its
+   group rank as a vacancy. A node declared lost while it was only slow stops its workers and
+   asks for a whole-job restart (its ranks were counted out).
+6. An agent that starts while the job runs first claims a vacancy: it then takes the lost
+   node's group rank and ranks without a rendezvous round, its workers start as newcomers
+   (``TRAINGUARD_INCARNATION`` >= 1) and its heartbeat makes the node live again.
+7. The exit barrier runs in the coordination store and counts lost nodes as arrived.
 """
 
 from __future__ import annotations
@@ -44,8 +59,11 @@ from trainguard import _env, events
 from trainguard.coord import _bind
 from trainguard.launch import _compat
 from trainguard.launch._coordstore import CoordStore, Generation
+from trainguard.launch._gate import AdmissionGate
 from trainguard.launch._logs import AgentLogsSpecs, incarnation_files, tail
+from trainguard.launch._nodes import NodeWatch
 from trainguard.launch._slots import Escalate, Respawn, SlotPolicy, SlotTable
+from trainguard.launch.heartbeat import NodeHeartbeat
 from trainguard.launch.options import LaunchOptions
 
 __all__ = ["Heartbeat", "Service", "TrainguardAgent"]
@@ -68,6 +86,8 @@ class Service(Protocol):
         self, slot: int, pid: int, exit_code: int | None, *, returning: bool, timeout: float
     ) -> bool: ...
 
+    def gone(self, slot: int, cause: str) -> None: ...
+
 
 class Heartbeat(Protocol):
     """One node's heartbeat for one generation (see ``trainguard.launch.heartbeat``)."""
@@ -86,10 +106,13 @@ class TrainguardAgent(LocalElasticAgent):
         options: the trainguard settings (``--tg-*``).
 
     Hooks, set before :meth:`run`: :attr:`service` (``None``: no sidecar service; else
-    ``expect`` is called right after each worker process starts and ``died`` before a dead
-    worker's slot is respawned), :attr:`heartbeat_factory` (``None``: no node heartbeat; else
-    called with the agent once per generation, after the generation is known, to make
-    :attr:`heartbeat`, which is started then and closed when the workers stop).
+    ``expect`` is called right after each worker process starts, ``died`` before a dead
+    worker's slot is respawned and ``gone`` for each rank of a node this agent declared lost),
+    :attr:`heartbeat_factory` (``None``: no node heartbeat; else called with the agent once per
+    generation, after ``nodes.place`` is known, to make :attr:`heartbeat`, which is started then
+    and closed when the workers stop; :meth:`node_heartbeat` makes the usual one). When the
+    rendezvous handler is an :class:`AdmissionGate` (c10d), lost nodes' group ranks are offered
+    to replacement nodes and this agent claims one before its first rendezvous.
     """
 
     def __init__(
@@ -119,6 +142,7 @@ class TrainguardAgent(LocalElasticAgent):
         self.heartbeat: Heartbeat | None = None
         self.heartbeat_factory: Callable[[TrainguardAgent], Heartbeat] | None = None
         self.run_id = spec.rdzv_handler.get_run_id()
+        self._first_rendezvous = True
         self.coord = CoordStore(
             external=options.store or settings.store_addr, timeout=options.heartbeat_timeout
         )
@@ -126,6 +150,15 @@ class TrainguardAgent(LocalElasticAgent):
         self.slots: SlotTable | None = None
         self.events_dir = options.events_dir or settings.events_dir
         self.events = events.EventLog(self.events_dir)
+        rdzv = spec.rdzv_handler
+        self.nodes = NodeWatch(
+            run_id=self.run_id,
+            options=options,
+            coord=self.coord,
+            gate=rdzv if isinstance(rdzv, AdmissionGate) else None,
+            log=self.events,
+            gone=self._service_gone,
+        )
         self._tails: list[TailLog] = []
         self._error_files: dict[int, str] = {}
         self._died_at: dict[int, float] = {}
@@ -133,8 +166,15 @@ class TrainguardAgent(LocalElasticAgent):
 
     # rendezvous and start ------------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        super()._rendezvous(worker_group)
-        joined = self._join_coordination(worker_group)
+        """torch's rendezvous round, then the coordination store and the generation; or, for
+        a node that starts while the job runs, a lost node's place (no rendezvous round)."""
+        taken = self.nodes.take_vacancy(worker_group) if self._first_rendezvous else None
+        self._first_rendezvous = False
+        if taken is None:
+            super()._rendezvous(worker_group)
+            joined, incarnation = self._join_coordination(worker_group), 0
+        else:
+            joined, incarnation = taken
         self.generation = joined.generation
         self.events.set_context(rank=-1 - (worker_group.group_rank or 0))
         self.events.emit(
@@ -143,10 +183,13 @@ class TrainguardAgent(LocalElasticAgent):
             node=worker_group.group_rank,
             nodes=worker_group.group_world_size,
             store=joined.addr,
+            replacement=taken is not None,
         )
-        self.logs.extra_env = self._worker_env(joined)
+        self.logs.extra_env = self._worker_env(joined, incarnation)
         policy = SlotPolicy(self.options.respawns, self.options.respawn_backoff)
-        self.slots = SlotTable({w.local_rank: w.global_rank for w in worker_group.workers}, policy)
+        ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
+        self.slots = SlotTable(ranks, policy, incarnation=incarnation)
+        self.nodes.enter(worker_group, joined)
         self._start_heartbeat()
 
     def _join_coordination(self, group: WorkerGroup) -> Generation:
@@ -160,12 +203,12 @@ class TrainguardAgent(LocalElasticAgent):
             bind=_bind.bind_host(advertise, local=local),
         )
 
-    def _worker_env(self, joined: Generation) -> dict[str, str]:
+    def _worker_env(self, joined: Generation, incarnation: int) -> dict[str, str]:
         """What the agent adds to torch's environment of every worker it starts."""
         env = {
             "TRAINGUARD_STORE_ADDR": joined.addr,
             "TRAINGUARD_GENERATION": str(joined.generation),
-            "TRAINGUARD_INCARNATION": "0",
+            "TRAINGUARD_INCARNATION": str(incarnation),
         }
         if self.events_dir:
             env["TRAINGUARD_EVENTS_DIR"] = self.events_dir
@@ -180,7 +223,8 @@ class TrainguardAgent(LocalElasticAgent):
         self._error_files = {lr: _compat.launch_of(context, lr).error_file for lr in pids}
         for local_rank, pid in pids.items():
             self.slots.started(local_rank, pid)
-            self._service_expect(self.slots.rank(local_rank), pid, 0)
+            rank, incarnation = self.slots.rank(local_rank), self.slots.incarnation(local_rank)
+            self._service_expect(rank, pid, incarnation)
         return pids
 
     # monitor -------------------------------------------------------------------------------
@@ -190,6 +234,8 @@ class TrainguardAgent(LocalElasticAgent):
         stuck = _compat.check_uninterruptible(self, worker_group)
         if stuck is not None:
             return stuck
+        if self.nodes.eviction is not None:
+            return self._escalate(self.nodes.eviction, {})
         reason = self._escalation_requested()
         if reason is not None:  # already in the store (or the store is gone): nothing to set
             return self._escalate(reason, {}, announce=False)
@@ -308,18 +354,45 @@ class TrainguardAgent(LocalElasticAgent):
         except Exception:
             logger.exception("the sidecar service could not record rank %d's death", slot)
 
+    def _service_gone(self, slot: int, cause: str) -> None:
+        if self.service is None:
+            return
+        try:
+            self.service.gone(slot, cause)
+        except Exception:
+            logger.exception("the sidecar service could not count rank %d out", slot)
+
     def _start_heartbeat(self) -> None:
         self._close_heartbeat()
         if self.heartbeat_factory is not None:
             self.heartbeat = self.heartbeat_factory(self)
             self.heartbeat.start()
 
+    def node_heartbeat(self) -> NodeHeartbeat:
+        """This node's heartbeat in the current generation (the usual ``heartbeat_factory``):
+        ``--tg-heartbeat-interval``/``--tg-heartbeat-timeout``; a node it declares lost is
+        counted out (:class:`~trainguard.launch._nodes.NodeWatch`)."""
+        return self.nodes.heartbeat()
+
     def _close_heartbeat(self) -> None:
         if self.heartbeat is not None:
             heartbeat, self.heartbeat = self.heartbeat, None
             heartbeat.close()
 
-    # shutdown ------------------------------------------------------------------------------
+    # stop, exit, shutdown ------------------------------------------------------------------
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._close_heartbeat()  # no node of this generation is judged any more
+        super()._stop_workers(worker_group)
+
+    def _exit_barrier(self) -> None:
+        """Wait for the other agents in the coordination store; nodes that were lost count as
+        arrived (see :mod:`trainguard.launch._nodes`)."""
+        if self.nodes.place is None or self.coord.client is None:
+            super()._exit_barrier()  # type: ignore[no-untyped-call]
+            return
+        with _compat.in_exit_barrier(self):
+            self.nodes.exit_barrier()
+
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         self._close_heartbeat()
         super()._shutdown(death_sig, timeout)

@@ -134,11 +134,14 @@ def build_agent(
     config: Any, entrypoint: str, args: Sequence[Any], options: LaunchOptions
 ) -> TrainguardAgent:
     """The agent torch's ``launch_agent`` would build for ``config`` (a torch ``LaunchConfig``),
-    as a :class:`TrainguardAgent`: rendezvous handler from torch's registry, ``WorkerSpec``."""
+    as a :class:`TrainguardAgent`: rendezvous handler from torch's registry (for c10d: wrapped
+    in the admission gate, so that a replacement node neither restarts the running job nor
+    waits for a rendezvous round), ``WorkerSpec``, the node heartbeat."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
+    from trainguard.launch._gate import create_gated_handler
     from trainguard.launch.agent import TrainguardAgent
 
     if not config.run_id:
@@ -156,6 +159,11 @@ def build_agent(
         local_addr=config.local_addr,
         **config.rdzv_configs,
     )
+    handler: RendezvousHandler
+    if config.rdzv_backend == "c10d":
+        handler = create_gated_handler(params)
+    else:  # no vacancies: a node lost stays lost until the next whole-job restart
+        handler = rdzv_registry.get_rendezvous_handler(params)
     master_addr, master_port = _static_master(config.rdzv_backend, config.rdzv_endpoint)
     same = {name: getattr(config, name) for name in _SPEC_FROM_CONFIG}
     spec = WorkerSpec(
@@ -163,12 +171,12 @@ def build_agent(
         local_world_size=config.nproc_per_node,
         entrypoint=entrypoint,
         args=tuple(args),
-        rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+        rdzv_handler=handler,
         master_addr=master_addr,
         master_port=master_port,
         **same,
     )
-    return TrainguardAgent(
+    agent = TrainguardAgent(
         spec,
         config.logs_specs,
         options=options,
@@ -176,6 +184,8 @@ def build_agent(
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=config.shutdown_timeout,
     )
+    agent.heartbeat_factory = TrainguardAgent.node_heartbeat
+    return agent
 
 
 def launch_agent(

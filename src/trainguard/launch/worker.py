@@ -22,7 +22,7 @@ def escalate(reason: str, *, timeout: float = 30.0) -> None:
     the coordination store (seconds).
     """
     from trainguard.coord.store import connect
-    from trainguard.launch._coordstore import escalate_key
+    from trainguard.launch._keys import escalate_key
 
     settings = _env.settings()
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")

@@ -47,9 +47,11 @@ _ABSENT = "\x00absent"  # compare_set's expected value for a key that no value e
 
 def peek(store: Any, key: str) -> bytes | None:
     """The value of ``key``, None when it is not set; never waits (unlike ``get``) and never
-    sets it (``compare_set`` with an expected value that no value equals). Looks with
-    ``check`` first: a ``compare_set`` on a missing key wakes the processes that ``wait``
-    for it (libuv TCPStore), which would then read a key that is not there."""
+    sets it (``compare_set`` with an expected value that no value equals).
+
+    ``check`` first: a ``compare_set`` of a key that is not set wakes every client waiting for
+    that key although nothing was set (torch 2.13's TCPStore), and such a waiter then reads a
+    value that is not there (a monitor waiting for its round's outcome read an empty one)."""
     if not store.check([key]):
         return None
     value = bytes(store.compare_set(key, _ABSENT, _ABSENT))

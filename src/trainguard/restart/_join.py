@@ -22,8 +22,9 @@ instead of round 0's barrier (:class:`Newcomer`):
 Events: ``join_wait`` (waiting_round, admit) each time it waits outside the roster;
 ``launch_admitted`` once it enters its first round (:meth:`Session.join`).
 
-Waiting is woken by the store (a ``wait`` on the next round's ``ready`` key) in slices of
-:data:`_SLICE` seconds, between which it looks whether the running round ended the job.
+Waiting is woken by the store: a ``wait`` on the running round's outcome (in slices of
+:data:`_SLICE` seconds, between which it looks whether the job's keys were deleted), then on
+the next round's layout.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ __all__ = ["Newcomer"]
 
 logger = logging.getLogger(__name__)
 
-_SLICE = 0.25  # seconds between two looks at whether the job ended
+_SLICE = 2.0  # seconds between two looks at whether the job ended (its keys deleted)
 
 #: ``(round, roster)``: tells the rank's sidecar the round whose next barrier it waits at.
 Notify = Callable[[int, tuple[int, ...]], None]
@@ -83,6 +84,8 @@ class Newcomer:
     def join(self) -> tuple[int, dict[str, Any]] | None:
         """The first round this rank is laid out in and its layout; None when the job
         completed first. Raises :class:`JobEndedError` when it ended with an error."""
+        if self.store.check([self.keys.ended]):
+            return None  # it came after the job ended and its keys were deleted
         raw = peek(self.store, self.keys.latest)
         current = _records.layout(raw) if raw is not None else None
         while True:
@@ -145,16 +148,14 @@ class Newcomer:
 
     def _wait(self, m: int) -> dict[str, Any] | None:
         """Round ``m``'s layout once published; None when the job completed before (round
-        ``m - 1`` complete, or every rank left). Never times out: a newcomer may wait for the
-        whole job."""
-        while True:
-            if barrier.wait_all(self.store, [self.keys.ready(m)], _SLICE, what="next round"):
-                raw = peek(self.store, self.keys.ready(m))
-                if raw is not None:
-                    return _records.layout(raw)
-            stop = peek(self.store, self.keys.stop(m - 1)) if m > 0 else None
-            outcome = RoundOutcome.decode(stop) if stop is not None else None
-            if outcome is not None and outcome.why == "end":
+        ``m - 1`` complete, or its keys already deleted). Woken by the store: first by round
+        ``m - 1``'s outcome (a newcomer may wait as long as that round runs), then by round
+        ``m``'s layout (bounded by the barrier timeout)."""
+        if m > 0:
+            outcome = self._outcome(m - 1)
+            if outcome is None or outcome.why == "complete":
+                return None
+            if outcome.why == "end":
                 raise JobEndedError(
                     f"the job ended in round {m - 1} before rank {self.rank} could join it: "
                     f"{outcome.reason or outcome.error or ''}",
@@ -162,7 +163,15 @@ class Newcomer:
                     if outcome.rank is not None
                     else None,
                 )
-            if (outcome is not None and outcome.why == "complete") or peek(
-                self.store, self.keys.exit
-            ) is not None:
+        raw = barrier.wait_key(
+            self.store, self.keys.ready(m), self.barrier_timeout, what=f"round {m} barrier"
+        )
+        return _records.layout(raw)
+
+    def _outcome(self, n: int) -> RoundOutcome | None:
+        """Round ``n``'s outcome once there is one; None when the job's keys are gone."""
+        while not barrier.wait_all(self.store, [self.keys.stop(n)], _SLICE, what="round end"):
+            if self.store.check([self.keys.exit]) or self.store.check([self.keys.ended]):
                 return None
+        raw = peek(self.store, self.keys.stop(n))
+        return RoundOutcome.decode(raw) if raw is not None else None

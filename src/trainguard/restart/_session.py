@@ -46,6 +46,8 @@ class Session:
         self.secret: _secret.Handover | None = None
         #: this process joins the running job (a respawn, or its rank is gone): see :meth:`join`
         self.joining = launch.incarnation > 0
+        #: the job had ended before this newcomer could learn its secret: nothing to join
+        self.over = False
 
     @property
     def coord(self) -> Any:
@@ -88,9 +90,12 @@ class Session:
         if first:
             self.secret.publish(coord)
         else:
-            secret = self.secret.receive(coord, cfg.barrier_timeout)
-            self.keys = self.keys.with_secret(secret)
-            self.joining = self.joining or peek(coord, self.keys.latest) is not None
+            ended = self.keys.ended if self.joining else None
+            secret = self.secret.receive(coord, cfg.barrier_timeout, ended=ended)
+            self.over = secret is None  # a newcomer that came after the job ended
+            if secret is not None:
+                self.keys = self.keys.with_secret(secret)
+                self.joining = self.joining or peek(coord, self.keys.latest) is not None
         self.book = RoundBook(
             coord,
             self.keys,
@@ -119,6 +124,7 @@ class Session:
             bind_host=_bind.bind_host(advertise, local=local),
             world_size=self.world,
             timeout=self.cfg.store_timeout,
+            new_session=_env.settings().agent is not None,  # see StoreProcess
         ).start()
 
     # barrier ------------------------------------------------------------------------------
@@ -157,6 +163,8 @@ class Session:
         ``notify(round, roster)``: tells this rank's sidecar where it waits."""
         book = self.book
         assert book is not None
+        if self.over:
+            return None
         start = time.monotonic()
         newcomer = Newcomer(
             book,
@@ -210,7 +218,7 @@ class Session:
     # leaving -------------------------------------------------------------------------------
     def leave(self) -> None:
         """This rank leaves the job; the last to leave lets the store process exit."""
-        if self.left or self.book is None:
+        if self.left or self.book is None or self.over:
             return
         self.left = True
         try:

@@ -76,8 +76,9 @@ def write_notice(
         book = RoundBook(
             store, keys, cfg.world, policies, store_timeout=cfg.store_timeout, roster=roster
         )
-        if not store.check([keys.member(n + 1, r)]) and n >= 0:
-            # Gone inside round n: a fault of that round, so the others abort it.
+        if n >= 0 and r in roster and not store.check([keys.member(n + 1, r)]):
+            # Gone inside round n: a fault of that round, so the others abort it. (A
+            # newcomer waiting outside the roster was in no round: nothing to abort.)
             outcome = RoundOutcome.fault(r, cause, "RankGone")
             store.compare_set(keys.stop(n), "", outcome.encode())
         if not book.take_arrival(n + 1, r, cause):
