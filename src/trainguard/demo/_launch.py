@@ -132,6 +132,7 @@ class LaunchRun(_Run):
         self.replacement: _Agent | None = None
         self.admitted: dict[int, dict[str, Any]] = {}
         self.waiting: set[int] = set()  # processes that waited to be admitted
+        self.hold_step = cfg.steps  # where the job waits for the replacement's workers
         self.log = events.EventLog(Path(cfg.out) / "events")
 
     # the agents ------------------------------------------------------------------------------
@@ -304,14 +305,24 @@ class LaunchRun(_Run):
         if not held:
             self.stage = "replace"
 
+    def _hold(self) -> None:
+        """Hold the job a few steps on until the replacement's workers wait to be admitted
+        (on a busy machine they may start slower than the job trains)."""
+        # rank 0 reports every report_every steps: it may be that far ahead already
+        self.hold_step = self.step + 1 + 3 * self.cfg.report_every
+        if self.hold_step < self.cfg.steps:
+            _faults.hold(self.cfg.out, self.hold_step)
+
     def _boundary(self) -> None:
         """The replacement's workers wait for a round boundary (the job runs at full size,
-        so they do not end the round themselves): ask for an exception a few steps on."""
-        fault = _faults.Fault(self.step + 4, 0, "exception")
+        so they do not end the round themselves): ask for an exception where the job is held,
+        then let it go on."""
         self.stage = "boundary"
+        fault = _faults.Fault(self.hold_step, 0, "exception")
         if fault.step >= self.cfg.steps:
             return
         _faults.request(self.cfg.out, fault)
+        _faults.release(self.cfg.out)
         self.show.line(
             f"  + the job runs at full size, so the replacement's workers wait for the next "
             f"round boundary: the demo asks for {fault.label}"
@@ -331,6 +342,7 @@ class LaunchRun(_Run):
             self.stage = "done"
         if self.stage == "replace" and self.replacement is None:
             self.replacement = self._start_agent(host=False)
+            self._hold()
             self.show.line(
                 f"  + replacement node started: agent pid {self.replacement.pid}, same "
                 f"rendezvous id ({self.run_id})"

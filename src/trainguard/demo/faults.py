@@ -115,18 +115,41 @@ def request(run_dir: str | os.PathLike[str], fault: Fault) -> None:
     (folder / fault.label).touch()
 
 
-def requested(run_dir: str | os.PathLike[str]) -> tuple[Fault, ...]:
-    """The faults added by :func:`request` so far (one directory listing)."""
+def hold(run_dir: str | os.PathLike[str], step: int) -> None:
+    """Make every rank of a running demo wait before step ``step`` until :func:`release`."""
+    folder = Path(run_dir) / "faults" / "requested"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"hold@{step}").touch()
+
+
+def release(run_dir: str | os.PathLike[str]) -> None:
+    """End the wait that :func:`hold` asked for."""
+    (Path(run_dir) / "faults" / "requested" / "release").touch()
+
+
+@dataclasses.dataclass(frozen=True)
+class Requests:
+    """What a running demo was asked so far: faults, the step to hold at, the release."""
+
+    faults: tuple[Fault, ...] = ()
+    hold: int | None = None
+    released: bool = False
+
+
+def requested(run_dir: str | os.PathLike[str]) -> Requests:
+    """The requests of :func:`request`, :func:`hold` and :func:`release` (one listing)."""
     try:
         names = os.listdir(Path(run_dir) / "faults" / "requested")
     except FileNotFoundError:
-        return ()
-    found = []
+        return Requests()
+    found, held = [], None
     for name in names:
         m = _ITEM.match(name)
         if m:
             found.append(Fault(int(m.group(2)), int(m.group(3)), m.group(1)))
-    return tuple(found)
+        elif name.startswith("hold@") and name[5:].isdigit():
+            held = int(name[5:])
+    return Requests(tuple(found), held, "release" in names)
 
 
 def inject(fault: Fault) -> None:

@@ -301,7 +301,14 @@ class _Guarded:
         close_round(resources, strict=strict)
 
     def _maybe_inject(self, call: Any, step: int) -> None:
-        for fault in (*self.cfg.faults, *_faults.requested(self.cfg.out)):
+        asked = _faults.requested(self.cfg.out)
+        if asked.hold == step and not asked.released:  # every rank waits here, pinging
+            deadline = time.monotonic() + 120
+            while not asked.released and time.monotonic() < deadline:
+                time.sleep(0.05)
+                call.ping()
+                asked = _faults.requested(self.cfg.out)
+        for fault in (*self.cfg.faults, *asked.faults):
             if fault.step != step or fault.rank != call.rank:
                 continue
             if not _faults.claim(self.cfg.out, fault):
