@@ -14,7 +14,11 @@ the agents' events. It drives the faults itself:
    node's local checkpoints; the other node's agent declares it lost and its ranks gone, and
    the survivors go on (the respawned process takes the free rank);
 3. once they train again it starts a replacement agent with the same rendezvous id: it takes
-   the lost node's place and its workers join as spares.
+   the lost node's place and its workers start as newcomers. The job holds a few steps on
+   until they wait to be admitted (they may start slower than the job trains); as the job
+   runs at full size they wait for a round boundary, which the demo makes with an injected
+   exception where the job holds (:func:`~trainguard.demo.faults.request`); they are admitted
+   there as spares.
 
 The verdict is the demo's usual one (bit-identical to the fault-free run) plus a check that
 each of these happened.

@@ -15,6 +15,9 @@ rank that holds number ``RANK`` when it is about to run step ``STEP``. Kinds:
     the rank's node-local checkpoint directory is deleted and the rank raises, so the next
     round must recover that rank's part from a replica on a peer.
 
+A running demo can be asked for more (:func:`request`, :func:`hold`, :func:`release`: files
+under ``<run>/faults/requested`` that each rank lists before each step).
+
 Each fault fires once: the injecting process first creates a marker file named after the
 fault in the run directory (so a process that replaces the rank, or the same process after a
 restart, does not fire it again).

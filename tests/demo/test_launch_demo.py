@@ -1,0 +1,79 @@
+"""``trainguard demo --launch`` end to end: 2 agents x 2 workers under ``trainguard launch``, a
+worker SIGKILLed (respawned, rejoins), a whole node SIGKILLed (agent and workers), a
+replacement node admitted, and the result still bit-identical to the fault-free run.
+
+The demo runs in a session of its own with a marker in its environment (every process of the
+job inherits it); whatever outlives the command, or the hard limit, is killed by group and pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from tests.launch._agents import leftovers
+
+ROOT = Path(__file__).resolve().parents[2]
+LIMIT = 150.0  # seconds: the whole demo (about 60 s here)
+
+
+def _kill(needles: list[str]) -> list[int]:
+    found = sorted({pid for needle in needles for pid in leftovers(needle)})
+    for pid in found:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    return found
+
+
+def test_launch_demo_survives_a_worker_and_a_node_bit_identically(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    marker = f"tg-launch-demo-{uuid.uuid4().hex}"
+    env = dict(os.environ, TRAINGUARD_JOB_ID=marker)
+    src = str(ROOT / "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "trainguard", "demo", "--launch", "--steps", "150"]
+    cmd += ["--out", str(out), "--timeout", str(LIMIT - 20)]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        text = proc.communicate(timeout=LIMIT)[0].decode(errors="replace")
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text = proc.communicate()[0].decode(errors="replace")
+        raise AssertionError(f"the demo ran past {LIMIT:.0f} s\n{text}") from None
+    finally:
+        deadline = time.monotonic() + 15  # store processes exit once the job's ranks left
+        while leftovers(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _kill([marker, str(out)])
+    assert not left, f"processes outlived the demo: {left}\n{text}"
+    assert proc.returncode == 0, text
+    assert "bit-identical: yes" in text
+    # the worker: killed, respawned by its agent with a new incarnation, admitted again
+    assert re.search(r"! SIGKILL worker process 1 \(rank 1, pid \d+\)", text), text
+    assert re.search(r"> process 1 respawned by its agent: pid \d+, incarnation [1-9]", text)
+    assert re.search(r"> process 1 \(pid \d+, incarnation [1-9]\) admitted at round \d+", text)
+    # the node: its agent and workers killed, declared lost by the other agent
+    assert re.search(r"! node 1 lost: SIGKILL its agent \(pid \d+\)", text), text
+    assert "node 1 declared lost by the agent of node 0" in text
+    # the replacement: same rendezvous id, its workers admitted as newcomers
+    assert "+ replacement node started" in text
+    for process in (2, 3):
+        assert re.search(
+            rf"> replacement node 1: worker process {process} started, pid \d+, incarnation [1-9]",
+            text,
+        ), text
+        assert re.search(
+            rf"> spare process {process} \(pid \d+, incarnation [1-9]\) admitted at round", text
+        ), text
+    assert (out / "report.json").exists() and (out / "timeline.png").exists()
