@@ -8,7 +8,6 @@ job inherits it); whatever outlives the command, or the hard limit, is killed by
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
@@ -18,20 +17,10 @@ import time
 import uuid
 from pathlib import Path
 
-from tests.launch._agents import leftovers
+from tests.launch._agents import kill_all, leftovers
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 150.0  # seconds: the whole demo (about 60 s here)
-
-
-def _kill(needles: list[str]) -> list[int]:
-    found = sorted({pid for needle in needles for pid in leftovers(needle)})
-    for pid in found:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    return found
 
 
 def test_launch_demo_survives_a_worker_and_a_node_bit_identically(tmp_path: Path) -> None:
@@ -55,7 +44,7 @@ def test_launch_demo_survives_a_worker_and_a_node_bit_identically(tmp_path: Path
         deadline = time.monotonic() + 15  # store processes exit once the job's ranks left
         while leftovers(marker) and time.monotonic() < deadline:
             time.sleep(0.2)
-        left = _kill([marker, str(out)])
+        left = kill_all(marker) + kill_all(str(out))
     assert not left, f"processes outlived the demo: {left}\n{text}"
     assert proc.returncode == 0, text
     assert "bit-identical: yes" in text
