@@ -16,7 +16,8 @@ Modes:
   ``MaxActiveWorldSize(--active)``): each round inits gloo and runs ``--steps`` all_reduces of
   ones, appending ``{rank, initial, pid, round, world, step, sum}`` to ``OUT/steps.jsonl``;
   ``OUT/result-<RANK>-<pid>`` gets the last round's world size (or ``spare``). A round goes on
-  past ``--steps`` while ``OUT/hold`` exists.
+  past ``--steps`` while ``OUT/hold`` exists. In generation ``--raise-gen`` every round raises
+  the same error (the Wrapper gives up after ``max_repeated_faults`` rounds).
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ def wrapper(out: Path, rank: int, args: argparse.Namespace) -> int:
     )
     def train(call: tr.CallWrapper) -> int:
         dist.init_process_group("gloo")
+        if os.environ.get("TRAINGUARD_GENERATION") == str(args.raise_gen):
+            dist.destroy_process_group()
+            raise RuntimeError("a fault that restarting in-process cannot cure")
         try:
             step = 0
             while step < (args.steps or 20) or (out / "hold").exists():
@@ -133,6 +137,7 @@ def main() -> int:
     parser.add_argument("--crash-gen", type=int, default=None)
     parser.add_argument("--crash-rank", type=int, default=None)
     parser.add_argument("--active", type=int, default=2)
+    parser.add_argument("--raise-gen", type=int, default=None)
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     _append(

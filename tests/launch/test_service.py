@@ -28,7 +28,6 @@ from trainguard.launch._service import SidecarService
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.policy import ShiftRanks
 from trainguard.restart.sidecar import AgentSidecar, SidecarConfig
-from trainguard.restart.sidecar._watch import NOTICE_TAKES_RETURNING
 
 STEPS = 10
 FAULT_STEP = 4
@@ -280,7 +279,6 @@ def test_rank_hung_holding_the_gil_is_killed_by_the_service(service, tmp_path):
     assert "(killed by the launcher at the hard timeout (no progress" in _log(tmp_path)
 
 
-@pytest.mark.skipif(not NOTICE_TAKES_RETURNING, reason="needs write_notice(returning=) (rejoin)")
 def test_respawned_slot_that_does_not_come_back_is_counted_out(tmp_path):
     service = SidecarService(name="rejoin", log_dir=str(tmp_path / "agent"), rejoin_timeout=2.0)
     service.start()

@@ -29,19 +29,31 @@ def _steps(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _job(tmp_path: Path, nproc: int, active: int, steps: int) -> tuple[Agents, Path, Path]:
+def _job(
+    tmp_path: Path, nproc: int, active: int, steps: int, *more: str
+) -> tuple[Agents, Path, Path]:
     out, ev = tmp_path / "out", tmp_path / "events"
     out.mkdir()
-    worker = ["wrapper", str(out), f"--active={active}", f"--steps={steps}", "--step=0.1"]
+    worker = ["wrapper", str(out), f"--active={active}", f"--steps={steps}", "--step=0.1", *more]
     job = Agents(
         tmp_path,
         nodes=1,
         nproc=nproc,
         worker=worker,
+        extra=["--max-restarts=1"],
         env={"TRAINGUARD_EVENTS_DIR": str(ev)},
         timeout=110,
     )
     return job, out, ev
+
+
+def _running(job: Agents, out: Path) -> None:
+    """Until two active ranks made 3 steps of round 0."""
+    job.wait_for(
+        lambda: sum(1 for s in _steps(out) if s["round"] == 0 and s["step"] >= 3) >= 2,
+        timeout=60,
+        what="round 0 steps on both active ranks",
+    )
 
 
 def _joining(ev: Path) -> bool:
@@ -63,11 +75,7 @@ def _sidecar_processes(run_id: str) -> list[int]:
 def test_a_killed_active_worker_is_replaced_by_the_spare_and_rejoins(tmp_path: Path) -> None:
     job, out, ev = _job(tmp_path, nproc=3, active=2, steps=30)
     with job:
-        job.wait_for(
-            lambda: sum(1 for s in _steps(out) if s["round"] == 0 and s["step"] >= 3) >= 2,
-            timeout=60,
-            what="round 0 steps on both active ranks",
-        )
+        _running(job, out)
         assert _sidecar_processes(job.run_id) == []  # the agent watches its workers itself
         pids = {s["rank"]: s["pid"] for s in read_starts(out)}
         victim = next(s["initial"] for s in _steps(out) if s["round"] == 0 and s["initial"] != 0)
@@ -100,16 +108,17 @@ def test_a_killed_active_worker_is_replaced_by_the_spare_and_rejoins(tmp_path: P
     assert sorted(results.values()) == ["2", "2", "spare"], results
 
 
-def test_without_a_spare_the_survivors_wait_for_the_respawned_worker(tmp_path: Path) -> None:
+@pytest.mark.parametrize("victim", [0, 1])
+def test_without_a_spare_the_survivors_wait_for_the_respawned_worker(
+    tmp_path: Path, victim: int
+) -> None:
+    """Rank 0 too: its store process (the rounds' stores) outlives it, although the agent
+    kills the dead worker's process group before the respawn."""
     job, out, ev = _job(tmp_path, nproc=2, active=2, steps=30)
     with job:
-        job.wait_for(
-            lambda: sum(1 for s in _steps(out) if s["round"] == 0 and s["step"] >= 3) >= 2,
-            timeout=60,
-            what="round 0 steps on both ranks",
-        )
+        _running(job, out)
         pids = {s["rank"]: s["pid"] for s in read_starts(out)}
-        os.kill(pids[1], signal.SIGKILL)
+        os.kill(pids[victim], signal.SIGKILL)
         back = job.wait_for(
             lambda: [s for s in _steps(out) if s["round"] >= 1], timeout=40, what="round 1"
         )
@@ -119,8 +128,32 @@ def test_without_a_spare_the_survivors_wait_for_the_respawned_worker(tmp_path: P
     steps = _steps(out)
     last = max(s["round"] for s in steps)
     final = {s["initial"]: s["pid"] for s in steps if s["round"] == last}
-    assert final[0] == pids[0] and final[1] != pids[1]
+    survivor = 1 - victim
+    assert final[survivor] == pids[survivor] and final[victim] != pids[victim]
     assert sorted(s["step"] for s in steps if s["round"] == last)[-2:] == [29, 29]
     kinds = [e["kind"] for e in events.read_events(ev)]
     assert kinds.index("launch_worker_died") < kinds.index("launch_respawned")
     assert "launch_admitted" in kinds
+
+
+def test_a_job_the_wrapper_cannot_recover_restarts_whole_in_a_new_generation(
+    tmp_path: Path,
+) -> None:
+    """Generation 0 fails the same way every round: the Wrapper gives up (RetryLimitError) and
+    asks the launcher for a whole-job restart; generation 1 completes."""
+    job, out, ev = _job(tmp_path, 2, 2, 5, "--raise-gen=0")
+    with job:
+        assert job.wait() == [0], job.output()
+        assert leftovers(job.run_id) == []
+    starts = read_starts(out)
+    assert sorted((s["generation"], s["rank"]) for s in starts) == [
+        ("0", 0),
+        ("0", 1),
+        ("1", 0),
+        ("1", 1),
+    ]
+    steps = _steps(out)
+    assert steps and {s["world"] for s in steps} == {2}
+    assert len([s for s in steps if s["step"] == 4]) == 2  # generation 1 ran to the end
+    escalated = [e for e in events.read_events(ev) if e["kind"] == "launch_escalated"]
+    assert escalated and "RetryLimitError" in escalated[0]["reason"], escalated

@@ -9,9 +9,28 @@ with :func:`escalate`.
 
 from __future__ import annotations
 
-from trainguard.launch.agent import TrainguardAgent
-from trainguard.launch.cli import main
-from trainguard.launch.options import LaunchOptions
-from trainguard.launch.worker import escalate
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainguard.launch.agent import TrainguardAgent
+    from trainguard.launch.cli import main
+    from trainguard.launch.options import LaunchOptions
+    from trainguard.launch.worker import escalate
 
 __all__ = ["LaunchOptions", "TrainguardAgent", "escalate", "main"]
+
+#: where each public name lives: imported at first use, so that a worker's ``escalate`` or
+#: ``python -m trainguard.launch.slurm`` does not import torch.distributed.elastic
+_HOMES = {
+    "LaunchOptions": "trainguard.launch.options",
+    "TrainguardAgent": "trainguard.launch.agent",
+    "escalate": "trainguard.launch.worker",
+    "main": "trainguard.launch.cli",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'trainguard.launch' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

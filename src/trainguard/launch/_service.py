@@ -352,7 +352,7 @@ class SidecarService:
         watch = conn.watch
         assert watch is not None
         n, roster = watch.position()
-        notice = notify(watch.coord, watch.cfg, watch.rank, n, roster, cause, returning=returning)
+        notice = notify(watch.coord, watch.cfg, watch.rank, (n, roster), cause, returning=returning)
         with self._cond:
             self._drop(conn)
             kept = returning and notice is not None and getattr(notice, "returning", False)
@@ -384,7 +384,7 @@ class SidecarService:
         except Exception as exc:
             logger.error("could not write the notice that rank %d is gone: %s", r, exc)
             return
-        notify(store, cfg, r, n, roster, cause, returning=False)
+        notify(store, cfg, r, (n, roster), cause, returning=False)
 
     # the log ------------------------------------------------------------------------------
     def _open_log(self) -> None:

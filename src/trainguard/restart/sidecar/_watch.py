@@ -33,7 +33,6 @@ TCPStore operation on a server that stopped answering blocks far past its timeou
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import logging
 import os
@@ -49,9 +48,6 @@ from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._notice import Notice, write_notice
 
 logger = logging.getLogger("trainguard.restart.sidecar")
-
-#: whether :func:`write_notice` knows notices of ranks that the launcher respawns
-NOTICE_TAKES_RETURNING = "returning" in inspect.signature(write_notice).parameters
 
 
 class Watch:
@@ -265,7 +261,7 @@ class Watch:
         except Exception:
             logger.exception("could not write the notice that rank %d is gone", r)
             return
-        notify(store, self.cfg, r, n, roster, cause)
+        notify(store, self.cfg, r, (n, roster), cause)
 
     # the sidecar process ------------------------------------------------------------------
     def wait_parent(self, fd: int, buf: bytes = b"") -> str | None:
@@ -302,7 +298,7 @@ class Watch:
                 self.coord.set(self.keys.heartbeat(self.rank), b"bye")
         else:
             n, roster = self.position()
-            notify(self.coord, self.cfg, self.rank, n, roster, cause)
+            notify(self.coord, self.cfg, self.rank, (n, roster), cause)
         # Notices about others still running go on up to the barrier timeout; a beat stuck in
         # a store call is not waited for (the process exits under it).
         deadline = time.monotonic() + self.cfg.barrier_timeout
@@ -317,22 +313,17 @@ def notify(
     store: Any,
     cfg: SidecarConfig,
     r: int,
-    n: int,
-    roster: tuple[int, ...],
+    where: tuple[int, tuple[int, ...]],
     cause: str,
     *,
-    returning: bool | None = None,
+    returning: bool = False,
 ) -> Notice | None:
     """Write the death notice of rank ``r`` in the wrapped call of ``cfg`` (``store``: a
-    connection of this notice's own) and log it; None when it could not be written (logged).
-    ``returning``: the launcher respawns ``r`` (None: the plain notice)."""
+    connection of this notice's own), last seen in round ``where[0]`` whose ranks were
+    ``where[1]``, and log it; None when it could not be written (logged). ``returning``: the
+    launcher respawns ``r`` (see :func:`write_notice`)."""
     try:
-        args = (store, cfg, r, n, roster, cause)
-        if returning is not None and NOTICE_TAKES_RETURNING:
-            writer: Any = write_notice  # the keyword comes with the rejoin protocol
-            done: Notice = writer(*args, returning=returning)
-        else:
-            done = write_notice(*args)
+        done = write_notice(store, cfg, r, where[0], where[1], cause, returning=returning)
     except Exception:
         logger.exception("could not write the notice that rank %d is gone", r)
         return None
