@@ -126,7 +126,6 @@ class LaunchRun(_Run):
         self.rdzv_port, self.ref_port = _free_port(), _free_port()
         self.agents: list[_Agent] = []
         self.procs: dict[int, _Process] = {}
-        self.holder: dict[int, int] = {}  # rank -> process that resumed it last
         self.step, self.round = -1, 0
         self.worker_step, self.node_step = max(1, cfg.steps // 5), max(2, 2 * cfg.steps // 5)
         self.stage = "kill worker" if inject else "done"
@@ -180,8 +179,6 @@ class LaunchRun(_Run):
     def handle(self, msg: tuple[Any, ...]) -> None:
         if msg[0] == "step":
             self.step, self.round = msg[1], msg[3]
-        elif msg[0] == "resumed":
-            self.holder[msg[2]] = msg[3]
         super().handle(msg)
 
     def hello(self, process: int, pid: int, incarnation: int, node: int, parent: int) -> None:
@@ -273,7 +270,7 @@ class LaunchRun(_Run):
 
     def _kill_worker(self) -> None:
         rank = self.cfg.ranks - 1
-        process = self.holder.get(rank, rank)
+        process = self.holders.get(rank, rank)
         info = self.procs[process]
         with contextlib.suppress(ProcessLookupError):
             os.kill(info.pid, signal.SIGKILL)
@@ -297,7 +294,7 @@ class LaunchRun(_Run):
             shutil.rmtree(self.cfg.local_root(process), ignore_errors=True)
         self.lost = set(members)
         self.killed.update(members)
-        held = [r for r, p in self.holder.items() if p in self.lost]
+        held = [r for r, p in self.holders.items() if p in self.lost]
         self.stage = "recover"
         self._fault(
             "node",
@@ -312,8 +309,14 @@ class LaunchRun(_Run):
     def _hold(self) -> None:
         """Hold the job a few steps on until the replacement's workers wait to be admitted
         (on a busy machine they may start slower than the job trains)."""
-        # rank 0 reports every report_every steps: it may be that far ahead already
-        self.hold_step = self.step + 1 + 3 * self.cfg.report_every
+        # rank 0 reports every report_every steps: it may be that far ahead already. Late
+        # enough that the replacement is usually ready (no wait), on a local checkpoint
+        # (little to recompute after the exception there).
+        every = self.cfg.local_every
+        soon = max(self.step + 1 + 3 * self.cfg.report_every, 3 * self.cfg.steps // 4)
+        self.hold_step = -(-soon // every) * every
+        if self.hold_step >= self.cfg.steps:
+            self.hold_step = self.step + 1 + 3 * self.cfg.report_every
         if self.hold_step < self.cfg.steps:
             _faults.hold(self.cfg.out, self.hold_step)
 

@@ -79,7 +79,7 @@ class _Run:
         self.recoveries: list[dict[str, Any]] = []
         self.killed: set[int] = set()
         self.idle: set[int] = set()
-        self.takeovers: dict[int, int] = {}
+        self.holders: dict[int, int] = {}  # rank -> the process that resumed it last
         self.last_round = -1
         self.pending_fault: dict[str, Any] | None = None
         self.started = 0.0
@@ -122,8 +122,8 @@ class _Run:
                 self.show.line(
                     f"    rank {rank} (process {process}) lost its copy: got its part from {origin}"
                 )
-            if process != rank and self.takeovers.get(process) != rank:
-                self.takeovers[process] = rank
+            before, self.holders[rank] = self.holders.get(rank, process), process
+            if before != process:
                 self.show.line(f"    {self.describe(process)} took over rank {rank}")
             if rank == 0 and self.pending_fault is None and rnd > self.last_round >= 0:
                 self.unplanned_round(rnd, first, source)
@@ -154,7 +154,7 @@ class _Run:
 
     def describe(self, process: int) -> str:
         """How the output names ``process``."""
-        return f"spare process {process}"
+        return f"{'spare ' if process >= self.cfg.ranks else ''}process {process}"
 
     def unplanned_round(self, rnd: int, first: int, source: str) -> None:
         """Rank 0 entered round ``rnd`` with no fault injected since the last round."""
