@@ -310,11 +310,12 @@ class LaunchRun(_Run):
         """Hold the job a few steps on until the replacement's workers wait to be admitted
         (on a busy machine they may start slower than the job trains)."""
         # rank 0 reports every report_every steps: it may be that far ahead already. Late
-        # enough that the replacement is usually ready (no wait), on a local checkpoint
-        # (little to recompute after the exception there).
+        # enough that the replacement is usually ready (no wait); halfway between two local
+        # checkpoints (an exception just after a save waits for its replication to close:
+        # up to the manager's timeout)
         every = self.cfg.local_every
         soon = max(self.step + 1 + 3 * self.cfg.report_every, 3 * self.cfg.steps // 4)
-        self.hold_step = -(-soon // every) * every
+        self.hold_step = -(-soon // every) * every + every // 2
         if self.hold_step >= self.cfg.steps:
             self.hold_step = self.step + 1 + 3 * self.cfg.report_every
         if self.hold_step < self.cfg.steps:
