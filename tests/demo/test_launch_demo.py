@@ -66,3 +66,22 @@ def test_launch_demo_survives_a_worker_and_a_node_bit_identically(tmp_path: Path
             rf"> spare process {process} \(pid \d+, incarnation [1-9]\) admitted at round", text
         ), text
     assert (out / "report.json").exists() and (out / "timeline.png").exists()
+
+
+def test_file_channels_are_read_line_by_line_as_they_grow(tmp_path: Path) -> None:
+    from trainguard.demo._channel import FileChannel, JsonlTail
+
+    tail = JsonlTail(tmp_path / "channels", "process-*.jsonl")
+    assert tail.poll() == []  # no folder yet
+    one = FileChannel(tmp_path / "channels" / "process-0-1.jsonl")
+    one.send("hello", 0, 1, 0, 0, 9)
+    with open(tmp_path / "channels" / "process-1-2.jsonl", "ab") as f:
+        f.write(b'["step", 4, 0.5')  # a message whose writer was killed mid-line (so far)
+    assert tail.poll() == [["hello", 0, 1, 0, 0, 9]]
+    with open(tmp_path / "channels" / "process-1-2.jsonl", "ab") as f:
+        f.write(b", 0, 2, 1.0]\n")
+    one.send("done", 0, 0, "ab", 1, 2.0)
+    one.close()
+    one.send("ignored after close")
+    assert tail.poll() == [["done", 0, 0, "ab", 1, 2.0], ["step", 4, 0.5, 0, 2, 1.0]]
+    assert tail.poll() == []
