@@ -130,6 +130,8 @@ def test_a_perturbed_restore_fails_the_check(tmp_path: Path) -> None:
         (["--faults", "hang@900:0"], "between 1 and 299"),
         (["--faults", "exception@5:7"], "rank 7 does not exist"),
         (["--ranks", "1"], "at least 2 ranks"),
+        (["--launch", "--ranks", "4"], "drop --ranks/--spares"),
+        (["--launch", "--step-time", "-1"], "--step-time must be 0 or more"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_starts(

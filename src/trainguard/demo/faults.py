@@ -15,6 +15,9 @@ rank that holds number ``RANK`` when it is about to run step ``STEP``. Kinds:
     the rank's node-local checkpoint directory is deleted and the rank raises, so the next
     round must recover that rank's part from a replica on a peer.
 
+A running demo can be asked for more (:func:`request`, :func:`hold`, :func:`release`: files
+under ``<run>/faults/requested`` that each rank lists before each step).
+
 Each fault fires once: the injecting process first creates a marker file named after the
 fault in the run directory (so a process that replaces the rank, or the same process after a
 restart, does not fire it again).
@@ -106,6 +109,50 @@ def claim(run_dir: str | os.PathLike[str], fault: Fault) -> bool:
     os.fsync(fd)
     os.close(fd)
     return True
+
+
+def request(run_dir: str | os.PathLike[str], fault: Fault) -> None:
+    """Add ``fault`` to the schedule of a running demo (its processes look before each step)."""
+    folder = Path(run_dir) / "faults" / "requested"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / fault.label).touch()
+
+
+def hold(run_dir: str | os.PathLike[str], step: int) -> None:
+    """Make every rank of a running demo wait before step ``step`` until :func:`release`."""
+    folder = Path(run_dir) / "faults" / "requested"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"hold@{step}").touch()
+
+
+def release(run_dir: str | os.PathLike[str]) -> None:
+    """End the wait that :func:`hold` asked for."""
+    (Path(run_dir) / "faults" / "requested" / "release").touch()
+
+
+@dataclasses.dataclass(frozen=True)
+class Requests:
+    """What a running demo was asked so far: faults, the step to hold at, the release."""
+
+    faults: tuple[Fault, ...] = ()
+    hold: int | None = None
+    released: bool = False
+
+
+def requested(run_dir: str | os.PathLike[str]) -> Requests:
+    """The requests of :func:`request`, :func:`hold` and :func:`release` (one listing)."""
+    try:
+        names = os.listdir(Path(run_dir) / "faults" / "requested")
+    except FileNotFoundError:
+        return Requests()
+    found, held = [], None
+    for name in names:
+        m = _ITEM.match(name)
+        if m:
+            found.append(Fault(int(m.group(2)), int(m.group(3)), m.group(1)))
+        elif name.startswith("hold@") and name[5:].isdigit():
+            held = int(name[5:])
+    return Requests(tuple(found), held, "release" in names)
 
 
 def inject(fault: Fault) -> None:

@@ -78,7 +78,8 @@ class _Run:
         self.injected: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
         self.killed: set[int] = set()
-        self.takeovers: dict[int, int] = {}
+        self.idle: set[int] = set()
+        self.holders: dict[int, int] = {}  # rank -> the process that resumed it last
         self.last_round = -1
         self.pending_fault: dict[str, Any] | None = None
         self.started = 0.0
@@ -87,7 +88,10 @@ class _Run:
 
     def handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
-        if kind == "reference":
+        if kind == "hello":
+            _, process, pid, incarnation, node, parent = msg
+            self.hello(process, pid, incarnation, node, parent)
+        elif kind == "reference":
             _, process, digest, seconds = msg
             self.reference[process] = digest
             self.ref_time = max(self.ref_time, seconds)
@@ -118,14 +122,11 @@ class _Run:
                 self.show.line(
                     f"    rank {rank} (process {process}) lost its copy: got its part from {origin}"
                 )
-            if process >= self.cfg.ranks and self.takeovers.get(process) != rank:
-                self.takeovers[process] = rank
-                self.show.line(f"    spare process {process} took over rank {rank}")
+            before, self.holders[rank] = self.holders.get(rank, process), process
+            if before != process:
+                self.show.line(f"    {self.describe(process)} took over rank {rank}")
             if rank == 0 and self.pending_fault is None and rnd > self.last_round >= 0:
-                self.show.line(
-                    f"  > round {rnd}: restarted without an injected fault (a slow step taken "
-                    f"for a hang? see the report), resumed at step {first} from {source}"
-                )
+                self.unplanned_round(rnd, first, source)
             if rank == 0:
                 self.last_round = rnd
             if rank == 0 and self.pending_fault is not None:
@@ -140,10 +141,27 @@ class _Run:
             _, rank, process, digest, _rnd, t = msg
             self.done[rank] = (digest, process)
             self.guard_end = max(self.guard_end or t, t)
+        elif kind == "idle":
+            self.idle.add(msg[1])
         elif kind == "error":
             _, process, text = msg
             self.errors.append(f"process {process}: {text}")
             self.show.line(f"  process {process} failed: {text}")
+
+    def hello(self, process: int, pid: int, incarnation: int, node: int, parent: int) -> None:
+        """Process ``process`` started (pid ``pid``, its launcher's ``incarnation``, on
+        ``node``, child of ``parent``); the demo's own processes need nothing more."""
+
+    def describe(self, process: int) -> str:
+        """How the output names ``process``."""
+        return f"{'spare ' if process >= self.cfg.ranks else ''}process {process}"
+
+    def unplanned_round(self, rnd: int, first: int, source: str) -> None:
+        """Rank 0 entered round ``rnd`` with no fault injected since the last round."""
+        self.show.line(
+            f"  > round {rnd}: restarted without an injected fault (a slow step taken "
+            f"for a hang? see the report), resumed at step {first} from {source}"
+        )
 
     def run(self) -> int:
         cfg = self.cfg
@@ -269,13 +287,13 @@ def add_parser(sub: Any) -> None:
             f"default: {_faults.DEFAULT_SCHEDULE}"
         ),
     )
-    p.add_argument("--ranks", type=int, default=4, help="active training ranks (default 4)")
-    p.add_argument("--spares", type=int, default=1, help="spare processes (default 1)")
+    p.add_argument("--ranks", type=int, help="active training ranks (default 4; --launch: 2)")
+    p.add_argument("--spares", type=int, help="spare processes (default 1; --launch: 2)")
     p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     p.add_argument(
         "--faults",
-        default=_faults.DEFAULT_SCHEDULE,
-        help="fault schedule KIND@STEP:RANK,... (default: %(default)s)",
+        help=f"fault schedule KIND@STEP:RANK,... (default: {_faults.DEFAULT_SCHEDULE}; "
+        "--launch: none)",
     )
     p.add_argument("--no-faults", action="store_true", help="inject nothing")
     p.add_argument("--out", help="run directory (default: a new directory under the temp dir)")
@@ -284,16 +302,57 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--disk-every", type=int, default=50, help="disk checkpoint every N steps (50)")
     p.add_argument(
-        "--soft-timeout", type=float, default=3.0, help="seconds without progress = hang (3)"
+        "--soft-timeout",
+        type=float,
+        help="seconds without progress = hang (default 3; --launch: 10, for the start-up of "
+        "new processes on a busy machine)",
     )
     p.add_argument(
         "--timeout", type=float, default=600.0, help="give up after this many seconds (600)"
+    )
+    p.add_argument(
+        "--launch",
+        action="store_true",
+        help="run the job under `trainguard launch` as 2 nodes x 2 workers (2 ranks + 2 "
+        "spares); SIGKILL one worker after a fifth of the steps (its agent respawns it), then "
+        "a whole node (agent and workers) after two fifths, and start a replacement node",
+    )
+    p.add_argument(
+        "--step-time",
+        type=float,
+        help="each step lasts at least this many seconds (default 0; --launch: 0.1, so that "
+        "respawned processes and the replacement node start while the job trains)",
     )
     p.add_argument("--perturb", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=command)
 
 
+def _shape(args: argparse.Namespace) -> tuple[int, int, float]:
+    """Ranks, spares and step time of the run (``--launch`` fixes the first two)."""
+    if not args.launch:
+        step_time = 0.0 if args.step_time is None else args.step_time
+        return (
+            (4 if args.ranks is None else args.ranks),
+            (1 if args.spares is None else args.spares),
+            step_time,
+        )
+    from trainguard.demo._launch import NODES, NPROC, RANKS
+
+    ranks = RANKS if args.ranks is None else args.ranks
+    spares = NODES * NPROC - RANKS if args.spares is None else args.spares
+    if (ranks, spares) != (RANKS, NODES * NPROC - RANKS):
+        raise ConfigError(
+            f"--launch runs {NODES} nodes x {NPROC} workers as {RANKS} ranks + "
+            f"{NODES * NPROC - RANKS} spares (a lost node leaves enough); drop --ranks/--spares"
+        )
+    return ranks, spares, 0.1 if args.step_time is None else args.step_time
+
+
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
+    ranks, spares, step_time = _shape(args)
+    args.ranks, args.spares = ranks, spares
+    if args.soft_timeout is None:
+        args.soft_timeout = 10.0 if args.launch else 3.0
     if args.ranks < 2:
         raise ConfigError(f"--ranks {args.ranks}: the demo needs at least 2 ranks")
     if args.spares < 0:
@@ -304,7 +363,10 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         raise ConfigError("--local-every and --disk-every must be at least 1")
     if args.soft_timeout <= 0:
         raise ConfigError("--soft-timeout must be positive seconds")
-    schedule = "" if args.no_faults else args.faults
+    if step_time < 0:
+        raise ConfigError("--step-time must be 0 or more seconds")
+    default = "" if args.launch else _faults.DEFAULT_SCHEDULE
+    schedule = "" if args.no_faults else (default if args.faults is None else args.faults)
     found = _faults.parse(schedule, ranks=args.ranks, spares=args.spares, steps=args.steps)
     out = args.out or tempfile.mkdtemp(prefix="trainguard-demo-")
     os.makedirs(out, exist_ok=True)
@@ -321,6 +383,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         soft_timeout=args.soft_timeout,
         hard_timeout=max(10.0, 3 * args.soft_timeout),
         perturb=args.perturb,
+        step_time=step_time,
     )
 
 
@@ -330,10 +393,15 @@ def command(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"trainguard demo: {exc}", file=sys.stderr)
         return 2
+    where = " under trainguard launch (2 nodes x 2 workers)" if args.launch else ""
     print(
-        f"trainguard demo: {cfg.ranks} ranks + {cfg.spares} spare(s), {cfg.steps} steps, "
+        f"trainguard demo{where}: {cfg.ranks} ranks + {cfg.spares} spare(s), {cfg.steps} steps, "
         f"local checkpoint every {cfg.local_every} steps (replicated), disk every "
         f"{cfg.disk_every}; faults: {', '.join(f.label for f in cfg.faults) or 'none'}"
     )
     print(f"run directory: {cfg.out}", flush=True)
+    if args.launch:
+        from trainguard.demo._launch import LaunchRun
+
+        return LaunchRun(cfg, sys.stdout, args.timeout, inject=not args.no_faults).run()
     return _Run(cfg, sys.stdout, args.timeout).run()

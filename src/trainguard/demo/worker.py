@@ -11,9 +11,11 @@ of ``ranks + spares``:
    a peer) and an :class:`AsyncCheckpointer`, resumes from the newest checkpoint of either kind,
    trains, injects the scheduled faults, and closes both on the way out.
 
-Every message to the parent is a tuple sent on this process's own pipe (a killed process
-can never break another's channel): ``("step", ...)`` from rank 0 every few steps, ``("fault",
-...)`` at an injection, ``("resumed", ...)`` after each round's restore, ``("done", ...)``.
+Every message to the parent is a tuple sent on this process's own channel (a pipe, or a file
+under ``trainguard launch``: see :mod:`trainguard.demo._channel`; a killed process can never
+break another's channel): ``("hello", ...)`` first, ``("step", ...)`` from rank 0 every few
+steps, ``("fault", ...)`` at an injection, ``("resumed", ...)`` after each round's restore,
+``("done", ...)``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainguard.demo import faults as _faults
+from trainguard.demo._channel import Channel, PipeChannel
 
 if TYPE_CHECKING:
     from trainguard.checkpoint import AsyncCheckpointer, LocalCheckpointManager
@@ -50,10 +53,25 @@ class DemoConfig:
     hard_timeout: float = 10.0
     heartbeat_timeout: float = 5.0
     perturb: bool = False  # test hook: flip one bit of one parameter after the first restore
+    step_time: float = 0.0  # a step lasts at least this long (seconds): faults land mid-run
 
     @property
     def world(self) -> int:
         return self.ranks + self.spares
+
+    def to_json(self) -> str:
+        """This configuration as JSON (:meth:`from_json` reads it back)."""
+        import json
+
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> DemoConfig:
+        import json
+
+        fields = json.loads(text)
+        found = tuple(_faults.Fault(**f) for f in fields.pop("faults"))
+        return cls(faults=found, **fields)
 
     def local_root(self, process: int) -> Path:
         return Path(self.out) / "local" / f"node{process}"
@@ -137,17 +155,16 @@ class _Model:
 class _Guarded:
     """The training function run under the wrapper, with this process's state across rounds."""
 
-    def __init__(self, cfg: DemoConfig, process: int, conn: Any) -> None:
+    def __init__(self, cfg: DemoConfig, process: int, channel: Channel) -> None:
         self.cfg = cfg
         self.process = process
-        self.conn = conn
+        self.channel = channel
         self.lose_root = False  # set by a `lostdir` fault, carried out before the next round
         self.perturbed = False
         self.resources: list[Any] = []  # this round's checkpointers, closed by release()
 
     def send(self, *msg: Any) -> None:
-        with contextlib.suppress(OSError):
-            self.conn.send(msg)
+        self.channel.send(*msg)
 
     def __call__(self, call: CallWrapper) -> str:
         import torch.distributed as dist
@@ -254,7 +271,10 @@ class _Guarded:
             x, y = m.batch(model.task, model.teacher, step, call.rank)
             lr = m.learning_rate(model.task, step, cfg.steps)
             loss = m.train_step(net, opt, x, y, call.world_size, lr)
+            if cfg.step_time > 0:  # a longer step, as if the model were larger
+                time.sleep(max(0.0, cfg.step_time - (time.monotonic() - t0)))
             events.emit("train_step", step=step, loss=loss, duration=time.monotonic() - t0)
+            call.ping()
             recent.append(loss)
             if call.rank == 0 and (step % cfg.report_every == 0 or step == cfg.steps - 1):
                 mean = sum(recent) / len(recent)  # the loss averaged since the last report
@@ -281,7 +301,14 @@ class _Guarded:
         close_round(resources, strict=strict)
 
     def _maybe_inject(self, call: Any, step: int) -> None:
-        for fault in self.cfg.faults:
+        asked = _faults.requested(self.cfg.out)
+        if asked.hold == step and not asked.released:  # every rank waits here, pinging
+            deadline = time.monotonic() + 120
+            while not asked.released and time.monotonic() < deadline:
+                time.sleep(0.05)
+                call.ping()
+                asked = _faults.requested(self.cfg.out)
+        for fault in (*self.cfg.faults, *asked.faults):
             if fault.step != step or fault.rank != call.rank:
                 continue
             if not _faults.claim(self.cfg.out, fault):
@@ -296,7 +323,7 @@ class _Guarded:
 
 
 def main(cfg: DemoConfig, process: int, job_port: int, ref_port: int, conn: Any) -> None:
-    """Entry point of demo process ``process`` (spawn target)."""
+    """Entry point of demo process ``process`` started by the demo itself (spawn target)."""
     os.environ.update(
         RANK=str(process),
         WORLD_SIZE=str(cfg.world),
@@ -305,6 +332,17 @@ def main(cfg: DemoConfig, process: int, job_port: int, ref_port: int, conn: Any)
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(job_port),
     )
+    run_process(
+        cfg, process, PipeChannel(conn), ref_port=ref_port, in_reference=process < cfg.ranks
+    )
+
+
+def run_process(
+    cfg: DemoConfig, process: int, channel: Channel, *, ref_port: int, in_reference: bool
+) -> None:
+    """One demo process, however it was started: logs to ``logs/process-<process>.log``, says
+    hello, takes part in the reference run when ``in_reference``, then runs the guarded training
+    under the wrapper (a spare until it gets a rank) and says how it ended."""
     logs = Path(cfg.out) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     fd = os.open(logs / f"process-{process}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -316,24 +354,29 @@ def main(cfg: DemoConfig, process: int, job_port: int, ref_port: int, conn: Any)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s process {process} %(name)s: %(message)s"
     )
+    from trainguard import _env
+
+    settings = _env.settings()
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    channel.send("hello", process, os.getpid(), settings.incarnation, node, os.getppid())
     import torch
 
     torch.set_num_threads(1)
     from trainguard import events
 
     try:
-        if process < cfg.ranks:
+        if in_reference:
             t0 = time.time()
             digest = reference(cfg, process, ref_port)
-            conn.send(("reference", process, digest, time.time() - t0))
+            channel.send("reference", process, digest, time.time() - t0)
         else:  # a spare: import now what a round needs, so taking over a rank is quick
             import trainguard.checkpoint.async_save
             import trainguard.checkpoint.local.manager  # noqa: F401
         events.configure(Path(cfg.out) / "events")
-        guarded = _Guarded(cfg, process, conn)
+        guarded = _Guarded(cfg, process, channel)
         wrapper = guarded_wrapper(
             ranks=cfg.ranks,
-            max_rounds=len(cfg.faults) + 4,
+            max_rounds=len(cfg.faults) + 8,
             soft_timeout=cfg.soft_timeout,
             hard_timeout=cfg.hard_timeout,
             heartbeat_timeout=cfg.heartbeat_timeout,
@@ -341,11 +384,9 @@ def main(cfg: DemoConfig, process: int, job_port: int, ref_port: int, conn: Any)
         )
         result = wrapper(guarded)()
         if result is None:
-            conn.send(("idle", process, time.time()))
+            channel.send("idle", process, time.time())
     except BaseException as exc:
-        with contextlib.suppress(OSError):
-            conn.send(("error", process, f"{type(exc).__name__}: {exc}"))
+        channel.send("error", process, f"{type(exc).__name__}: {exc}")
         raise
     finally:
-        with contextlib.suppress(OSError):
-            conn.close()
+        channel.close()

@@ -3,7 +3,8 @@
 Every ``interval`` seconds the thread:
 
 1. looks at the main thread's innermost frame and instruction offset
-   (``sys._current_frames()``); a change is progress. The training loop pays nothing: no
+   (``sys._current_frames()``); a change is progress, and so is a ``call.ping()`` (a loop
+   that spends its steps waiting at one place, such as a GPU synchronisation, pings). The training loop pays nothing: no
    hook runs in it, the thread only takes the GIL for a few microseconds per sample.
 2. when the function pinged at least once (``call.ping()``), also requires a ping within
    ``soft_timeout`` (a loop in Python code moves the frame but not the pings).
@@ -104,6 +105,8 @@ class Watchdog:
         if position != self._position:
             self._position = position
             self._progress = now
+        if call is not None and call.pings and call.last_ping > self._progress:
+            self._progress = call.last_ping  # a ping is progress even where the frame stays
         stall = now - self._progress
         why = None
         if stall >= self._soft:

@@ -36,6 +36,7 @@ from trainguard import events
 from trainguard.coord.barrier import wait_key
 from trainguard.restart import _records
 from trainguard.restart._book import RoundBook, peek
+from trainguard.restart._repeat import Repeats
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.state import RoundOutcome
 
@@ -76,6 +77,7 @@ def write_notice(
         book = RoundBook(
             store, keys, cfg.world, policies, store_timeout=cfg.store_timeout, roster=roster
         )
+        _follow(book, n)
         if n >= 0 and r in roster and not store.check([keys.member(n + 1, r)]):
             # Gone inside round n: a fault of that round, so the others abort it. (A
             # newcomer waiting outside the roster was in no round: nothing to abort.)
@@ -95,6 +97,17 @@ def write_notice(
     notice = Notice(r, n, cause, counted, time.monotonic() - start)
     _emit(notice)
     return notice
+
+
+def _follow(book: RoundBook, n: int) -> None:
+    """Give ``book`` the job's history as of published round ``n``: the ranks gone before and
+    the repeated faults. Should this notice complete round ``n+1``'s barrier, its layout
+    carries them on, and admits a gone rank whose new process waits with its record."""
+    raw = peek(book.store, book.keys.ready(n)) if n >= 0 else None
+    if raw is not None:
+        ready = _records.layout(raw)
+        book.gone = {int(k): v for k, v in ready["gone"].items()}
+        book.repeats = Repeats.decode(ready.get("repeats"))
 
 
 def _awaits_return(store: Any, cfg: SidecarConfig, r: int, n: int, cause: str) -> bool:
