@@ -17,7 +17,8 @@ Modes:
   ones, appending ``{rank, initial, pid, round, world, step, sum}`` to ``OUT/steps.jsonl``;
   ``OUT/result-<RANK>-<pid>`` gets the last round's world size (or ``spare``). A round goes on
   past ``--steps`` while ``OUT/hold`` exists. In generation ``--raise-gen`` every round raises
-  the same error (the Wrapper gives up after ``max_repeated_faults`` rounds).
+  the same error (the Wrapper gives up after ``max_repeated_faults`` rounds). The first
+  process of rank ``--gil-hang-rank`` hangs holding the GIL at step 3 (``--hard-timeout``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -87,11 +89,13 @@ def wrapper(out: Path, rank: int, args: argparse.Namespace) -> int:
 
     from trainguard import restart as tr
 
+    first = os.environ.get("TRAINGUARD_INCARNATION") == "0"
+
     @tr.Wrapper(
         rank_assignment=tr.FillGaps(),
         rank_filter=tr.MaxActiveWorldSize(args.active),
-        soft_timeout=10,
-        hard_timeout=20,
+        soft_timeout=args.hard_timeout / 2,
+        hard_timeout=args.hard_timeout,
         heartbeat_timeout=30,
         barrier_timeout=60,
     )
@@ -116,6 +120,8 @@ def wrapper(out: Path, rank: int, args: argparse.Namespace) -> int:
                     "time": time.time(),
                 }
                 _append(out / "steps.jsonl", record)
+                if first and rank == args.gil_hang_rank and step == 3:
+                    re.match(r"(a+)+$", "a" * 64 + "b")  # holds the GIL for ever
                 call.ping()
                 time.sleep(args.step)
                 step += 1
@@ -138,6 +144,8 @@ def main() -> int:
     parser.add_argument("--crash-rank", type=int, default=None)
     parser.add_argument("--active", type=int, default=2)
     parser.add_argument("--raise-gen", type=int, default=None)
+    parser.add_argument("--gil-hang-rank", type=int, default=None)
+    parser.add_argument("--hard-timeout", type=float, default=20.0)
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     _append(

@@ -157,3 +157,21 @@ def test_a_job_the_wrapper_cannot_recover_restarts_whole_in_a_new_generation(
     assert len([s for s in steps if s["step"] == 4]) == 2  # generation 1 ran to the end
     escalated = [e for e in events.read_events(ev) if e["kind"] == "launch_escalated"]
     assert escalated and "RetryLimitError" in escalated[0]["reason"], escalated
+
+
+def test_a_worker_hung_holding_the_gil_is_killed_by_its_agent(tmp_path: Path) -> None:
+    """No Python thread of that worker runs: its agent kills it at hard_timeout, respawns it,
+    and the others go on with the spare."""
+    job, out, ev = _job(tmp_path, 3, 2, 40, "--gil-hang-rank=1", "--hard-timeout=4")
+    with job:
+        pids = job.wait_for(lambda: len(read_starts(out)) >= 3 and read_starts(out), what="starts")
+        hung = next(s["pid"] for s in pids if s["rank"] == 1)
+        assert job.wait() == [0], job.output()
+        assert leftovers(job.run_id) == []
+    died = [e for e in events.read_events(ev) if e["kind"] == "launch_worker_died"]
+    assert [(e["slot"], e["worker_pid"]) for e in died] == [(1, hung)], died
+    kills = [e for e in events.read_events(ev) if e["kind"] == "hard_timeout"]
+    assert [e["killed_rank"] for e in kills] == [1], kills  # by the agent's service
+    steps = _steps(out)
+    assert {s["world"] for s in steps if s["round"] >= 1} == {2}
+    assert 2 in {s["initial"] for s in steps if s["round"] >= 1}  # the spare moved in
