@@ -16,7 +16,8 @@ Modes:
   ``MaxActiveWorldSize(--active)``): each round inits gloo and runs ``--steps`` all_reduces of
   ones, appending ``{rank, initial, pid, round, world, step, sum}`` to ``OUT/steps.jsonl``;
   ``OUT/result-<RANK>-<pid>`` gets the last round's world size (or ``spare``). A round goes on
-  past ``--steps`` while ``OUT/hold`` exists. In generation ``--raise-gen`` every round raises
+  past ``--steps`` while ``OUT/hold`` exists. Its imports done, it appends ``{rank, pid, time}``
+  to ``OUT/ready.jsonl`` (its start-up, for bench/launch.py). In generation ``--raise-gen`` every round raises
   the same error (the Wrapper gives up after ``max_repeated_faults`` rounds).
 """
 
@@ -86,6 +87,8 @@ def wrapper(out: Path, rank: int, args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from trainguard import restart as tr
+
+    _append(out / "ready.jsonl", {"rank": rank, "pid": os.getpid(), "time": time.time()})
 
     @tr.Wrapper(
         rank_assignment=tr.FillGaps(),
