@@ -247,7 +247,7 @@ def escalation(tmp: Path) -> dict[str, Any]:
     asks for a whole-job restart (``launch_escalated``) -> both active ranks of generation 1
     stepping."""
     with Job(tmp, "escalation", worker=("--raise-gen=0",)) as job:
-        job.running(2)
+        job.running(2, timeout=50)  # ~15 s when it works; a failed run costs no more
         (escalated, *_) = _events(job.ev, "launch_escalated")
         gen1 = {s["pid"] for s in read_starts(job.out) if s["generation"] == "1"}
         first = _first_steps(job.steps(), lambda s: s["pid"] in gen1)

@@ -46,6 +46,7 @@ restart round on every active rank:
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import signal
@@ -120,7 +121,7 @@ def _back(progress: Progress, out: Path, t_kill: float, ranks: range | list[int]
     return worst
 
 
-def scenario(tmp: Path, name: str, module: str, extra: list[str]) -> dict[str, float]:
+def scenario(tmp: Path, *, name: str, module: str, extra: list[str]) -> dict[str, Any]:
     """One job: start, kill the victim, wait until it is back, stop, measure."""
     out = tmp / name
     out.mkdir(parents=True)
@@ -201,16 +202,24 @@ def main() -> int:
     started = time.monotonic()
     raw: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in SCENARIOS}
     raw.update({name: [] for name in WRAPPER})
+    failed: dict[str, list[str]] = {}
     tmp = Path(tempfile.mkdtemp(prefix="tg-bench-launch-"))
-    try:
-        for repeat in range(args.repeats):
-            for name, module, extra in SCENARIOS:
-                raw[name].append(scenario(tmp / f"{repeat}", name, module, extra))
-                print(f"repeat {repeat} {name}: {raw[name][-1]}", flush=True)
-            for name, run in WRAPPER.items():
+    jobs: list[tuple[str, Callable[[Path], dict[str, Any]]]] = [
+        (name, functools.partial(scenario, name=name, module=module, extra=extra))
+        for name, module, extra in SCENARIOS
+    ]
+    jobs += list(WRAPPER.items())
+    for repeat in range(args.repeats):
+        for name, run in jobs:
+            try:
                 raw[name].append(run(tmp / f"{repeat}"))
-                print(f"repeat {repeat} {name}: {raw[name][-1]}", flush=True)
-    finally:
+            except (AssertionError, RuntimeError, ValueError) as e:  # one failed run, go on
+                why = str(e).splitlines()[0]
+                failed.setdefault(name, []).append(why)
+                print(f"repeat {repeat} {name}: FAILED ({why}); files in {tmp}", flush=True)
+                continue
+            print(f"repeat {repeat} {name}: {raw[name][-1]}", flush=True)
+    if not failed:
         shutil.rmtree(tmp, ignore_errors=True)
     elapsed = time.monotonic() - started
 
@@ -219,6 +228,8 @@ def main() -> int:
 
     _plain_table(stat, args.repeats)
     _wrapper_table(raw, stat, args.repeats)
+    for name, whys in failed.items():
+        print(f"FAILED runs of {name} (left out of the table): {len(whys)}: {whys}")
     print(
         f"\n{os.cpu_count()} CPUs shared with other jobs (load average {load:.2f} at the start); "
         f"the whole bench took {elapsed:.0f} s. Command: "
@@ -243,6 +254,7 @@ def main() -> int:
                 "heartbeat_timeout_s": _launch_wrapper.HEARTBEAT_TIMEOUT,
             },
             "summary": summary,
+            "failed": failed,
             "raw": raw,
         },
     )
@@ -341,6 +353,8 @@ def _kinds(runs: list[dict[str, Any]]) -> str:
 def _ms(s: dict[str, float] | None) -> str:
     if s is None:
         return "-"
+    if not s["n"]:
+        return "failed"
     return f"{s['p50'] * 1e3:.0f} / {s['max'] * 1e3:.0f}"
 
 
