@@ -1,6 +1,6 @@
 """Launcher: ``trainguard launch`` side by side with ``torchrun``, the same jobs, one run.
 
-Run: ``.venv/bin/python bench/launch.py [--repeats 3]`` (~6 min with 3 repeats on a shared
+Run: ``.venv/bin/python bench/launch.py [--repeats 3]`` (~4-6 min with 3 repeats on a shared
 2-core machine). Prints two tables (p50 / max over the repeats, ms) and writes
 bench/results/launch.json. Times are wall-clock: a worker's ``time.time()`` at a step or start
 minus the bench's ``time.time()`` just before the fault; every launcher runs its agents with
