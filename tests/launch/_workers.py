@@ -16,9 +16,11 @@ Modes:
   ``MaxActiveWorldSize(--active)``): each round inits gloo and runs ``--steps`` all_reduces of
   ones, appending ``{rank, initial, pid, round, world, step, sum}`` to ``OUT/steps.jsonl``;
   ``OUT/result-<RANK>-<pid>`` gets the last round's world size (or ``spare``). A round goes on
-  past ``--steps`` while ``OUT/hold`` exists. In generation ``--raise-gen`` every round raises
-  the same error (the Wrapper gives up after ``max_repeated_faults`` rounds). The first
-  process of rank ``--gil-hang-rank`` hangs holding the GIL at step 3 (``--hard-timeout``).
+  past ``--steps`` while ``OUT/hold`` exists. Its imports done, it appends ``{rank, pid, time}``
+  to ``OUT/ready.jsonl`` (its start-up, for bench/launch.py). In generation ``--raise-gen``
+  every round raises the same error before it builds a group (the Wrapper gives up after
+  ``max_repeated_faults`` rounds). The first process of rank ``--gil-hang-rank`` hangs holding
+  the GIL at step 3 (``--hard-timeout``).
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def wrapper(out: Path, rank: int, args: argparse.Namespace) -> int:
     from trainguard import restart as tr
 
     first = os.environ.get("TRAINGUARD_INCARNATION") == "0"
+    _append(out / "ready.jsonl", {"rank": rank, "pid": os.getpid(), "time": time.time()})
 
     @tr.Wrapper(
         rank_assignment=tr.FillGaps(),
@@ -100,10 +103,9 @@ def wrapper(out: Path, rank: int, args: argparse.Namespace) -> int:
         barrier_timeout=60,
     )
     def train(call: tr.CallWrapper) -> int:
-        dist.init_process_group("gloo")
         if os.environ.get("TRAINGUARD_GENERATION") == str(args.raise_gen):
-            dist.destroy_process_group()
             raise RuntimeError("a fault that restarting in-process cannot cure")
+        dist.init_process_group("gloo")
         try:
             step = 0
             while step < (args.steps or 20) or (out / "hold").exists():
