@@ -42,7 +42,7 @@ import trainguard
 from trainguard import events
 from trainguard.demo import faults as _faults
 from trainguard.demo._channel import JsonlTail
-from trainguard.demo.runner import _free_port, _Run
+from trainguard.demo._run import _free_port, _Run
 from trainguard.demo.worker import DemoConfig
 
 __all__ = ["NODES", "NPROC", "RANKS", "LaunchRun", "descendants"]
