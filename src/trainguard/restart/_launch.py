@@ -37,27 +37,17 @@ class Launch:
     incarnation: int = 0  # k > 0: the k-th respawn of this rank (it joins the running job)
 
 
-def _launcher_int(env: Mapping[str, str], name: str) -> int | None:
-    """A non-negative integer variable set by the launcher (None when unset).
-
-    TRAINGUARD_GENERATION and TRAINGUARD_INCARNATION are read here until ``_env.settings()``
-    declares them."""
-    value = env.get(name, "").strip()
-    if not value:
-        return None
-    if not value.isdigit():
-        raise ConfigError(f"{name}={value!r} must be an integer >= 0; unset it or fix the launcher")
-    return int(value)
-
-
-def attempt_suffix(env: Mapping[str, str]) -> str:
+def attempt_suffix(env: Mapping[str, str], generation: int | None) -> str:
     """``-g<generation>`` under ``trainguard launch``, ``-a<count>`` under plain torchrun,
     else ``""``: what makes the job token unique to one attempt of the job."""
-    generation = _launcher_int(env, "TRAINGUARD_GENERATION")
     if generation is not None:
         return f"-g{generation}"
-    restarts = _launcher_int(env, "TORCHELASTIC_RESTART_COUNT")
-    return f"-a{restarts}" if restarts is not None else ""
+    restarts = env.get("TORCHELASTIC_RESTART_COUNT", "").strip()
+    if restarts and not restarts.isdigit():
+        raise ConfigError(
+            f"TORCHELASTIC_RESTART_COUNT={restarts!r} must be an integer >= 0; unset it"
+        )
+    return f"-a{restarts}" if restarts else ""
 
 
 def first_host(nodelist: str) -> str:
@@ -103,10 +93,11 @@ def detect(environ: Mapping[str, str] | None = None) -> Launch:
         )
     settings = _env.settings(env)
     job = settings.job_id or pick("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID") or f"{addr}-{port}"
-    job = re.sub(r"[^A-Za-z0-9_.-]", "_", job) + attempt_suffix(env)
+    job = re.sub(r"[^A-Za-z0-9_.-]", "_", job) + attempt_suffix(env, settings.generation)
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    incarnation = _launcher_int(env, "TRAINGUARD_INCARNATION") or 0
-    return Launch(int(rank), int(world), int(local), addr, int(port), agent, job, incarnation)
+    return Launch(
+        int(rank), int(world), int(local), addr, int(port), agent, job, settings.incarnation
+    )
 
 
 def is_local_address(host: str) -> bool:
