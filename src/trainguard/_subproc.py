@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -63,3 +64,16 @@ def read_config(fd: int = 0) -> tuple[dict[str, Any], bytes]:
     if not isinstance(config, dict):
         raise ValueError("the configuration line is not a JSON object")
     return config, rest
+
+
+def exit_text(code: object) -> str:
+    """How a process ended, from its exit status (a ``Popen.returncode``: negative for a
+    signal): ``"exit code 3"``, ``"killed by signal SIGKILL"``, ``"exit status unknown"``."""
+    if type(code) is not int:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

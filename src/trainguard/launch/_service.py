@@ -33,14 +33,13 @@ import logging
 import os
 import secrets
 import select
-import signal
 import socket
 import struct
 import threading
 import time
 from typing import Any
 
-from trainguard import _private
+from trainguard import _private, _subproc
 from trainguard._timeouts import Timeout, seconds
 from trainguard.coord.store import connect
 from trainguard.restart.sidecar._config import SidecarConfig
@@ -81,19 +80,6 @@ class _Rejoin:
     round: int
     roster: tuple[int, ...]
     cause: str
-
-
-def exit_cause(exit_code: int | None) -> str:
-    """A death notice's cause from a ``Popen.returncode``."""
-    if exit_code is None:
-        return "process died (exit status unknown)"
-    if exit_code < 0:
-        try:
-            name = signal.Signals(-exit_code).name
-        except ValueError:
-            name = f"signal {-exit_code}"
-        return f"killed by signal {name}"
-    return f"process exited with code {exit_code}"
 
 
 class SidecarService:
@@ -168,7 +154,7 @@ class SidecarService:
             watch = conn.watch
             if not conn.ended.is_set() or watch is None or watch.said_bye:
                 continue
-            cause = watch.killed or exit_cause(exit_code)
+            cause = watch.killed or _subproc.exit_text(exit_code)
             args = (conn, slot, cause, returning, time.monotonic())
             threads.append(self._spawn(self._death_notice, "tg-notice", args))
         for thread in threads:

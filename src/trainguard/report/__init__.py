@@ -47,8 +47,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from trainguard._subproc import exit_text
 from trainguard.report._launch import (
-    exit_text,
     is_rank,
     plural,
     root_cause,

@@ -18,8 +18,9 @@ stay apart), the target rank of a detection, and the lines of the table's "Launc
 from __future__ import annotations
 
 import bisect
-import signal
 from typing import Any
+
+from trainguard._subproc import exit_text
 
 
 def plural(count: int, noun: str) -> str:
@@ -100,16 +101,6 @@ def target(e: dict[str, Any]) -> int | None:
     else:
         value = e.get("rank")
     return value if is_rank(value) else None
-
-
-def exit_text(code: object) -> str:
-    """``"exit code 3"``, ``"killed by signal SIGKILL"`` for a negative code."""
-    if type(code) is int and code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 def root_cause(detections: list[dict[str, Any]]) -> dict[str, Any] | None:
