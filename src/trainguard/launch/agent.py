@@ -267,9 +267,8 @@ class TrainguardAgent(LocalElasticAgent):
         pid = _compat.handler(_compat.pcontext(self), local_rank).proc.pid
         rank, incarnation = self.slots.rank(local_rank), self.slots.incarnation(local_rank)
         decision = self.slots.exited(local_rank, code)
-        if (
-            decision is None
-        ):  # a normal end; a wrapped call left without goodbye still needs its notice
+        if decision is None:
+            # a normal end; a wrapped call left without goodbye still needs its notice
             self._service_died(rank, pid, code, returning=False)
             return None
         self._died_at[local_rank] = time.monotonic()
