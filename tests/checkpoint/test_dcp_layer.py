@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
 
 from tests._dist import run_ranks
 from tests.checkpoint.conftest import no_leaks  # noqa: F401 (fixture)
@@ -93,11 +95,16 @@ def test_save_async_save_load_and_nothing_leaks(tmp_path: Path, no_leaks: None) 
         time.sleep(0.05)
 
 
-def test_files_open_as_safetensors(tmp_path: Path) -> None:
+def _saved(tmp_path: Path) -> tuple[dict, Path]:
+    """A state saved by dcp.save through our writer, and its one part."""
     state = _state()
     with StorageWriter(tmp_path / "a") as writer:
         dcp.save(state, storage_writer=writer)
-    file = tmp_path / "a" / "rank00000.safetensors"
+    return state, tmp_path / "a" / "rank00000.safetensors"
+
+
+def test_files_open_as_safetensors(tmp_path: Path) -> None:
+    state, file = _saved(tmp_path)
     header = read_header(file)
     assert header.metadata["dcp"] == "1" and "w@0,0" in header.entries
     safetensors = pytest.importorskip("safetensors.torch")
@@ -107,17 +114,15 @@ def test_files_open_as_safetensors(tmp_path: Path) -> None:
 
 
 def test_corrupt_entry_is_named(tmp_path: Path) -> None:
-    state = _state()
-    with StorageWriter(tmp_path / "a") as writer:
-        dcp.save(state, storage_writer=writer)
-    file = tmp_path / "a" / "rank00000.safetensors"
+    state, file = _saved(tmp_path)
     header = read_header(file)
     _, _, begin, _ = header.entries["w@0,0"]
-    with open(file, "r+b") as f:
-        f.seek(header.data_start + begin + 3)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x10]))
+    at = header.data_start + begin + 3  # one bit of one element of "w" flips
+    fd = os.open(file, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x10]), at)
+    finally:
+        os.close(fd)
     target = _zeros_like(state)
     with pytest.raises(
         CheckpointException
@@ -160,6 +165,45 @@ def test_latest_skips_uncommitted_and_committed_paths_are_refused(tmp_path: Path
         reader.read_metadata()
     with pytest.raises(CheckpointError, match=r"has no \.metadata"):
         StorageReader(tmp_path / "new", allow_uncommitted=True).read_metadata()
+
+
+class _FailingPlanner(DefaultSavePlanner):
+    """A save that fails after the writer was set up, before anything is written."""
+
+    def create_local_plan(self) -> SavePlan:
+        raise RuntimeError("planning failed")
+
+
+def test_stager_buffer_is_reused_only_when_free(tmp_path: Path) -> None:
+    state = _state()
+    with StorageWriter(tmp_path / "x") as writer:
+        dcp.save(state, checkpoint_id=tmp_path / "done", storage_writer=writer)
+        with AsyncStager(writer, busy_timeout=0.3) as stager:
+            stager.stage(state)  # never saved: the buffer stays reserved for its save
+            with pytest.raises(CheckpointError, match="busy_timeout"):
+                stager.stage(state)
+        writer._release_staged()
+        with AsyncStager(writer, busy_timeout=60) as stager:
+            # saves that fail before they write (a committed path; a planning error) free it
+            for path, planner in ((tmp_path / "done", None), (tmp_path / "p", _FailingPlanner())):
+                started = time.monotonic()
+                future = dcp.async_save(
+                    state,
+                    checkpoint_id=path,
+                    storage_writer=writer,
+                    async_stager=stager,
+                    planner=planner,
+                )
+                with pytest.raises(CheckpointException, match=r"already a committed|planning"):
+                    future.result()
+                assert time.monotonic() - started < 30
+            future = dcp.async_save(
+                state, checkpoint_id=tmp_path / "next", storage_writer=writer, async_stager=stager
+            )
+            future.result()
+    target = _zeros_like(state)
+    dcp.load(target, storage_reader=StorageReader(tmp_path / "next"))
+    _assert_equal(target, state)
 
 
 def test_bad_arguments_fail_at_construction(tmp_path: Path) -> None:
@@ -326,15 +370,6 @@ def _resharder(root: str) -> dict:
     return {"full": _pack(out), "bytes_read": bytes_read}
 
 
-def _assert_same_full(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], torch.Tensor):
-            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-        else:
-            assert a[k] == b[k], k
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     root = tmp_path_factory.mktemp("dcp4")
@@ -346,7 +381,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
 def test_fsdp2_round_trip_4_ranks_bit_exact(saved: tuple[Path, list[dict]]) -> None:
     root, results = saved
     r0 = results[0]
-    _assert_same_full(r0["loaded"]["ours"], r0["first"])
+    _assert_equal(r0["loaded"]["ours"], r0["first"])
     assert sorted(os.listdir(root / "ours")) == [
         ".metadata",
         "COMMITTED",
@@ -358,7 +393,7 @@ def test_fsdp2_round_trip_4_ranks_bit_exact(saved: tuple[Path, list[dict]]) -> N
 def test_fsdp2_async_save_through_our_stager(saved: tuple[Path, list[dict]]) -> None:
     _, results = saved
     r0 = results[0]
-    _assert_same_full(r0["loaded"]["async"], r0["second"])  # not the step after async_save
+    _assert_equal(r0["loaded"]["async"], r0["second"])  # not the step after async_save
     assert not any(r["copied"] for r in results)  # written from the staged buffer
     print(
         f"async_save stall per rank: {[round(r['stall'] * 1e3, 1) for r in results]} ms, "
@@ -371,7 +406,7 @@ def test_reshard_4_to_3_equals_dcp(saved: tuple[Path, list[dict]]) -> None:
     out = [r.get() for r in run_ranks(_resharder, 3, args=(str(root),), timeout=150)]
     for rank in out:
         rank.update(_unpack(rank.pop("full")))
-        _assert_same_full(rank["ours"], rank["dcp"])
-        _assert_same_full(rank["ours"], results[0]["first"])
+        _assert_equal(rank["ours"], rank["dcp"])
+        _assert_equal(rank["ours"], results[0]["first"])
     total = sum(os.path.getsize(root / "ours" / f"rank{r:05d}.safetensors") for r in range(4))
     assert all(0 < r["bytes_read"] < total for r in out), [r["bytes_read"] for r in out]

@@ -44,7 +44,8 @@ class AsyncStager(staging.AsyncStager):
     of ``async_save``; the state may change right after. It first waits until the writer has
     written the previous staged state (the buffer is reused): call ``result()`` on the previous
     ``async_save``'s future before the next save (as torchtitan does), or ``stage()`` waits,
-    at most ``busy_timeout``, and then raises :class:`CheckpointError`.
+    at most ``busy_timeout``, and then raises :class:`CheckpointError`. A save that fails
+    before it writes (refused path, planning error on any rank) frees the buffer too.
 
     ``should_synchronize_after_execute`` is False and :meth:`synchronize_staging` does nothing:
     staging is finished when ``stage()`` returns, so there is nothing to wait for. :meth:`close`
@@ -97,7 +98,7 @@ class AsyncStager(staging.AsyncStager):
         if self._closed:
             raise CheckpointError("this AsyncStager is closed; create a new one")
         started = time.monotonic()
-        if not self.writer._free.wait(self.busy_timeout):
+        if not self.writer._wait_free(self.busy_timeout):
             raise CheckpointError(
                 f"the previous staged state was not written within busy_timeout="
                 f"{self.busy_timeout:g} s: wait for the previous dcp.async_save's future "
@@ -138,6 +139,8 @@ class AsyncStager(staging.AsyncStager):
         if self._closed:
             return
         self._closed = True
+        if self._stager.buffer is not None:
+            self.writer._retired.append(self._stager.buffer)
         self._stager.close()
 
     def __enter__(self) -> AsyncStager:

@@ -121,6 +121,7 @@ class StorageWriter(storage.StorageWriter, Closing):
         self._staged: _items.Staged | None = None
         self._free = threading.Event()  # no staged buffer is waiting to be written
         self._free.set()
+        self._claimed_by: threading.Thread | None = None  # the thread of the save that writes it
         self._closed = False
         #: whether the latest save copied its items into this writer's own buffer (False: it
         #: was written straight from the buffer its AsyncStager filled)
@@ -138,18 +139,25 @@ class StorageWriter(storage.StorageWriter, Closing):
         return self.path
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self._check_open()
-        if kwargs.get("use_collectives", True) is False:
-            raise CheckpointError(
-                "trainguard.checkpoint.dcp.StorageWriter commits a checkpoint once every rank's "
-                "file is durable, which needs DCP's collectives: drop use_collectives=False"
-            )
+        try:
+            self._check_open()
+            if kwargs.get("use_collectives", True) is False:
+                raise CheckpointError(
+                    "trainguard.checkpoint.dcp.StorageWriter commits a checkpoint once every "
+                    "rank's file is durable, which needs DCP's collectives: drop "
+                    "use_collectives=False"
+                )
+            _commit.refuse_overwrite(self.path)
+        except CheckpointError:
+            self._release_staged()  # this save will not write it: the next stage may reuse it
+            raise
+        if self._staged is not None:  # this save writes it, unless this thread fails first
+            self._claimed_by = threading.current_thread()
         self.is_coordinator = is_coordinator
         rank = kwargs.get("rank")
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.rank = int(rank)
-        _commit.refuse_overwrite(self.path)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -174,8 +182,7 @@ class StorageWriter(storage.StorageWriter, Closing):
                 buffer, placed = self._layout(resolved)
                 nbytes = self._write(file, buffer, placed, [e for _, e in resolved])
         finally:
-            self._staged = None
-            self._free.set()
+            self._release_staged()
         events.emit(
             "ckpt_durable", duration=time.monotonic() - started, bytes=nbytes, path=self.path
         )
@@ -219,17 +226,30 @@ class StorageWriter(storage.StorageWriter, Closing):
                 old.close()
             self._retired.clear()
             self._stager.close()
-            self._staged = None
-            self._free.set()
-
-    @property
-    def writer_pid(self) -> int | None:
-        """pid of the writer process (None once closed)."""
-        return self._writer.pid
+            self._release_staged()
 
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this StorageWriter is closed; create a new one")
+
+    def _release_staged(self) -> None:
+        self._staged = None
+        self._claimed_by = None
+        self._free.set()
+
+    def _wait_free(self, timeout: float) -> bool:
+        """Wait until the staged state was written, or its save failed before writing it
+        (the thread that claimed it ended: DCP runs each async save in a thread of its own)."""
+        deadline = time.monotonic() + timeout
+        while not self._free.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
+            claimed = self._claimed_by
+            if claimed is not None and not claimed.is_alive():
+                logger.info("the save of the staged state failed before writing it")
+                self._release_staged()
+                return True
+            if time.monotonic() >= deadline:
+                return False
+        return True
 
     def _stage_into(self, staged: _items.Staged, retired: StagingBuffer | None) -> None:
         """An AsyncStager filled ``staged`` (replacing ``retired``): the next save writes it."""
