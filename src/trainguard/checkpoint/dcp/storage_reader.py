@@ -1,0 +1,209 @@
+"""StorageReader: ``torch.distributed.checkpoint`` loads from trainguard files.
+
+Each rank reads, for every item its load plan needs, exactly the byte range of the saved entry
+that holds it (``pread``; never whole files), verifies that entry's checksum, and copies the
+requested region into the target. DCP's planners decide which saved chunks each rank needs, so
+loading into a different world size or sharding works as with DCP's own storage.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import storage
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from trainguard import events
+from trainguard.checkpoint import _commit
+from trainguard.checkpoint.dcp import _metadata
+from trainguard.checkpoint.dcp.storage_writer import checkpoint_path
+from trainguard.checkpoint.fileformat import FileHeader, checksum, read_header
+from trainguard.checkpoint.layout import dtype_from_name
+from trainguard.errors import CheckpointCorruptError, CheckpointError, CheckpointUncommittedError
+
+__all__ = ["StorageReader"]
+
+
+def _pread(path: str, begin: int, end: int) -> bytearray:
+    """Bytes ``[begin, end)`` of ``path``; a short read is a corrupt (truncated) file."""
+    out = bytearray(end - begin)
+    view = memoryview(out)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        done = 0
+        while done < len(out):
+            n = os.preadv(fd, [view[done:]], begin + done)
+            if n <= 0:
+                raise CheckpointCorruptError(
+                    f"{path}: truncated: bytes {begin}..{end} are not all there; the checkpoint "
+                    "is damaged, load an older one"
+                )
+            done += n
+    finally:
+        os.close(fd)
+    return out
+
+
+class StorageReader(storage.StorageReader):
+    """A DCP storage reader for directories written by
+    :class:`~trainguard.checkpoint.dcp.StorageWriter`.
+
+    Protocol (DCP's): every rank calls ``dcp.load(state, storage_reader=r)`` with its own ``r``
+    and the same path; DCP calls ``reset`` (a ``checkpoint_id`` becomes the path),
+    ``read_metadata``, ``set_up_storage_reader``, ``prepare_local_plan``, on the coordinator
+    ``prepare_global_plan``, and ``read_data`` on every rank. A directory without the
+    ``COMMITTED`` marker is refused (:class:`CheckpointUncommittedError`) unless
+    ``allow_uncommitted``. A saved entry whose bytes do not match their checksum raises
+    :class:`CheckpointCorruptError` naming the file and the entry.
+
+    Args:
+        path: the checkpoint directory (e.g. ``trainguard.checkpoint.latest(root)``).
+        allow_uncommitted: read a directory that has no commit marker.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, allow_uncommitted: bool = False) -> None:
+        self.path = checkpoint_path(path)
+        self.allow_uncommitted = bool(allow_uncommitted)
+        self.storage_data: dict[MetadataIndex, Any] = {}
+        self.bytes_read = 0  # bytes of entries read by the latest read_data()
+        self._headers: dict[str, tuple[FileHeader, dict[str, Any]]] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = checkpoint_path(checkpoint_id, "checkpoint_id")
+        self.storage_data = {}
+        self._headers = {}
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if not os.path.isdir(self.path):
+            raise CheckpointError(f"no checkpoint directory at {self.path}")
+        marker = os.path.join(self.path, _commit.MARKER)
+        if not self.allow_uncommitted and not os.path.exists(marker):
+            raise CheckpointUncommittedError(
+                f"{self.path} has no {_commit.MARKER} marker: its save never completed on "
+                "every rank; load an older checkpoint (trainguard.checkpoint.latest), or pass "
+                "allow_uncommitted=True"
+            )
+        metadata = _metadata.read(self.path)
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta(checkpoint_id=self.path)
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self.storage_data = dict(metadata.storage_data)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read every item of ``plan``: each saved entry once, checksum verified."""
+        started = time.monotonic()
+        by_entry: dict[tuple[str, str], list[ReadItem]] = defaultdict(list)
+        for item in plan.items:
+            by_entry[self._where(item.storage_index)].append(item)
+        nbytes = 0
+        for (file, entry), items in by_entry.items():
+            raw, dtype, shape = self._read_entry(file, entry)
+            nbytes += len(raw)
+            for item in items:
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(raw))
+                    continue
+                saved = _as_tensor(raw, dtype, shape, f"{file}: entry {entry!r}")
+                region = saved
+                for dim, (offset, length) in enumerate(
+                    zip(item.storage_offsets, item.lengths, strict=True)
+                ):
+                    region = region.narrow(dim, offset, length)
+                target = planner.resolve_tensor(item).detach()
+                if target.size() != region.size():
+                    raise CheckpointCorruptError(
+                        f"{file}: entry {entry!r} gives a region of shape {tuple(region.size())}"
+                        f" where the target needs {tuple(target.size())}"
+                    )
+                target.copy_(region)
+                planner.commit_tensor(item, target)
+        self.bytes_read = nbytes
+        events.emit("ckpt_load", duration=time.monotonic() - started, bytes=nbytes, path=self.path)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    # ------------------------------------------------------------------ ours
+
+    def _where(self, index: MetadataIndex) -> tuple[str, str]:
+        where = self.storage_data.get(index)
+        if (
+            not isinstance(where, tuple)
+            or len(where) != 2
+            or not all(isinstance(x, str) for x in where)
+            or os.path.basename(where[0]) != where[0]
+        ):
+            raise CheckpointCorruptError(
+                f"{self.path}: the metadata has no valid place for {index.fqn!r} "
+                f"({where!r}); the checkpoint is damaged or was not written by trainguard"
+            )
+        return where[0], where[1]
+
+    def _header(self, file: str) -> tuple[FileHeader, dict[str, Any]]:
+        """``file``'s header and its skeleton's nodes by entry name (read once per load)."""
+        if file not in self._headers:
+            header = read_header(os.path.join(self.path, file))
+            try:
+                tree = json.loads(header.metadata.get("skeleton", "null"))
+                nodes = {name: node for name, node in tree["D"] if isinstance(node, dict)}
+            except (ValueError, TypeError, KeyError) as exc:
+                raise CheckpointCorruptError(
+                    f"{header.path}: not a part written by trainguard.checkpoint.dcp ({exc!r})"
+                ) from None
+            self._headers[file] = (header, nodes)
+        return self._headers[file]
+
+    def _read_entry(self, file: str, entry: str) -> tuple[bytearray, torch.dtype, Any]:
+        """The verified bytes of ``entry`` in ``file``, with the dtype and shape it was saved
+        with."""
+        header, nodes = self._header(file)
+        if entry not in header.entries or entry not in nodes:
+            raise CheckpointCorruptError(f"{header.path}: tensor {entry!r} is missing")
+        _, _, begin, end = header.entries[entry]
+        raw = _pread(header.path, header.data_start + begin, header.data_start + end)
+        if checksum(raw) != header.checksums().get(entry):
+            raise CheckpointCorruptError(
+                f"{header.path}: checksum mismatch in tensor {entry!r}; the file is corrupt, "
+                "load an older checkpoint"
+            )
+        node = nodes[entry]
+        return raw, dtype_from_name(node.get("dtype")), node.get("shape")
+
+
+def _as_tensor(raw: bytearray, dtype: torch.dtype, shape: Any, where: str) -> torch.Tensor:
+    """``raw`` as a tensor of ``dtype`` and ``shape`` (the entry's saved chunk)."""
+    try:
+        if not raw:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
+    except (RuntimeError, TypeError) as exc:
+        raise CheckpointCorruptError(
+            f"{where}: its bytes do not hold a {dtype} tensor of shape {shape} ({exc})"
+        ) from None
