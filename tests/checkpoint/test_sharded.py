@@ -115,9 +115,10 @@ def _fsdp_round_trip(root: str) -> dict[str, Any]:
     try:
         _, saved = _fsdp(1, train=True)
         _save(saved, f"{root}/ckpt")
-        _, target = _fsdp(2, train=False)
+        model, target = _fsdp(2, train=False)
         assert load(f"{root}/ckpt", into=target) is target
         out["diff"] = _same(saved, target)
+        out["model_diff"] = _same(saved["model"], model.state_dict())  # filled in place
         out["plain_equal"] = _plain(saved) == _plain(target)
         own = read_header(f"{root}/ckpt/rank{rank:05d}.safetensors")
         out["own_bytes"] = sum(e - b for _, _, b, e in own.entries.values())
@@ -151,7 +152,7 @@ def _fsdp_round_trip(root: str) -> dict[str, Any]:
 def test_fsdp2_round_trip_reads_own_chunks_and_names_a_corrupt_chunk(tmp_path: Path) -> None:
     results = [r.get() for r in run_ranks(_fsdp_round_trip, 4, args=(str(tmp_path),), timeout=120)]
     for rank, out in enumerate(results):
-        assert out["diff"] == [] and out["plain_equal"], (rank, out)
+        assert out["diff"] == out["model_diff"] == [] and out["plain_equal"], (rank, out)
         # the same sharding: each rank reads exactly the bytes of its own part, nothing else
         assert out["event"] == (out["own_bytes"], [rank]), (rank, out)
         if rank == 1:
