@@ -35,10 +35,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from trainguard import events
-from trainguard.checkpoint._reshard import Index, SavedChunk, fill
+from trainguard.checkpoint._reshard import Index, SavedChunk, check_chunk, fill
 from trainguard.checkpoint.fileformat import (
     FileHeader,
-    checksum,
     header_bytes,
     parse_header_bytes,
     read_range,
@@ -68,9 +67,7 @@ class _Fetched:
     bad: list[list[int]] = dataclasses.field(default_factory=list)  # [part, holder]
 
 
-def load_into(
-    mgr: LocalCheckpointManager, iteration: int, into: Any, *, allow_pickle: bool
-) -> Any:
+def load_into(mgr: LocalCheckpointManager, iteration: int, into: Any, *, allow_pickle: bool) -> Any:
     """Fill ``into`` in place from ``iteration`` (or an older complete one) and return it.
 
     Every rank of the manager's world calls it together (see the module's docstring).
@@ -97,7 +94,13 @@ def load_into(
             f"load of iteration {iteration} into the target: copies kept failing their "
             f"checksums ([part, holder]: {failed}) in {_ATTEMPTS} attempts"
         )
-    stats = fill(into, index, lambda c: memoryview(fetched.data[_key(c)]), plain_part=plain)
+    stats = fill(
+        into,
+        index,
+        lambda c: fetched.data[_key(c)],
+        plain_part=plain,
+        allow_pickle=allow_pickle,
+    )
     mgr._drop_newer(chosen.iteration)
     source = _describe(fetched)
     mgr.last_load = {
@@ -132,9 +135,7 @@ def _pick(
     """``iteration``, or the newest older one, of which every owner's part is held by a live
     rank: a sharded state has chunks in every part, whatever the world size now."""
     chosen = _choose.pick(merged, iteration, world_size=_EVERY_OWNER, root=mgr.root)
-    _choose.check_setting(
-        chosen, mgr.setting, allow=mgr.allow_replication_change, root=mgr.root
-    )
+    _choose.check_setting(chosen, mgr.setting, allow=mgr.allow_replication_change, root=mgr.root)
     return chosen
 
 
@@ -195,13 +196,12 @@ def _fetch(
     got = _transfer.move_ranges(mgr._channel, chosen.iteration, plan, paths, rank=mgr.rank)
     for i, (source, buf) in got.items():
         part, begin, end, _, _ = plan[i]
-        chunk = needed[(part, begin, end)]
-        if checksum(buf) != chunk.checksum:
-            logger.warning(
-                "%s from rank %d",
-                _mismatch(f"part of owner {part} (copy of rank {source})", chunk),
-                source,
+        try:
+            check_chunk(
+                needed[(part, begin, end)], buf, f"the copy of part {part} on rank {source}"
             )
+        except CheckpointCorruptError as exc:
+            logger.warning("%s; another copy is tried", exc)
             fetched.bad.append([part, source])
             continue
         fetched.data[(part, begin, end)] = buf
@@ -234,21 +234,11 @@ def _read_local(path: str, chunk: SavedChunk) -> bytearray | None:
     """The chunk's bytes from this rank's copy, checksum verified; None (logged) if bad."""
     try:
         data = read_range(path, chunk.begin, chunk.end)
+        check_chunk(chunk, data, path)
     except (OSError, CheckpointError) as exc:
-        logger.warning("cannot read a chunk of %s: %s", path, exc)
-        return None
-    if checksum(data) != chunk.checksum:
-        logger.warning("%s", _mismatch(path, chunk))
+        logger.warning("%s; another copy is tried", exc)
         return None
     return data
-
-
-def _mismatch(where: str, chunk: SavedChunk) -> str:
-    name = "state" + "".join(f"[{k!r}]" for k in chunk.key)
-    return (
-        f"{where}: checksum mismatch in chunk of {name} at offsets {chunk.box.offsets} "
-        f"sizes {chunk.box.sizes}; another copy is tried"
-    )
 
 
 def _describe(fetched: _Fetched) -> str:
