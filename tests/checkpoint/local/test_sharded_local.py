@@ -10,6 +10,7 @@ the same target (the reference for resharding) or against the live state.
 
 from __future__ import annotations
 
+import os
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -130,13 +131,15 @@ def _save_phase(roots: list[str], dcp_dir: str) -> dict:
     try:
         state = _trained()
         with _manager(roots[rank]) as mgr:
-            mgr.save(state, 1)
+            for it in (1, 2):
+                mgr.save({**state, "step": it}, it)
             mgr.wait()
             dcp.save({k: state[k] for k in ("model", "optim")}, checkpoint_id=dcp_dir)
             target = _target()
-            assert mgr.find_latest() == 1
-            loaded = mgr.load(1, into=target)
-            own = Path(roots[rank], "iter_000000000001", f"owner{rank:05d}.h{rank:05d}.safetensors")
+            assert mgr.find_latest() == 2
+            loaded = mgr.load(2, into=target)
+            state["step"] = 2
+            own = _part(roots[rank], 2, rank, rank)
             header = read_header(own)
             return {
                 "same_object": loaded is target,
@@ -148,9 +151,34 @@ def _save_phase(roots: list[str], dcp_dir: str) -> dict:
         dist.destroy_process_group()
 
 
-def _load_phase(roots: list[str], dcp_dir: str, events_dir: str, save_to: str | None) -> dict:
-    """find_latest + load(into=NaN target), compared with dcp.load of the same target; with
-    ``save_to``, the loaded state is saved again (iteration 2, and with dcp.save there)."""
+def _part(root: str, iteration: int, owner: int, holder: int) -> Path:
+    return Path(root, f"iter_{iteration:012d}", f"owner{owner:05d}.h{holder:05d}.safetensors")
+
+
+def _rot(path: Path) -> None:
+    """Flip a byte in the middle of the data, keeping size, inode and modification time: a
+    copy that went bad after it was verified (the scan does not hash it again)."""
+    from trainguard.checkpoint.fileformat import read_header
+
+    header, st = read_header(path), path.stat()
+    with open(path, "r+b") as f:
+        f.seek(header.data_start + (header.file_size - header.data_start) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _load_phase(
+    roots: list[str],
+    dcp_dir: str,
+    events_dir: str,
+    save_to: str | None = None,
+    rot: dict[int, list[tuple[int, int]]] | None = None,
+) -> dict:
+    """find_latest + load(into=NaN target), compared with dcp.load of the same target. With
+    ``save_to``, the loaded state is saved again as the next iteration (and with dcp.save
+    there). ``rot``: rank -> [(iteration, owner)] of its copies to damage after find_latest."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -161,18 +189,22 @@ def _load_phase(roots: list[str], dcp_dir: str, events_dir: str, save_to: str | 
     try:
         with _manager(roots[rank]) as mgr:
             latest = mgr.find_latest()
+            for it, owner in (rot or {}).get(rank, []):
+                _rot(_part(roots[rank], it, owner, rank))
+            dist.barrier()
             target = _target()
             mgr.load(latest, into=target)
             reference = _target()
             dcp.load({k: reference[k] for k in ("model", "optim")}, checkpoint_id=dcp_dir)
-            reference["step"] = 1  # dcp saved model and optim only
+            reference["step"] = mgr.last_load["iteration"]  # dcp saved model and optim only
             out = {
                 "latest": latest,
                 "differences": _differences(target, reference),
                 "last_load": mgr.last_load,
             }
             if save_to is not None:
-                mgr.save(target, 2)
+                target["step"] = latest + 1
+                mgr.save(target, latest + 1)
                 mgr.wait()
                 dcp.save({k: target[k] for k in ("model", "optim")}, checkpoint_id=save_to)
             return out
@@ -203,7 +235,7 @@ def test_same_sharding_loads_bit_exact_reading_only_own_part(
     for rank, out in enumerate(results):
         assert out["same_object"] and out["differences"] == [], (rank, out)
         last = out["last_load"]
-        assert last["iteration"] == 1 and last["source"] == "local", last
+        assert last["iteration"] == 2 and last["source"] == "local", last
         assert last["bytes_received"] == 0 and last["parts"] == [rank], last
         # every chunk of its own part (its shards and its plain tensors), nothing else
         assert last["bytes_local"] == last["bytes"] == out["data_bytes"] > 0, (last, out)
@@ -216,13 +248,13 @@ def test_lost_copy_chunks_come_from_the_peer(saved: tuple[Path, list[dict]], tmp
     results = run_ranks(
         _load_phase,
         4,
-        args=(roots, str(base / "dcp"), str(tmp_path / "events"), None),
+        args=(roots, str(base / "dcp"), str(tmp_path / "events")),
         env=ENV,
         timeout=150,
     )
     outs = [r.get() for r in results]
     for rank, out in enumerate(outs):
-        assert out["latest"] == 1 and out["differences"] == [], (rank, out)
+        assert out["latest"] == 2 and out["differences"] == [], (rank, out)
     lost = outs[1]["last_load"]
     assert lost["source"] == "ranks 3" and lost["bytes_local"] == 0, lost
     assert lost["bytes_received"] == lost["bytes"] > 0, lost
@@ -236,8 +268,8 @@ def test_lost_copy_chunks_come_from_the_peer(saved: tuple[Path, list[dict]], tmp
 
 @pytest.fixture(scope="module")
 def shrunk(saved: tuple[Path, list[dict]], tmp_path_factory: pytest.TempPathFactory) -> tuple:
-    """Rank 3 died with its root: 3 ranks load the 4-rank iteration 1 (owner 3's part from
-    its peer's copy on rank 1), then save what they loaded as iteration 2 (and with dcp.save)."""
+    """Rank 3 died with its root: 3 ranks load the 4-rank iteration 2 (owner 3's part from
+    its peer's copy on rank 1), then save what they loaded as iteration 3 (and with dcp.save)."""
     base, _ = saved
     here = tmp_path_factory.mktemp("shrunk")
     roots = _copy(base, here, range(3))
@@ -254,7 +286,7 @@ def shrunk(saved: tuple[Path, list[dict]], tmp_path_factory: pytest.TempPathFact
 def test_reshard_4_to_3_equals_dcp(shrunk: tuple) -> None:
     _, _, outs = shrunk
     for rank, out in enumerate(outs):
-        assert out["latest"] == 1 and out["differences"] == [], (rank, out)
+        assert out["latest"] == 2 and out["differences"] == [], (rank, out)
     # rank 2 now holds row 6 of the 7-row tensors, saved by rank 3: its copy is on rank 1
     last = outs[2]["last_load"]
     assert 3 in last["parts"] and last["source"] == "local + ranks 1", last
@@ -262,19 +294,65 @@ def test_reshard_4_to_3_equals_dcp(shrunk: tuple) -> None:
 
 
 def test_reshard_3_to_4_equals_dcp(shrunk: tuple, tmp_path: Path) -> None:
-    """Growing back: 4 ranks, rank 3 on a new empty root, load the 3-rank iteration 2."""
+    """Growing back: 4 ranks, rank 3 on a new empty root, load the 3-rank iteration 3."""
     here, roots, _ = shrunk
     roots = [*roots, str(tmp_path / "rank3-new")]
     results = run_ranks(
         _load_phase,
         4,
-        args=(roots, str(here / "dcp"), str(tmp_path / "events"), None),
+        args=(roots, str(here / "dcp"), str(tmp_path / "events")),
+        env=ENV,
+        timeout=150,
+    )
+    outs = [r.get() for r in results]
+    for rank, out in enumerate(outs):
+        assert out["latest"] == 3 and out["differences"] == [], (rank, out)
+    new = outs[3]["last_load"]
+    assert new["bytes_local"] == 0 and new["bytes_received"] == new["bytes"] > 0, new
+    assert new["source"].startswith("ranks "), new
+
+
+def test_bad_copies_found_while_loading_another_holder_then_older_iteration(
+    saved: tuple[Path, list[dict]], tmp_path: Path
+) -> None:
+    """Rank 1's root is gone. After find_latest verified every copy, rank 3's copy of owner
+    1's part of iteration 2 and rank 0's own part of iteration 1 go bad unseen. Attempt 1:
+    rank 1 receives owner 1's chunks from rank 3, their checksums fail; attempt 2: no good
+    copy of that part is left, so iteration 1 is loaded instead (with a warning), and rank 0's
+    own chunks fail their checksums; attempt 3: rank 0 receives them from rank 2."""
+    base, _ = saved
+    roots = _copy(base, tmp_path, range(4))
+    shutil.rmtree(roots[1])
+    rot = {3: [(2, 1)], 0: [(1, 0)]}
+    results = run_ranks(
+        _load_phase,
+        4,
+        args=(roots, str(base / "dcp"), str(tmp_path / "events")),
+        kwargs={"rot": rot},
         env=ENV,
         timeout=150,
     )
     outs = [r.get() for r in results]
     for rank, out in enumerate(outs):
         assert out["latest"] == 2 and out["differences"] == [], (rank, out)
-    new = outs[3]["last_load"]
-    assert new["bytes_local"] == 0 and new["bytes_received"] == new["bytes"] > 0, new
-    assert new["source"].startswith("ranks "), new
+        assert out["last_load"]["iteration"] == 1, out
+    assert outs[0]["last_load"]["source"] == "ranks 2", outs[0]
+    assert outs[1]["last_load"]["source"] == "ranks 3", outs[1]
+    events = read_events(tmp_path / "events")
+    loads = [e for e in events if e["kind"] == "local_ckpt_load"]
+    assert len(loads) == 4 and all(e["attempts"] == 3 and e["requested"] == 2 for e in loads)
+    fallback = [e for e in events if e["kind"] == "local_ckpt_fallback"]
+    assert fallback and "owner(s) [1]" in fallback[0]["reason"], fallback
+
+
+def test_plan_spreads_ranges_over_holders_and_never_sends_to_self() -> None:
+    from trainguard.checkpoint.local._reshard_load import plan_ranges
+
+    needs = {0: [], 1: [[0, 10, 110], [2, 0, 50]], 3: [[0, 110, 120], [2, 50, 60]]}
+    holders = {0: [0, 2], 2: [0, 2, 3]}
+    assert plan_ranges(needs, holders) == [
+        (0, 10, 110, 0, 1),
+        (2, 0, 50, 2, 1),  # rank 0 has 100 bytes to send already
+        (0, 110, 120, 2, 3),  # rank 2 has 50 bytes to send, rank 0 100
+        (2, 50, 60, 2, 3),  # rank 2 has 60, rank 0 100; rank 3 (0) never sends to itself
+    ]
