@@ -175,20 +175,29 @@ def _load_phase(
     events_dir: str,
     save_to: str | None = None,
     rot: dict[int, list[tuple[int, int]]] | None = None,
+    plain_first: bool = False,
 ) -> dict:
     """find_latest + load(into=NaN target), compared with dcp.load of the same target. With
     ``save_to``, the loaded state is saved again as the next iteration (and with dcp.save
-    there). ``rot``: rank -> [(iteration, owner)] of its copies to damage after find_latest."""
+    there). ``rot``: rank -> [(iteration, owner)] of its copies to damage after find_latest.
+    ``plain_first``: try load() without ``into`` first and return its error."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from trainguard import events
+    from trainguard.errors import CheckpointError
 
     rank = _init()
     events.configure(events_dir, rank=rank)
+    plain_error = None
     try:
         with _manager(roots[rank]) as mgr:
             latest = mgr.find_latest()
+            if plain_first:
+                try:
+                    mgr.load(latest)
+                except CheckpointError as exc:
+                    plain_error = (type(exc).__name__, str(exc))
             for it, owner in (rot or {}).get(rank, []):
                 _rot(_part(roots[rank], it, owner, rank))
             dist.barrier()
@@ -201,6 +210,7 @@ def _load_phase(
                 "latest": latest,
                 "differences": _differences(target, reference),
                 "last_load": mgr.last_load,
+                "plain_error": plain_error,
             }
             if save_to is not None:
                 target["step"] = latest + 1
@@ -241,7 +251,9 @@ def test_same_sharding_loads_bit_exact_reading_only_own_part(
         assert last["bytes_local"] == last["bytes"] == out["data_bytes"] > 0, (last, out)
 
 
-def test_lost_copy_chunks_come_from_the_peer(saved: tuple[Path, list[dict]], tmp_path) -> None:
+def test_lost_copy_chunks_come_from_the_peer_and_plain_load_names_into(
+    saved: tuple[Path, list[dict]], tmp_path
+) -> None:
     base, _ = saved
     roots = _copy(base, tmp_path, range(4))
     shutil.rmtree(roots[1])  # rank 1's node is gone with its root; its part lives on rank 3
@@ -249,12 +261,16 @@ def test_lost_copy_chunks_come_from_the_peer(saved: tuple[Path, list[dict]], tmp
         _load_phase,
         4,
         args=(roots, str(base / "dcp"), str(tmp_path / "events")),
+        kwargs={"plain_first": True},
         env=ENV,
         timeout=150,
     )
     outs = [r.get() for r in results]
     for rank, out in enumerate(outs):
         assert out["latest"] == 2 and out["differences"] == [], (rank, out)
+        # without into=, a part holding DTensors is refused, naming the fix
+        name, text = out["plain_error"]
+        assert name == "CheckpointError" and "into=" in text and "DTensor" in text, text
     lost = outs[1]["last_load"]
     assert lost["source"] == "ranks 3" and lost["bytes_local"] == 0, lost
     assert lost["bytes_received"] == lost["bytes"] > 0, lost
