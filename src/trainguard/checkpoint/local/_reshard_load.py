@@ -136,9 +136,14 @@ def _headers(
     gather); parsed alike on every rank."""
     published: dict[str, str] = {}
     for owner, holders in sorted(chosen.holders.items()):
-        if holders[0] == mgr.rank:
+        if holders[0] != mgr.rank:
+            continue
+        try:
             raw = header_bytes(mine[owner].path)
-            published[str(owner)] = base64.b64encode(zlib.compress(raw)).decode()
+        except (OSError, CheckpointError) as exc:  # gone since the scan: every rank raises below
+            logger.warning("cannot read the header of %s: %s", mine[owner].path, exc)
+            continue
+        published[str(owner)] = base64.b64encode(zlib.compress(raw)).decode()
     out: dict[int, FileHeader] = {}
     for rank, value in sorted(mgr._gather_values("headers", published).items()):
         for owner, text in value.items():
@@ -147,7 +152,10 @@ def _headers(
             out[int(owner)] = parse_header_bytes(raw, label, chosen.sizes[int(owner)])
     missing = sorted(set(chosen.holders) - set(out))
     if missing:  # every rank gathered the same values: every rank raises alike
-        raise CheckpointError(f"no rank published the header of part(s) {missing}")
+        raise CheckpointError(
+            f"iteration {chosen.iteration}: the header of part(s) {missing} could not be read "
+            "by the rank(s) holding them (see their log); load again"
+        )
     return out
 
 
