@@ -258,7 +258,7 @@ class Index:
 def _tensor_leaves(node: Any, path: Key) -> Iterator[tuple[Key, torch.Tensor]]:
     if isinstance(node, torch.Tensor):
         yield path, node
-    elif isinstance(node, Mapping):
+    elif isinstance(node, dict):  # the containers fill() walks
         for k, v in node.items():
             yield from _tensor_leaves(v, (*path, k))
     elif type(node) in (list, tuple):
