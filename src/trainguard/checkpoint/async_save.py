@@ -208,7 +208,7 @@ class AsyncCheckpointer(Closing):
             if self.distributed:
                 busy = any(h.path == path and not h.finished.is_set() for h in self._pending)
                 _commit.refuse_overwrite(path, busy=busy)
-            flat = flatten(state, pickle=pickle)
+            flat = flatten(state, pickle=pickle, allow_sharded=format != "torch")
             placed, data_nbytes = place(flat.entries)
             check_header_fits(placed, flat.skeleton)  # what a reader would refuse
             buffer, replaced = self._stager.ensure(data_nbytes)

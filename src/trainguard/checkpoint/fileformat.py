@@ -56,11 +56,14 @@ __all__ = [  # noqa: RUF022 (plain sorted order, as tests/test_api.py checks)
     "checksum",
     "encode_header",
     "fsync_dir",
+    "header_bytes",
     "load_buffer",
     "load_file",
     "parse_header",
+    "parse_header_bytes",
     "place",
     "read_header",
+    "read_range",
     "verify_data",
     "verify_entries",
     "verify_file",
@@ -308,6 +311,42 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
     return _decode_header(path, n, raw, size)
 
 
+def header_bytes(path: str | os.PathLike[str]) -> bytes:
+    """The raw ``8 + N`` header bytes of a file (to send elsewhere: :func:`parse_header_bytes`)."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = _validate.header_length(path, head, os.fstat(f.fileno()).st_size)
+        raw = head + f.read(n)
+    if len(raw) != 8 + n:
+        raise CheckpointCorruptError(f"{path}: truncated: the header is cut short")
+    return raw
+
+
+def parse_header_bytes(raw: bytes, label: str, file_size: int) -> FileHeader:
+    """:func:`read_header` of header bytes from :func:`header_bytes` of a file of
+    ``file_size`` bytes; ``label`` names the file in errors."""
+    n = _validate.header_length(label, raw[:8], file_size)
+    if len(raw) < 8 + n:
+        raise CheckpointCorruptError(f"{label}: truncated: the header is cut short")
+    return _decode_header(label, n, raw[8 : 8 + n], file_size)
+
+
+def read_range(path: str | os.PathLike[str], begin: int, end: int) -> bytearray:
+    """Bytes ``[begin, end)`` of a file (absolute offsets); a file too short for them is
+    :class:`CheckpointCorruptError`."""
+    out, done = bytearray(end - begin), 0
+    with open(path, "rb", buffering=0) as f, memoryview(out) as view:
+        while done < len(out):
+            n = os.preadv(f.fileno(), [view[done:]], begin + done)
+            if n <= 0:
+                raise CheckpointCorruptError(
+                    f"{f.name}: truncated: bytes {begin}..{end} past its end"
+                )
+            done += n
+    return out
+
+
 def parse_header(data: FileBytes, label: str) -> FileHeader:
     """:func:`read_header` of a whole file held in memory; ``label`` names it in errors (and
     stands for the header's ``path``)."""
@@ -389,7 +428,7 @@ def check_file(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> F
     header = _trainguard_header(path)
     mm = _map(header, mmap.ACCESS_COPY)  # writable to torch (no page is ever written)
     try:
-        _rebuild(header, mm, verify=True, allow_pickle=allow_pickle, unpickle=False)
+        _rebuild(header, mm, verify=True, allow_pickle=allow_pickle, unpickle=False, sharded=True)
     finally:
         with contextlib.suppress(BufferError):  # views still alive: the collector closes it
             mm.close()
@@ -427,7 +466,13 @@ def load_buffer(
 
 
 def _rebuild(
-    header: FileHeader, data: FileBytes, *, verify: bool, allow_pickle: bool, unpickle: bool = True
+    header: FileHeader,
+    data: FileBytes,
+    *,
+    verify: bool,
+    allow_pickle: bool,
+    unpickle: bool = True,
+    sharded: bool = False,
 ) -> Any:
     """The state of the file ``header`` describes, as views of ``data`` (the whole file)."""
     import torch
@@ -447,6 +492,8 @@ def _rebuild(
         for name, (_, _, b, e) in header.entries.items()
     }
     try:
-        return unflatten(skeleton, tensors, allow_pickle=allow_pickle, unpickle=unpickle)
+        return unflatten(
+            skeleton, tensors, allow_pickle=allow_pickle, unpickle=unpickle, sharded=sharded
+        )
     except CheckpointCorruptError as exc:
         raise CheckpointCorruptError(f"{header.path}: {exc}") from None

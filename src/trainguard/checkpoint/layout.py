@@ -8,6 +8,8 @@ leaf is kept in the *skeleton*, a JSON tree with tagged containers::
     {"L": [node, ...]}  {"U": [...]}   list, tuple
     {"T": entry, "dtype": "float32", "shape": [...], "stride": [...], "offset": n}
                                      a tensor; stride/offset only when it is a view
+    {"S": entry | null, "dtype": ..., "shape": [...], "offsets": [...], "sizes": [...], ...}
+                                     a DTensor's local chunk (see :mod:`._snode`)
     {"F": "nan"}  {"B": base64}  {"dtype": "bfloat16"}  {"device": "cuda:0"}  {"size": [...]}
     {"P": base64}                    a pickled leaf (only with pickle=True)
     "text", 3, 2.5, true, null       JSON scalars as they are
@@ -34,8 +36,15 @@ from typing import Any
 
 import torch
 
+from trainguard.checkpoint import _snode
 from trainguard.checkpoint._formats import MAX_DEPTH, SAFETENSORS_DTYPES, TORCH_DTYPE_NAMES
-from trainguard.errors import CheckpointCorruptError, CheckpointError, CheckpointPickleError
+from trainguard.checkpoint._shards import is_dtensor
+from trainguard.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointPickleError,
+    ConfigError,
+)
 
 __all__ = ["Entry", "Flat", "dtype_from_name", "flatten", "largest_leaf", "unflatten"]
 
@@ -66,6 +75,7 @@ class Flat:
 
     entries: list[Entry]
     skeleton: Any
+    sharded: bool = False  # whether the state holds DTensors ("S" nodes)
 
     @property
     def nbytes(self) -> int:
@@ -106,8 +116,10 @@ def _pickled(value: Any, path: tuple[Any, ...], allow: bool) -> dict[str, str]:
 
 
 class _Flattener:
-    def __init__(self, allow_pickle: bool) -> None:
+    def __init__(self, allow_pickle: bool, allow_sharded: bool) -> None:
         self.allow_pickle = allow_pickle
+        self.allow_sharded = allow_sharded
+        self.sharded = False
         self.leaves: list[tuple[str, torch.Tensor, dict[str, Any]]] = []
         self.names: set[str] = set()
 
@@ -160,6 +172,8 @@ class _Flattener:
         return _pickled(value, path, self.allow_pickle)
 
     def tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
+        if is_dtensor(t):
+            return self.shard(t, path)
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
             return _pickled(t, path, self.allow_pickle)
         if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
@@ -171,11 +185,26 @@ class _Flattener:
         self.leaves.append((self._name(path), t.detach(), ref))
         return ref
 
+    def shard(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
+        """An "S" node; its chunk becomes an entry of its own (never merged: see _snode)."""
+        if not self.allow_sharded:
+            raise ConfigError(
+                f'{_key_repr(path)} is a DTensor (sharded): format="torch" cannot hold '
+                'sharded tensors; save with format="trainguard" and load with '
+                "load(path, into=target_state)"
+            )
+        self.sharded = True
+        name = self._name(path)  # reserved on every rank: the same entry name everywhere
+        node, local = _snode.make(t, _key_repr(path), _dtype_name(t.dtype))
+        if local is not None:
+            self.leaves.append((name, local, node))
+        return node
+
     def entries(self) -> list[Entry]:
         groups: dict[tuple[str, int], list[int]] = {}
         singles: list[int] = []
         for i, (_, t, _) in enumerate(self.leaves):
-            if t.numel() == 0:
+            if t.numel() == 0 or "S" in self.leaves[i][2]:
                 singles.append(i)
             else:
                 key = (str(t.device), t.untyped_storage().data_ptr())
@@ -190,7 +219,7 @@ class _Flattener:
             nbytes = t.numel() * t.element_size()
             shape = tuple(t.shape) if code else (nbytes,)
             entries.append((i, Entry(name, code or "U8", shape, nbytes, t.element_size(), t)))
-            ref["T"] = name
+            ref["S" if "S" in ref else "T"] = name
         entries.sort(key=lambda item: item[0])  # state order, for readable files
         return [e for _, e in entries]
 
@@ -240,18 +269,21 @@ class _Flattener:
         return True
 
 
-def flatten(state: Any, *, pickle: bool = False) -> Flat:
+def flatten(state: Any, *, pickle: bool = False, allow_sharded: bool = True) -> Flat:
     """Split ``state`` into entries (tensor bytes) and a JSON-serializable skeleton.
 
     Raises :class:`CheckpointPickleError` naming the key of a leaf JSON cannot hold, unless
     ``pickle`` is true (the argument keeps the name of the ``save(..., pickle=)`` option it
-    serves; such leaves are then stored pickled). The entries' ``source`` tensors are the live tensors: copy them before
-    the state changes.
+    serves; such leaves are then stored pickled). The entries' ``source`` tensors are the live
+    tensors: copy them before the state changes. A DTensor leaf becomes an "S" node and its
+    local chunk an entry (replicas that another rank writes none); ``allow_sharded=False``
+    (``format="torch"``) refuses DTensors with :class:`ConfigError`; a ``Partial`` one is a
+    :class:`CheckpointError` naming its key.
     """
-    flattener = _Flattener(pickle)
+    flattener = _Flattener(pickle, allow_sharded)
     skeleton = flattener.node(state, ())
     entries = flattener.entries()
-    return Flat(entries, skeleton)
+    return Flat(entries, skeleton, flattener.sharded)
 
 
 def unflatten(
@@ -260,6 +292,7 @@ def unflatten(
     *,
     allow_pickle: bool = False,
     unpickle: bool = True,
+    sharded: bool = False,
 ) -> Any:
     """Rebuild the state from a skeleton and ``data``: entry name -> 1-D ``uint8`` tensor.
 
@@ -269,8 +302,11 @@ def unflatten(
     from a fixed table, its shape and strides inside its entry's bytes, never more elements
     than the entry holds), and a bad one raises :class:`CheckpointCorruptError` naming its key.
     With ``unpickle=False`` pickled leaves are checked but not unpickled (they become None).
+    A sharded leaf ("S" node) raises :class:`CheckpointError` (load such a checkpoint with
+    ``load(path, into=target_state)``), unless ``sharded``: then its node is checked and it
+    becomes None.
     """
-    return _Builder(data, allow_pickle, unpickle).build(skeleton, ())
+    return _Builder(data, allow_pickle, unpickle, sharded).build(skeleton, ())
 
 
 def largest_leaf(skeleton: Any) -> tuple[str, int]:
@@ -310,10 +346,17 @@ _FLOATS = ("nan", "inf", "-inf")
 class _Builder:
     """:func:`unflatten`'s walk: one method per kind of node, every field checked."""
 
-    def __init__(self, data: Mapping[str, torch.Tensor], allow_pickle: bool, unpickle: bool):
+    def __init__(
+        self,
+        data: Mapping[str, torch.Tensor],
+        allow_pickle: bool,
+        unpickle: bool,
+        sharded: bool = False,
+    ) -> None:
         self.data = data
         self.allow_pickle = allow_pickle
         self.unpickle = unpickle
+        self.sharded = sharded
 
     def build(self, node: Any, path: tuple[Any, ...]) -> Any:
         if len(path) > MAX_DEPTH:
@@ -328,6 +371,8 @@ class _Builder:
             if not node.keys() <= _TENSOR_KEYS:
                 raise self.bad(path, f"unexpected fields {sorted(node.keys() - _TENSOR_KEYS)}")
             return self.tensor(node, path)
+        if "S" in node:
+            return self.shard(node, path)
         if len(node) != 1:
             raise self.bad(path, f"a node with several tags {sorted(node)}")
         ((tag, value),) = node.items()
@@ -364,6 +409,18 @@ class _Builder:
         if tag == "size" and isinstance(value, list) and all(map(_is_index, value)):
             return torch.Size(value)
         raise self.bad(path, f"a {tag!r} node holding {type(value).__name__}")
+
+    def shard(self, node: dict[str, Any], path: tuple[Any, ...]) -> None:
+        if not self.sharded:
+            raise CheckpointError(
+                f"{_key_repr(path)}: the checkpoint holds sharded tensors (DTensor); load it "
+                "with load(path, into=target_state), where target_state has tensors (or "
+                "DTensors) of the saved global shapes to fill"
+            )
+        name = node.get("S")
+        raw = self.data.get(name) if isinstance(name, str) else None
+        size = None if raw is None else raw.numel()
+        _snode.check(node, _key_repr(path), size, dtype_from_name(node.get("dtype")))
 
     def pickled(self, raw: bytes, path: tuple[Any, ...]) -> Any:
         if not self.allow_pickle:
