@@ -97,9 +97,83 @@ def _resolve(path: str, rank: int | None, allow_uncommitted: bool) -> str:
     raise CheckpointError(f"{path} has no part for rank {rank}")
 
 
+def _this_rank(rank: int | None) -> int:
+    if rank is not None:
+        return rank
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _parts(path: str, allow_uncommitted: bool) -> dict[int, str]:
+    """Every part of the checkpoint at ``path``: ``{0: path}`` for a file."""
+    if not os.path.isdir(path):
+        return {0: _resolve(path, 0, allow_uncommitted)}
+    _resolve(path, 0, allow_uncommitted)  # the marker's checks
+    marker = os.path.join(path, _commit.MARKER)
+    world = _marker(marker)["world_size"] if os.path.exists(marker) else None
+    parts = {}
+    for name in sorted(os.listdir(path)):
+        if name.startswith("rank") and name.endswith(".pt"):
+            raise CheckpointError(
+                f"{path} was saved with format='torch'; load(..., into=) reads only "
+                "format='trainguard' checkpoints (load it without into=)"
+            )
+        number = name.removeprefix("rank").removesuffix(".safetensors")
+        if name != number and number.isdigit() and name == part_name(int(number), "trainguard"):
+            parts[int(number)] = os.path.join(path, name)
+    missing = [r for r in range(world or 0) if r not in parts]
+    if missing:
+        raise CheckpointCorruptError(f"{path}: the parts of ranks {missing[:8]} are missing")
+    return parts
+
+
+def _load_into(
+    path: str, into: Any, rank: int | None, verify: bool, allow_pickle: bool, uncommitted: bool
+) -> Any:
+    """``load(path, into=)``: every part's header, then only the chunks ``into`` overlaps."""
+    from trainguard.checkpoint._reshard import Index, file_reader, fill
+
+    started = time.monotonic()
+    parts = _parts(path, uncommitted)
+    headers = {}
+    for part, file in parts.items():
+        headers[part] = read_header(file)
+        if not headers[part].is_trainguard:
+            raise CheckpointCorruptError(f"{file}: not a trainguard file")
+    index = Index.from_headers(headers)
+    problems = index.coverage_problems()
+    if problems:
+        raise CheckpointCorruptError(
+            f"{path}: the saved chunks do not cover every sharded tensor exactly once: "
+            + "; ".join(problems[:4])
+            + "; the checkpoint is damaged, load an older one"
+        )
+    me = _this_rank(rank)
+    plain_part = me if me in parts else 0
+    stats = fill(
+        into,
+        index,
+        file_reader(parts, verify=verify),
+        plain_part=plain_part,
+        allow_pickle=allow_pickle,
+    )
+    events.emit(
+        "ckpt_load",
+        duration=time.monotonic() - started,
+        bytes=stats.bytes_read,
+        chunks=stats.chunks_read,
+        parts=sorted(stats.parts_read),
+        path=path,
+        verified=verify,
+    )
+    return into
+
+
 def load(
     path: str | os.PathLike[str],
     *,
+    into: Any = None,
     rank: int | None = None,
     verify: bool = True,
     allow_pickle: bool = False,
@@ -112,7 +186,17 @@ def load(
     memory map of the file. ``verify`` checks every tensor's checksum. Refuses a directory without
     a commit marker unless ``allow_uncommitted``. ``format="torch"`` files are read with
     ``torch.load(weights_only=not allow_pickle, mmap=True)``.
+
+    ``into`` (a state of the saved structure) is filled in place and returned: how a sharded
+    checkpoint (DTensors) is loaded, into any sharding and any number of ranks. Each rank (or
+    a single process) calls it on its own, no collective: it reads every part's header, then
+    only the byte ranges of the saved chunks that overlap its target tensors (a DTensor's local
+    shard; a plain tensor whole), each chunk's checksum verified. Plain tensors and other
+    values come from this rank's part (part 0 when this rank did not exist at save). A single
+    process consolidates a sharded checkpoint with ``into={"w": torch.empty(global_shape)}``.
     """
+    if into is not None:
+        return _load_into(os.fspath(path), into, rank, verify, allow_pickle, allow_uncommitted)
     started = time.monotonic()
     file = _resolve(os.fspath(path), rank, allow_uncommitted)
     if is_torch_file(file):
