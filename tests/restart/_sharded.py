@@ -73,9 +73,17 @@ def full_tensors(node: Any, prefix: str = "") -> Full:
     from torch.distributed.tensor import DTensor
 
     if isinstance(node, dict):
-        return {k: v for key, val in node.items() for k, v in full_tensors(val, f"{prefix}{key}.").items()}
+        return {
+            k: v
+            for key, val in node.items()
+            for k, v in full_tensors(val, f"{prefix}{key}.").items()
+        }
     if isinstance(node, (list, tuple)):
-        return {k: v for i, val in enumerate(node) for k, v in full_tensors(val, f"{prefix}{i}.").items()}
+        return {
+            k: v
+            for i, val in enumerate(node)
+            for k, v in full_tensors(val, f"{prefix}{i}.").items()
+        }
     if isinstance(node, DTensor):
         return {prefix[:-1]: node.full_tensor().clone()}
     if isinstance(node, torch.Tensor):
@@ -83,7 +91,9 @@ def full_tensors(node: Any, prefix: str = "") -> Full:
     return {}
 
 
-def _step(net: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, world: int) -> None:
+def _step(
+    net: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, world: int
+) -> None:
     x, y = _batch(step, rank, world)
     loss = ((net(x) - y) ** 2).mean()
     loss.backward()
@@ -127,7 +137,9 @@ class _Trainer:
         net = _model(call.world_size)
         opt = torch.optim.Adam(net.parameters(), lr=0.05)
         root = self.out / f"node{call.initial_rank}"
-        mgr = LocalCheckpointManager(root, replication=CliqueReplication(2, jump=1), keep=2, timeout=60)
+        mgr = LocalCheckpointManager(
+            root, replication=CliqueReplication(2, jump=1), keep=2, timeout=60
+        )
         self.resources.append(mgr)
         first = self._resume(mgr, net, opt, record)
         for step in range(first, self.steps):
@@ -163,9 +175,7 @@ class _Trainer:
         target = _state(net, opt, -1)
         loaded = mgr.load(it, into=target)
         assert loaded is target, "load(into=) returns the target it filled"
-        set_state_dict(
-            net, opt, model_state_dict=target["model"], optim_state_dict=target["optim"]
-        )
+        set_state_dict(net, opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
         record["step"] = target["step"]
         # what the model and optimizer hold now, gathered: compared with what was saved
         record["loaded"] = full_tensors(_state(net, opt, -1))
