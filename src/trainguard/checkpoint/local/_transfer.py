@@ -157,3 +157,84 @@ def move_parts(
         with contextlib.suppress(BufferError):
             mm.close()
     return received
+
+
+def move_ranges(
+    channel: Channel | None,
+    iteration: int,
+    transfers: Sequence[tuple[int, int, int, int, int]],
+    paths: Mapping[int, str],
+    *,
+    rank: int,
+) -> dict[int, tuple[int, bytearray]]:
+    """Carry out this rank's share of a plan of byte ranges (every rank calls it with the same
+    plan, in the same order: messages between two ranks are matched in plan order).
+
+    ``transfers`` lists ``(part, begin, end, source, dest)``: the source sends bytes
+    ``[begin, end)`` of its copy of ``part`` (a private map of ``paths[part]``, mapped once per
+    part) to the destination. Returns ``{position in transfers: (source, bytes)}`` of what this
+    rank received; the caller checks the checksums.
+    """
+    maps: dict[int, mmap.mmap] = {}
+    views: dict[int, torch.Tensor] = {}
+    sends: list[tuple[int, torch.Tensor]] = []
+    recvs: list[tuple[int, torch.Tensor]] = []
+    received: dict[int, tuple[int, bytearray]] = {}
+    try:
+        for i, (part, begin, end, source, dest) in enumerate(transfers):
+            if source == rank and end > begin:
+                if part not in views:
+                    views[part] = _map_part(paths[part], maps, part)
+                sends.append((dest, _slice(views[part], begin, end)))
+            if dest == rank:
+                buf = bytearray(end - begin)
+                received[i] = (source, buf)
+                if end > begin:
+                    recvs.append((source, torch.frombuffer(buf, dtype=torch.uint8)))
+        if sends or recvs:
+            assert channel is not None
+            started = time.monotonic()
+            channel.exchange(sends, recvs)
+            events.emit(
+                "local_ckpt_transfer",
+                duration=time.monotonic() - started,
+                iteration=iteration,
+                sent=_totals(sends),
+                received=_totals(recvs),
+            )
+    finally:
+        sends.clear()  # drop the views before the maps close
+        views.clear()
+        for mm in maps.values():
+            with contextlib.suppress(BufferError):
+                mm.close()
+    return received
+
+
+def _totals(messages: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[int, int]]:
+    """``[(peer, bytes)]`` summed per peer, in peer order."""
+    out: dict[int, int] = {}
+    for peer, t in messages:
+        out[peer] = out.get(peer, 0) + int(t.numel())
+    return sorted(out.items())
+
+
+def _map_part(path: str, maps: dict[int, mmap.mmap], part: int) -> torch.Tensor:
+    """The bytes of ``path`` (a private map, kept in ``maps[part]``); empty when it cannot be
+    opened (removed since it was verified): its messages become zeros, refused on receipt."""
+    try:
+        with open(path, "rb") as f:
+            maps[part] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError) as exc:
+        logger.warning("cannot read the copy %s to send it: %s", path, exc)
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(maps[part], dtype=torch.uint8)
+
+
+def _slice(whole: torch.Tensor, begin: int, end: int) -> torch.Tensor:
+    """Bytes ``[begin, end)`` of ``whole``; zeros when the copy is shorter (it shrank since it
+    was verified): the message keeps its size, and the receiver's checksum refuses it."""
+    view = whole[begin:end]
+    if view.numel() != end - begin:
+        return torch.zeros(end - begin, dtype=torch.uint8)
+    return view

@@ -26,7 +26,7 @@ from trainguard.checkpoint.fileformat import (
     verify_path,
 )
 from trainguard.checkpoint.layout import flatten
-from trainguard.checkpoint.local import _choose, _inventory, _root, _transfer
+from trainguard.checkpoint.local import _choose, _inventory, _reshard_load, _root, _transfer
 from trainguard.checkpoint.local._pipeline import Place, SavePipeline, StagedSave
 from trainguard.checkpoint.local.replication import CliqueReplication, no_replication
 from trainguard.checkpoint.staging import Stager
@@ -147,7 +147,9 @@ class LocalCheckpointManager(Closing):
         self._inventory = _inventory.Inventory(self.root)
         self._closed = False
         #: After :meth:`load`: ``{"iteration", "source", "bytes"}``, where ``source`` is
-        #: ``"local PATH"`` or ``"rank N"`` (the peer that sent this rank's part).
+        #: ``"local PATH"`` or ``"rank N"`` (the peer that sent this rank's part); after a
+        #: load with ``into``, ``source`` is ``"local"``, ``"ranks 1, 3"`` or ``"local + ranks
+        #: 3"`` and ``bytes_local``, ``bytes_received``, ``chunks`` and ``parts`` are added.
         self.last_load: dict[str, Any] | None = None
         link = None
         if store is not None and self.world_size > 1:
@@ -276,8 +278,16 @@ class LocalCheckpointManager(Closing):
         )
         return found
 
-    def load(self, iteration: int, *, allow_pickle: bool = False) -> Any:
+    def load(self, iteration: int, *, into: Any = None, allow_pickle: bool = False) -> Any:
         """This rank's part of ``iteration`` (owner = this rank's number). All ranks call it.
+
+        With ``into`` (a target state, e.g. from ``get_state_dict`` of the model and optimizer
+        in the current world): fills it in place and returns it. Its DTensors may have another
+        mesh or world size than at save time (fewer ranks after a shrink, more after growing
+        back): each rank reads only the chunks that overlap its target, from its own copies,
+        and receives the others from ranks that hold them (checksums verified per chunk). Every
+        owner's part must be held by some rank; the protocol is in :mod:`._reshard_load`.
+        Without ``into``, a part holding sharded tensors raises :class:`CheckpointError`.
 
         Each rank hashes its own part again (while the transfers run; copies changed since
         they were last verified are hashed before anything is reported); a rank without a good
@@ -291,6 +301,8 @@ class LocalCheckpointManager(Closing):
         self._check_open()
         started = time.monotonic()
         self._pipeline.drain()
+        if into is not None:
+            return _reshard_load.load_into(self, iteration, into, allow_pickle=allow_pickle)
         for attempt in range(_ATTEMPTS):
             parts = self._inventory.scan()  # hashes only files changed since last verified
             merged = self._gather("load", parts)
