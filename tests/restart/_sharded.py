@@ -208,9 +208,16 @@ def sharded_job(
     if spare:
         options.update(rank_filter=tr.MaxActiveWorldSize(4), rank_assignment=tr.FillGaps())
     result = tr.Wrapper(**options)(trainer)()
+    # numpy arrays: a tensor sent to the parent would travel as a shared-memory handle, which
+    # dies with this process
+    rounds = [{k: _arrays(v) if k == "loaded" else v for k, v in r.items()} for r in trainer.rounds]
     return {
-        "final": result,
-        "reference": reference,
-        "rounds": trainer.rounds,
-        "saved": trainer.saved,
+        "final": _arrays(result),
+        "reference": _arrays(reference),
+        "rounds": rounds,
+        "saved": {it: _arrays(full) for it, full in trainer.saved.items()},
     }
+
+
+def _arrays(full: Full | None) -> dict[str, Any] | None:
+    return None if full is None else {k: v.numpy() for k, v in full.items()}
