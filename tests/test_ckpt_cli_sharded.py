@@ -26,12 +26,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def _four_rank_saves(root: str) -> None:
     """Two checkpoints of the same [7, 5] tensor: ``flat`` sharded over a 1-D mesh of 4 (rows
     0-1, 2-3, 4-5, 6), and ``grid`` over a 2x2 mesh as (Shard(0), Replicate()) (rows 0-3 and
-    4-6, each replica written once)."""
+    4-6, each replica written once); and ``flat``'s state as local checkpoint iteration 1."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from trainguard.checkpoint import AsyncCheckpointer
+    from trainguard.checkpoint import AsyncCheckpointer, CliqueReplication, LocalCheckpointManager
 
     dist.init_process_group("gloo")
     try:
@@ -56,6 +56,12 @@ def _four_rank_saves(root: str) -> None:
             }
             ckpt.save(grid_state, f"{root}/grid")
             ckpt.wait()
+        replication = CliqueReplication(2, jump=1)  # node0 keeps owners 0 and 1, node2 2 and 3
+        with LocalCheckpointManager(
+            f"{root}/local/node{dist.get_rank()}", replication=replication
+        ) as mgr:
+            mgr.save(state, 1)
+            mgr.wait()
     finally:
         dist.destroy_process_group()
 
@@ -111,3 +117,30 @@ def test_verify_checks_that_chunks_cover_every_tensor_once(root: Path) -> None:
         "state['model']['w']: the chunks at offsets (0, 0) (part 0) and (2, 0) (part 1) "
         "overlap at offsets (2, 0) sizes (2, 5)"
     ), fail[0]
+
+
+def test_local_iterations_are_checked_where_every_owner_is_present(
+    root: Path, tmp_path: Path
+) -> None:
+    node0 = root / "local" / "node0"
+    out = _cli("verify", str(node0))  # owners 0 and 1 only: their copies, no coverage check
+    assert out.returncode == 0, out.stdout + out.stderr
+    merged = tmp_path / "iter_000000000001"
+    shutil.copytree(node0 / "iter_000000000001", merged)
+    for copy in (root / "local" / "node2" / "iter_000000000001").iterdir():
+        shutil.copy(copy, merged / copy.name)
+    out = _cli("show", str(merged))
+    assert out.returncode == 0, out.stderr
+    w = next(line for line in out.stdout.splitlines() if line.split()[:1] == ["model.w"])
+    assert "sharded: 4 chunks in 4 files" in w, out.stdout
+    assert _cli("verify", str(merged)).returncode == 0
+    lost = next(merged.glob("owner00003.*"))  # owner 3's part replaced by owner 2's
+    shutil.copy(merged / "owner00002.h00002.safetensors", lost)
+    out = _cli("verify", str(merged))
+    assert out.returncode == 1, out.stdout
+    fail = [line.split(": ", 1)[1] for line in out.stdout.splitlines() if line.startswith("FAIL")]
+    assert fail == [
+        "state['model']['w']: the chunks at offsets (4, 0) (part 2) and (4, 0) (part 3) overlap "
+        "at offsets (4, 0) sizes (2, 5)",
+        "state['model']['w']: no chunk holds offsets [6, 0] sizes [1, 5]",
+    ], out.stdout
