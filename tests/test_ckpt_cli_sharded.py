@@ -5,22 +5,16 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests._dist import run_ranks
+from trainguard.cli import main
 
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "trainguard", "ckpt", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+Cli = Callable[..., subprocess.CompletedProcess[str]]
 
 
 def _four_rank_saves(root: str) -> None:
@@ -79,8 +73,20 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def test_show_lists_sharded_tensors_and_their_chunks(root: Path) -> None:
-    out = _cli("show", str(root / "flat"))
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]) -> Cli:
+    """``trainguard ckpt ARGS`` run in this process (torch is imported once, not per call)."""
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        code = main(["ckpt", *args])
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(["trainguard", "ckpt", *args], code, out.out, out.err)
+
+    return run
+
+
+def test_show_lists_sharded_tensors_and_their_chunks(root: Path, cli: Cli) -> None:
+    out = cli("show", str(root / "flat"))
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     w = next(line for line in lines if line.split()[:1] == ["model.w"])
@@ -92,24 +98,24 @@ def test_show_lists_sharded_tensors_and_their_chunks(root: Path) -> None:
     assert "offsets [2, 0]" in chunks[1] and "sizes [2, 5]" in chunks[1], chunks
     assert "offsets [6, 0]" in chunks[3] and "sizes [1, 5]" in chunks[3], chunks
     assert any(line.split()[:1] == ["step"] for line in lines), out.stdout  # plain leaves too
-    out = _cli("show", str(root / "grid"))
+    out = cli("show", str(root / "grid"))
     assert out.returncode == 0, out.stderr
     w = next(line for line in out.stdout.splitlines() if line.split()[:1] == ["model.w"])
     assert "sharded: 2 chunks in 2 files" in w and "mesh [2, 2]" in w and "S0, R" in w, w
 
 
-def test_verify_checks_that_chunks_cover_every_tensor_once(root: Path) -> None:
+def test_verify_checks_that_chunks_cover_every_tensor_once(root: Path, cli: Cli) -> None:
     for name in ("flat", "grid"):
-        out = _cli("verify", str(root / name))
+        out = cli("verify", str(root / name))
         assert out.returncode == 0, out.stdout + out.stderr
-    out = _cli("verify", str(root / "missing"))
+    out = cli("verify", str(root / "missing"))
     assert out.returncode == 1, out.stdout
     fail = [line for line in out.stdout.splitlines() if line.startswith("FAIL")]
     assert len(fail) == 2, out.stdout
     assert fail[0].endswith("rank00002.safetensors is missing (the checkpoint has 4 ranks)")
     assert "state['model']['w']: its chunks cover 25 of its 35 elements" in fail[1]
     assert fail[1].endswith("no chunk holds offsets [4, 0] sizes [2, 5]"), fail[1]
-    out = _cli("verify", str(root / "overlap"))
+    out = cli("verify", str(root / "overlap"))
     assert out.returncode == 1, out.stdout
     fail = [line for line in out.stdout.splitlines() if line.startswith("FAIL")]
     assert len(fail) == 1, out.stdout
@@ -120,23 +126,23 @@ def test_verify_checks_that_chunks_cover_every_tensor_once(root: Path) -> None:
 
 
 def test_local_iterations_are_checked_where_every_owner_is_present(
-    root: Path, tmp_path: Path
+    root: Path, cli: Cli, tmp_path: Path
 ) -> None:
     node0 = root / "local" / "node0"
-    out = _cli("verify", str(node0))  # owners 0 and 1 only: their copies, no coverage check
+    out = cli("verify", str(node0))  # owners 0 and 1 only: their copies, no coverage check
     assert out.returncode == 0, out.stdout + out.stderr
     merged = tmp_path / "iter_000000000001"
     shutil.copytree(node0 / "iter_000000000001", merged)
     for copy in (root / "local" / "node2" / "iter_000000000001").iterdir():
         shutil.copy(copy, merged / copy.name)
-    out = _cli("show", str(merged))
+    out = cli("show", str(merged))
     assert out.returncode == 0, out.stderr
     w = next(line for line in out.stdout.splitlines() if line.split()[:1] == ["model.w"])
     assert "sharded: 4 chunks in 4 files" in w, out.stdout
-    assert _cli("verify", str(merged)).returncode == 0
+    assert cli("verify", str(merged)).returncode == 0
     lost = next(merged.glob("owner00003.*"))  # owner 3's part replaced by owner 2's
     shutil.copy(merged / "owner00002.h00002.safetensors", lost)
-    out = _cli("verify", str(merged))
+    out = cli("verify", str(merged))
     assert out.returncode == 1, out.stdout
     fail = [line.split(": ", 1)[1] for line in out.stdout.splitlines() if line.startswith("FAIL")]
     assert fail == [

@@ -149,15 +149,11 @@ def problems(directory: Path, files: list[Path], usable: Callable[[Path], bool])
         return [f"cannot read the parts together: {exc}"]
     present = {int(m[2]) for p in files if p.parent == directory and (m := _NUMBERED.match(p.name))}
     missing = [r for r in range(world) if r not in present]
-    if ranks:
-        out = [
-            f"rank{r:05d}.safetensors is missing (the checkpoint has {world} ranks)"
-            for r in missing
-        ]
-    elif missing:  # a node's local root: only its clique's owners are here
-        return []
-    else:
-        out = []
+    if missing and not ranks:
+        return []  # a node's local root: only its clique's owners are here
+    out = [
+        f"rank{r:05d}.safetensors is missing (the checkpoint has {world} ranks)" for r in missing
+    ]
     found_problems = index.coverage_problems()
     for key, (shape, _, chunks) in index.tensors().items():
         holes = uncovered(shape, [c.box for c in chunks])
