@@ -61,7 +61,8 @@ def note_orphans(chosen: _inventory.Choice, *, world_size: int, rank: int) -> No
     if orphans and rank == 0:
         logger.warning(
             "iteration %d was saved by %d ranks, this world has %d: the parts of owner(s) "
-            "%s go to nobody",
+            "%s go to nobody (unless loaded with load(iteration, into=target), which reads "
+            "the chunks of every part)",
             chosen.iteration,
             chosen.saved_world,
             world_size,

@@ -106,6 +106,18 @@ class Inventory:
         """Hash ``path`` again at the next scan."""
         self._verified.pop(path, None)
 
+    def distrust_failed(
+        self, failed: Iterable[Sequence[int]], mine: Mapping[int, Part], rank: int, attempt: int
+    ) -> None:
+        """After load attempt ``attempt`` (from 0), whose copies ``[owner, holder]`` failed
+        their checksums: ``rank``'s own failed copies (of ``mine``) are hashed again at the
+        next scan, which drops them if they are bad."""
+        failed = [list(pair) for pair in failed]
+        for owner, holder in failed:
+            if holder == rank and owner in mine:
+                self.distrust(mine[owner].path)
+        logger.warning("load attempt %d: bad copies %s; trying again", attempt + 1, failed)
+
     def scan(self, *, fresh: Iterable[tuple[int, int]] = ()) -> list[Part]:
         """Every part under the root that verifies; parts ``(iteration, owner)`` in ``fresh``
         are hashed again even if unchanged since they were last verified."""

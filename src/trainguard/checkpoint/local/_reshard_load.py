@@ -67,12 +67,19 @@ class _Fetched:
     bad: list[list[int]] = dataclasses.field(default_factory=list)  # [part, holder]
 
 
-def load_into(mgr: LocalCheckpointManager, iteration: int, into: Any, *, allow_pickle: bool) -> Any:
+def load_into(
+    mgr: LocalCheckpointManager,
+    iteration: int,
+    into: Any,
+    *,
+    allow_pickle: bool,
+    started: float,
+) -> Any:
     """Fill ``into`` in place from ``iteration`` (or an older complete one) and return it.
 
-    Every rank of the manager's world calls it together (see the module's docstring).
+    Every rank of the manager's world calls it together (see the module's docstring);
+    ``started``: when the load began (``time.monotonic()``), for its event.
     """
-    started = time.monotonic()
     for attempt in range(_ATTEMPTS):
         parts = mgr._inventory.scan()
         chosen = _pick(mgr, mgr._gather("load", parts), iteration)
@@ -81,14 +88,9 @@ def load_into(mgr: LocalCheckpointManager, iteration: int, into: Any, *, allow_p
         plain = mgr.rank if mgr.rank < chosen.saved_world else 0
         needed = _ranges(index.needed(into, plain_part=plain))
         fetched = _fetch(mgr, chosen, needed, mine)
-        outcome = mgr._gather_values("loaded", fetched.bad or None)
-        failed = [pair for v in outcome.values() if v for pair in v]
+        failed = mgr._settle(fetched.bad, mine, attempt)
         if not failed:
             break
-        for part, holder in failed:  # the holder hashes that copy again before reporting it
-            if holder == mgr.rank and part in mine:
-                mgr._inventory.distrust(mine[part].path)
-        logger.warning("load attempt %d: bad copies %s; trying again", attempt + 1, failed)
     else:
         raise CheckpointCorruptError(
             f"load of iteration {iteration} into the target: copies kept failing their "
@@ -102,30 +104,18 @@ def load_into(mgr: LocalCheckpointManager, iteration: int, into: Any, *, allow_p
         allow_pickle=allow_pickle,
     )
     mgr._drop_newer(chosen.iteration)
-    source = _describe(fetched)
     mgr.last_load = {
         "iteration": chosen.iteration,
-        "source": source,
+        "source": _describe(fetched),
         "bytes": fetched.local + fetched.received,
         "bytes_local": fetched.local,
         "bytes_received": fetched.received,
         "chunks": stats.chunks_read,
         "parts": sorted(stats.parts_read),
     }
-    events.emit(
-        "local_ckpt_load",
-        duration=time.monotonic() - started,
-        iteration=chosen.iteration,
-        requested=iteration,
-        source=source,
-        bytes=fetched.local + fetched.received,
-        bytes_local=fetched.local,
-        bytes_received=fetched.received,
-        chunks=stats.chunks_read,
-        parts=sorted(stats.parts_read),
-        saved_world=chosen.saved_world,
-        attempts=attempt + 1,
-    )
+    elapsed = time.monotonic() - started
+    extra = {"requested": iteration, "saved_world": chosen.saved_world, "attempts": attempt + 1}
+    events.emit("local_ckpt_load", duration=elapsed, **mgr.last_load, **extra)
     return into
 
 
@@ -146,9 +136,14 @@ def _headers(
     gather); parsed alike on every rank."""
     published: dict[str, str] = {}
     for owner, holders in sorted(chosen.holders.items()):
-        if holders[0] == mgr.rank:
+        if holders[0] != mgr.rank:
+            continue
+        try:
             raw = header_bytes(mine[owner].path)
-            published[str(owner)] = base64.b64encode(zlib.compress(raw)).decode()
+        except (OSError, CheckpointError) as exc:  # gone since the scan: every rank raises below
+            logger.warning("cannot read the header of %s: %s", mine[owner].path, exc)
+            continue
+        published[str(owner)] = base64.b64encode(zlib.compress(raw)).decode()
     out: dict[int, FileHeader] = {}
     for rank, value in sorted(mgr._gather_values("headers", published).items()):
         for owner, text in value.items():
@@ -157,7 +152,10 @@ def _headers(
             out[int(owner)] = parse_header_bytes(raw, label, chosen.sizes[int(owner)])
     missing = sorted(set(chosen.holders) - set(out))
     if missing:  # every rank gathered the same values: every rank raises alike
-        raise CheckpointError(f"no rank published the header of part(s) {missing}")
+        raise CheckpointError(
+            f"iteration {chosen.iteration}: the header of part(s) {missing} could not be read "
+            "by the rank(s) holding them (see their log); load again"
+        )
     return out
 
 

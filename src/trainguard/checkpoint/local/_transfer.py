@@ -141,17 +141,7 @@ def move_parts(
             buf = mmap.mmap(-1, sizes[owner])
             received = (source, buf)
             recvs.append((source, torch.frombuffer(buf, dtype=torch.uint8)))
-    if sends or recvs:
-        assert channel is not None
-        started = time.monotonic()
-        channel.exchange(sends, recvs)
-        events.emit(
-            "local_ckpt_transfer",
-            duration=time.monotonic() - started,
-            iteration=iteration,
-            sent=[(d, int(t.numel())) for d, t in sends],
-            received=[(s, int(t.numel())) for s, t in recvs],
-        )
+    _exchange(channel, iteration, sends, recvs)
     del sends
     for mm in maps:
         with contextlib.suppress(BufferError):
@@ -191,17 +181,7 @@ def move_ranges(
                 received[i] = (source, buf)
                 if end > begin:
                     recvs.append((source, torch.frombuffer(buf, dtype=torch.uint8)))
-        if sends or recvs:
-            assert channel is not None
-            started = time.monotonic()
-            channel.exchange(sends, recvs)
-            events.emit(
-                "local_ckpt_transfer",
-                duration=time.monotonic() - started,
-                iteration=iteration,
-                sent=_totals(sends),
-                received=_totals(recvs),
-            )
+        _exchange(channel, iteration, sends, recvs)
     finally:
         sends.clear()  # drop the views before the maps close
         views.clear()
@@ -209,6 +189,27 @@ def move_ranges(
             with contextlib.suppress(BufferError):
                 mm.close()
     return received
+
+
+def _exchange(
+    channel: Channel | None,
+    iteration: int,
+    sends: Sequence[tuple[int, torch.Tensor]],
+    recvs: Sequence[tuple[int, torch.Tensor]],
+) -> None:
+    """``channel.exchange`` (when there is anything to move), and its event."""
+    if not sends and not recvs:
+        return
+    assert channel is not None
+    started = time.monotonic()
+    channel.exchange(sends, recvs)
+    events.emit(
+        "local_ckpt_transfer",
+        duration=time.monotonic() - started,
+        iteration=iteration,
+        sent=_totals(sends),
+        received=_totals(recvs),
+    )
 
 
 def _totals(messages: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[int, int]]:

@@ -281,17 +281,15 @@ class LocalCheckpointManager(Closing):
     def load(self, iteration: int, *, into: Any = None, allow_pickle: bool = False) -> Any:
         """This rank's part of ``iteration`` (owner = this rank's number). All ranks call it.
 
-        With ``into`` (a target state, e.g. from ``get_state_dict`` of the model and optimizer
-        in the current world): fills it in place and returns it. Its DTensors may have another
-        mesh or world size than at save time (fewer ranks after a shrink, more after growing
-        back): each rank reads only the chunks that overlap its target, from its own copies,
-        and receives the others from ranks that hold them (checksums verified per chunk). Every
-        owner's part must be held by some rank; the protocol is in :mod:`._reshard_load`.
-        Without ``into``, a part holding sharded tensors raises :class:`CheckpointError`.
+        With ``into`` (a target state of this world, e.g. from ``get_state_dict``; its DTensors
+        may be sharded over fewer or more ranks than at save): fills it in place and returns
+        it; each rank reads only the chunks overlapping its target, from its own copies or
+        received from holders (see :mod:`._reshard_load`). Without ``into``, a part holding
+        sharded tensors raises :class:`CheckpointError`.
 
         Each rank hashes its own part again (while the transfers run; copies changed since
         they were last verified are hashed before anything is reported); a rank without a good
-        copy of its part receives it from a holder (every rank computes the same transfer plan). When some
+        copy of its part receives it from a holder (every rank computes the same plan). When some
         part has no good copy anywhere, the newest older complete iteration is loaded instead,
         with a warning saying why; :class:`CheckpointNotFoundError` when none is. Returns None
         on a rank whose number did not exist in the world that saved (the world grew).
@@ -302,7 +300,13 @@ class LocalCheckpointManager(Closing):
         started = time.monotonic()
         self._pipeline.drain()
         if into is not None:
-            return _reshard_load.load_into(self, iteration, into, allow_pickle=allow_pickle)
+            return _reshard_load.load_into(
+                self, iteration, into, allow_pickle=allow_pickle, started=started
+            )
+        return self._load_part(iteration, allow_pickle=allow_pickle, started=started)
+
+    def _load_part(self, iteration: int, *, allow_pickle: bool, started: float) -> Any:
+        """:meth:`load` without ``into``: this rank's whole part."""
         for attempt in range(_ATTEMPTS):
             parts = self._inventory.scan()  # hashes only files changed since last verified
             merged = self._gather("load", parts)
@@ -334,14 +338,9 @@ class LocalCheckpointManager(Closing):
                     logger.warning("%s", error)
                     bad = [self.rank, self.rank]
                 where, nbytes = f"local {own.path}", own.file_size
-            outcome = self._gather_values("loaded", bad)
-            failed = [v for v in outcome.values() if v is not None]
+            failed = self._settle([bad] if bad else [], mine, attempt)
             if not failed:
                 break
-            for owner, source in failed:  # the holder hashes that copy again next time
-                if source == self.rank and owner in mine:
-                    self._inventory.distrust(mine[owner].path)
-            logger.warning("load attempt %d: bad copies %s; trying again", attempt + 1, failed)
         else:
             raise CheckpointCorruptError(
                 f"load of iteration {iteration}: copies kept failing their checksums after "
@@ -368,6 +367,16 @@ class LocalCheckpointManager(Closing):
             attempts=attempt + 1,
         )
         return state
+
+    def _settle(
+        self, bad: list[list[int]], mine: dict[int, _inventory.Part], attempt: int
+    ) -> list[list[int]]:
+        """Every rank's copies ``[owner, holder]`` that failed in this load attempt (a gather);
+        this rank's are hashed again at the next scan, which drops them if bad."""
+        failed = [pair for v in self._gather_values("loaded", bad).values() for pair in v]
+        if failed:
+            self._inventory.distrust_failed(failed, mine, self.rank, attempt)
+        return failed
 
     def _drop_newer(self, iteration: int) -> None:
         """Remove iterations newer than the one every rank resumes from: they are incomplete
