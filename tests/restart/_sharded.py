@@ -2,9 +2,9 @@
 
 Each round initializes gloo, builds a CPU device mesh over the round's world, shards a small
 model with ``fully_shard`` (uneven: 7 rows over 3 or 4 ranks), opens a
-:class:`LocalCheckpointManager` (``CliqueReplication(2, jump=1)``: pairs 0-1, 2-3), loads the newest local iteration
-into the round's own sharding (``mgr.load(it, into=target)``: resharded when the world
-changed), trains and saves every ``EVERY`` steps. The data of a step is the same whatever the
+:class:`LocalCheckpointManager` (``CliqueReplication(2, jump=1)``: pairs 0-1 and 2-3), loads
+the newest local iteration into the round's own sharding (``mgr.load(it, into=target)``:
+resharded when the world changed), trains and saves every ``EVERY`` steps. The data of a step is the same whatever the
 world: a global batch split evenly over the ranks. Module level, so spawned ranks import it.
 """
 
@@ -194,15 +194,15 @@ def sharded_job(
     out: str, steps: int, victim: int, kill_step: int, spare: bool, ref_port: int
 ) -> dict[str, Any]:
     """One process of the job: 4 ranks (and one spare with ``spare``); ``victim`` (initial rank)
-    SIGKILLs itself at ``kill_step`` of round 0. With ``spare`` the ranks 0..3 first train
-    fault-free on a plain group (the reference). Returns the final full parameters (None on a
+    SIGKILLs itself at ``kill_step`` of round 0. Processes 0..3 first train fault-free on a
+    plain group of their own (the reference). Returns the final full parameters (None on a
     spare that never became active), the reference, the rounds seen and the saved states."""
     torch.set_num_threads(1)
     from trainguard import events
 
     events.configure(out)
     process = int(os.environ["RANK"])
-    reference = reference_run(ref_port, steps) if spare and process < 4 else None
+    reference = reference_run(ref_port, steps) if process < 4 else None
     trainer = _Trainer(out, steps, victim, kill_step)
     options: dict[str, Any] = {**TIMEOUTS, "finalize": trainer.release}
     if spare:
