@@ -5,6 +5,9 @@ Understands the three layouts trainguard writes:
 - a single-process checkpoint file (safetensors-compatible, or ``format="torch"``);
 - a multi-rank checkpoint directory (``rankNNNNN.*`` parts and a ``COMMITTED`` marker);
 - a local-checkpoint root (``iter_NNNNNNNNNNNN/ownerNNNNN.hNNNNN.safetensors`` parts and replicas).
+
+Sharded (DTensor) tensors, whose chunks lie in several parts, are shown and checked across the
+parts of one directory.
 """
 
 from __future__ import annotations
@@ -215,7 +218,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     ls.add_argument("root", metavar="ROOT")
     ls.set_defaults(func=cmd_ls)
     verify = cmds.add_parser(
-        "verify", help="check every part and replica at PATH; exit status 1 on any problem"
+        "verify",
+        help="check every part and replica at PATH, that a multi-rank checkpoint has all its "
+        "parts and that the chunks of every sharded tensor cover it exactly once; exit status "
+        "1 on any problem",
     )
     verify.add_argument("path", metavar="PATH")
     verify.add_argument(
@@ -225,6 +231,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "files are then unpickled in full: only for files you trust",
     )
     verify.set_defaults(func=cmd_verify)
-    show = cmds.add_parser("show", help="the structure of a checkpoint: keys, dtypes, shapes")
+    show = cmds.add_parser(
+        "show",
+        help="the structure of a checkpoint: keys, dtypes, shapes; sharded tensors with their "
+        "global shape, mesh, placements and the chunk each file holds",
+    )
     show.add_argument("path", metavar="PATH")
     show.set_defaults(func=cmd_show)
