@@ -5,6 +5,9 @@ Understands the three layouts trainguard writes:
 - a single-process checkpoint file (safetensors-compatible, or ``format="torch"``);
 - a multi-rank checkpoint directory (``rankNNNNN.*`` parts and a ``COMMITTED`` marker);
 - a local-checkpoint root (``iter_NNNNNNNNNNNN/ownerNNNNN.hNNNNN.safetensors`` parts and replicas).
+
+Sharded (DTensor) tensors, whose chunks lie in several parts, are shown and checked across the
+parts of one directory.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import re
 import sys
 from pathlib import Path
 
+from trainguard.checkpoint import _cli_shards
 from trainguard.checkpoint._formats import ZIP_MAGIC, is_torch_file
 
 _MARKER = "COMMITTED"  # checkpoint._commit.MARKER, kept here so `ls` does not import torch
@@ -140,15 +144,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
         _out(f"no checkpoint files at {path}", err=True)
         return 1
     bad = 0
+    failed: set[Path] = set()
     for part in parts:
         problem = _check(part, allow_pickle=args.allow_pickle, unpickle=args.allow_pickle)
-        bad += problem is not None
+        if problem is not None:
+            failed.add(part)
+            bad += 1
         _out(
             f"{'OK  ' if problem is None else 'FAIL'} {part}" + (f": {problem}" if problem else "")
         )
     for directory in sorted({p.parent for p in parts if _PART.match(p.name)}):
         if _is_rank_dir(directory) and not (directory / _MARKER).exists():
             _out(f"FAIL {directory}: no {_MARKER} marker (not every rank's part became durable)")
+            bad += 1
+        for problem in _cli_shards.problems(directory, parts, lambda p: p not in failed):
+            _out(f"FAIL {directory}: {problem}")
             bad += 1
     _out(f"{bad} problem(s) in {len(parts)} file(s)" if bad else f"{len(parts)} file(s) verified")
     return 1 if bad else 0
@@ -179,8 +189,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     meta = {k: v for k, v in header.metadata.items() if k not in ("skeleton", "checksums")}
     if meta:
         _out("  " + ", ".join(f"{k}={v}" for k, v in sorted(meta.items())))
+    sharded, chunk_entries = _cli_shards.show(part, parts) if header.is_trainguard else ([], set())
     for name, (dtype, shape, begin, end) in header.entries.items():
-        _out(f"  {_escape(name):<40} {dtype:<6} {list(shape)!s:<20} {_human(end - begin)}")
+        if name not in chunk_entries:
+            _out(f"  {_escape(name):<40} {dtype:<6} {list(shape)!s:<20} {_human(end - begin)}")
+    for line in sharded:
+        _out(line)
     return 0
 
 
@@ -204,7 +218,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     ls.add_argument("root", metavar="ROOT")
     ls.set_defaults(func=cmd_ls)
     verify = cmds.add_parser(
-        "verify", help="check every part and replica at PATH; exit status 1 on any problem"
+        "verify",
+        help="check every part and replica at PATH, that a multi-rank checkpoint has all its "
+        "parts and that the chunks of every sharded tensor cover it exactly once; exit status "
+        "1 on any problem",
     )
     verify.add_argument("path", metavar="PATH")
     verify.add_argument(
@@ -214,6 +231,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "files are then unpickled in full: only for files you trust",
     )
     verify.set_defaults(func=cmd_verify)
-    show = cmds.add_parser("show", help="the structure of a checkpoint: keys, dtypes, shapes")
+    show = cmds.add_parser(
+        "show",
+        help="the structure of a checkpoint: keys, dtypes, shapes; sharded tensors with their "
+        "global shape, mesh, placements and the chunk each file holds",
+    )
     show.add_argument("path", metavar="PATH")
     show.set_defaults(func=cmd_show)
