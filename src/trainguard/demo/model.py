@@ -61,6 +61,25 @@ def make_optimizer(model: nn.Module, cfg: TaskConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
 
 
+def warm_up(cfg: TaskConfig) -> None:
+    """One training step on a throwaway model and optimizer, to import what a step needs.
+
+    The first ``optimizer.step()`` of a process imports ``torch._dynamo`` and hundreds of
+    modules (seconds on a loaded machine). A spare doing that in its first round holds the
+    other ranks past a short soft timeout, and the round's abort then waits for the import.
+    Done before the first round instead; touches no random state.
+    """
+    holder = nn.Module()
+    holder.w = nn.Parameter(torch.zeros(4))
+    opt = make_optimizer(holder, cfg)
+    loss = nn.functional.cross_entropy(
+        torch.outer(holder.w, torch.ones(cfg.classes)), torch.zeros(4, dtype=torch.long)
+    )
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def batch(
     cfg: TaskConfig, teacher: nn.Module, step: int, rank: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -372,6 +372,9 @@ def run_process(
         else:  # a spare: import now what a round needs, so taking over a rank is quick
             import trainguard.checkpoint.async_save
             import trainguard.checkpoint.local.manager  # noqa: F401
+            from trainguard.demo import model as m
+
+            m.warm_up(m.TaskConfig())  # the first optimizer step's imports (seconds)
         events.configure(Path(cfg.out) / "events")
         guarded = _Guarded(cfg, process, channel)
         wrapper = guarded_wrapper(
