@@ -46,7 +46,16 @@ from trainguard.errors import (
     ConfigError,
 )
 
-__all__ = ["Entry", "Flat", "dtype_from_name", "flatten", "largest_leaf", "unflatten"]
+__all__ = [
+    "Entry",
+    "Flat",
+    "dtype_from_name",
+    "dtype_name",
+    "flatten",
+    "largest_leaf",
+    "tensor_entry",
+    "unflatten",
+]
 
 _SCALARS = (str, int, float, bool, type(None))
 
@@ -97,8 +106,18 @@ def dtype_from_name(name: object) -> torch.dtype:
     return dtype
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name a checkpoint gives a torch dtype (``"float32"``)."""
     return str(dtype).removeprefix("torch.")
+
+
+def tensor_entry(name: str, t: torch.Tensor) -> Entry:
+    """An entry whose bytes are ``t``'s elements in C order (``U8`` of its bytes when the dtype
+    has no safetensors code)."""
+    code = SAFETENSORS_DTYPES.get(dtype_name(t.dtype))
+    nbytes = t.numel() * t.element_size()
+    shape = tuple(t.shape) if code else (nbytes,)
+    return Entry(name, code or "U8", shape, nbytes, t.element_size(), t)
 
 
 def _key_repr(path: tuple[Any, ...]) -> str:
@@ -164,7 +183,7 @@ class _Flattener:
         if type(value) is tuple:
             return {"U": [self.node(v, (*path, i)) for i, v in enumerate(value)]}
         if isinstance(value, torch.dtype):
-            return {"dtype": _dtype_name(value)}
+            return {"dtype": dtype_name(value)}
         if isinstance(value, torch.device):
             return {"device": str(value)}
         if isinstance(value, bytes):
@@ -181,7 +200,7 @@ class _Flattener:
                 f"{_key_repr(path)}: only dense (strided) tensors can be checkpointed, "
                 f"not layout={t.layout} on {t.device}"
             )
-        ref: dict[str, Any] = {"T": None, "dtype": _dtype_name(t.dtype), "shape": list(t.shape)}
+        ref: dict[str, Any] = {"T": None, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
         self.leaves.append((self._name(path), t.detach(), ref))
         return ref
 
@@ -195,7 +214,7 @@ class _Flattener:
             )
         self.sharded = True
         name = self._name(path)  # reserved on every rank: the same entry name everywhere
-        node, local = _snode.make(t, _key_repr(path), _dtype_name(t.dtype))
+        node, local = _snode.make(t, _key_repr(path), dtype_name(t.dtype))
         if local is not None:
             self.leaves.append((name, local, node))
         return node
@@ -215,10 +234,7 @@ class _Flattener:
                 singles.extend(members)
         for i in singles:
             name, t, ref = self.leaves[i]
-            code = SAFETENSORS_DTYPES.get(_dtype_name(t.dtype))
-            nbytes = t.numel() * t.element_size()
-            shape = tuple(t.shape) if code else (nbytes,)
-            entries.append((i, Entry(name, code or "U8", shape, nbytes, t.element_size(), t)))
+            entries.append((i, tensor_entry(name, t)))
             ref["S" if "S" in ref else "T"] = name
         entries.sort(key=lambda item: item[0])  # state order, for readable files
         return [e for _, e in entries]
@@ -251,7 +267,7 @@ class _Flattener:
         name, code = self.leaves[members[0]][0], "U8"
         shape: tuple[int, ...] = (int(hi - lo),)
         for i, t in zip(members, tensors, strict=True):
-            tcode = SAFETENSORS_DTYPES.get(_dtype_name(t.dtype))
+            tcode = SAFETENSORS_DTYPES.get(dtype_name(t.dtype))
             if (
                 tcode
                 and t.is_contiguous()

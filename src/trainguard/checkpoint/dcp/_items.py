@@ -20,9 +20,9 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
-from trainguard.checkpoint._formats import SAFETENSORS_DTYPES
 from trainguard.checkpoint.fileformat import PlacedEntry
-from trainguard.checkpoint.layout import Entry
+from trainguard.checkpoint.layout import Entry, dtype_name
+from trainguard.checkpoint.layout import tensor_entry as layout_entry
 from trainguard.checkpoint.staging import StagingBuffer
 from trainguard.errors import CheckpointError
 
@@ -48,10 +48,6 @@ def entry_name(index: MetadataIndex) -> str:
     return "~" + name if name.startswith("__") else name  # "__metadata__" is safetensors'
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def tensor_entry(name: str, t: torch.Tensor) -> Entry:
     """An entry whose bytes are ``t``'s elements in C order."""
     t = t.detach()
@@ -60,16 +56,13 @@ def tensor_entry(name: str, t: torch.Tensor) -> Entry:
             f"{name}: only dense (strided) tensors can be saved, not layout={t.layout} on "
             f"{t.device}"
         )
-    code = SAFETENSORS_DTYPES.get(_dtype_name(t.dtype))
-    nbytes = t.numel() * t.element_size()
-    shape = tuple(t.shape) if code else (nbytes,)
-    return Entry(name, code or "U8", shape, nbytes, t.element_size(), t)
+    return layout_entry(name, t)
 
 
 def _bytes_entry(name: str, data: io.BytesIO) -> Entry:
     raw = bytearray(data.getbuffer())
     source = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-    return Entry(name, "U8", (len(raw),), len(raw), 1, source)
+    return layout_entry(name, source)
 
 
 def resolve(plan: SavePlan, planner: SavePlanner) -> list[tuple[WriteItem, Entry]]:
@@ -139,7 +132,7 @@ def skeleton(entries: list[Entry]) -> dict[str, object]:
         "D": [
             [
                 e.name,
-                {"T": e.name, "dtype": _dtype_name(e.source.dtype), "shape": list(e.source.shape)},
+                {"T": e.name, "dtype": dtype_name(e.source.dtype), "shape": list(e.source.shape)},
             ]
             for e in entries
         ]

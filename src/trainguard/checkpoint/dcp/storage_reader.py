@@ -25,31 +25,11 @@ from trainguard import events
 from trainguard.checkpoint import _commit
 from trainguard.checkpoint.dcp import _metadata
 from trainguard.checkpoint.dcp.storage_writer import checkpoint_path
-from trainguard.checkpoint.fileformat import FileHeader, checksum, read_header
+from trainguard.checkpoint.fileformat import FileHeader, checksum, read_header, read_range
 from trainguard.checkpoint.layout import dtype_from_name
 from trainguard.errors import CheckpointCorruptError, CheckpointError, CheckpointUncommittedError
 
 __all__ = ["StorageReader"]
-
-
-def _pread(path: str, begin: int, end: int) -> bytearray:
-    """Bytes ``[begin, end)`` of ``path``; a short read is a corrupt (truncated) file."""
-    out = bytearray(end - begin)
-    view = memoryview(out)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        done = 0
-        while done < len(out):
-            n = os.preadv(fd, [view[done:]], begin + done)
-            if n <= 0:
-                raise CheckpointCorruptError(
-                    f"{path}: truncated: bytes {begin}..{end} are not all there; the checkpoint "
-                    "is damaged, load an older one"
-                )
-            done += n
-    finally:
-        os.close(fd)
-    return out
 
 
 class StorageReader(storage.StorageReader):
@@ -187,7 +167,7 @@ class StorageReader(storage.StorageReader):
         if entry not in header.entries or entry not in nodes:
             raise CheckpointCorruptError(f"{header.path}: tensor {entry!r} is missing")
         _, _, begin, end = header.entries[entry]
-        raw = _pread(header.path, header.data_start + begin, header.data_start + end)
+        raw = read_range(header.path, header.data_start + begin, header.data_start + end)
         if checksum(raw) != header.checksums().get(entry):
             raise CheckpointCorruptError(
                 f"{header.path}: checksum mismatch in tensor {entry!r}; the file is corrupt, "
