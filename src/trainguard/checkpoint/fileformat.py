@@ -15,12 +15,9 @@ Layout (any safetensors reader opens it)::
 - Checksums are xxh3-64 of each entry's bytes, as 16 hex digits. The header is written with
   placeholder digits of the same length first, so its size is known before the data is hashed.
 
-Writing (:func:`write_file`), header parsing (:func:`read_header`, :func:`parse_header`) and
-checking (:func:`verify_file`, :func:`verify_data`) need no torch; that lets the writer process
-start without importing torch. Loading (:func:`load_file`) maps the file and returns tensors that
-are views of the mapping; :func:`load_buffer` does the same for a whole file held in memory.
-The safetensors dtype codes live in :mod:`._formats`, shared with :mod:`.layout`: layout does not
-import this module, and this module imports layout only inside the loading functions.
+Writing, header parsing and checking need no torch (the writer process starts without it);
+:func:`load_file` maps a file and :func:`load_buffer` takes one held in memory (tensors are views).
+Dtype codes live in :mod:`._formats`, shared with :mod:`.layout` (imported here only to load).
 """
 
 from __future__ import annotations
@@ -285,8 +282,12 @@ class FileHeader:
     def is_trainguard(self) -> bool:
         return self.metadata.get("format") == FORMAT
 
-    def checksums(self) -> dict[str, str]:
-        return _validate.check_checksums(self.path, self.metadata, self.entries)
+    def checksums(self) -> dict[str, str]:  # checked on first use, then kept: do not change
+        sums: dict[str, str] | None = self.__dict__.get("_sums")
+        if sums is None:  # a frozen dataclass: cached past __setattr__
+            sums = _validate.check_checksums(self.path, self.metadata, self.entries)
+            self.__dict__["_sums"] = sums
+        return sums
 
 
 def _decode_header(label: str, n: int, raw: bytes, size: int) -> FileHeader:
