@@ -1,9 +1,13 @@
 """The one helper for multi-rank tests: start N real ranks, collect what each returned.
 
-Each rank is a separate process (spawn context) that runs an importable function with
-RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT
-set in its environment. Each rank leads a process group of its own, so everything it starts
-(sidecars, store servers, writer processes) can be found and killed with it.
+Each rank is a separate process that runs an importable function with RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT set in its
+environment. Ranks are forked from a forkserver that has imported torch once (a spawned
+interpreter pays ~2 s of CPU to import torch, per rank, per test); everything else is as with
+the spawn context: the rank gets the test process's environment as it is at start, a fresh
+``trainguard`` and fresh ``torch.distributed`` state. Each rank leads a process group of its
+own, so everything it starts (sidecars, store servers, writer processes) can be found and
+killed with it.
 
     results = run_ranks(fn, 4, args=(...), timeout=60)
     values = [r.get() for r in results]          # raises with the rank's traceback if it failed
@@ -35,6 +39,16 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+#: imported once by the forkserver, so that each rank starts in milliseconds; trainguard is not
+#: (each rank imports its own, after its environment is set)
+_PRELOAD = ["torch", "torch.distributed"]
+
+
+def _context() -> Any:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def free_port() -> int:
@@ -85,6 +99,7 @@ def _child_main(
 ) -> None:
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # lead a group of our own: our descendants die with us on a kill
+    os.environ.clear()  # the environment of the test process at start, not the forkserver's
     os.environ.update(env)
     try:
         value = fn(*args, **kwargs)
@@ -171,7 +186,7 @@ class RankGroup:
         self.leftover_grace = leftover_grace
         self.port = free_port()
         self.leftovers: list[int] = []
-        self._ctx = multiprocessing.get_context("spawn")
+        self._ctx = _context()
         self._procs: list[Any] = []
         self._conns: list[multiprocessing.connection.Connection] = []
         self._results = [RankResult(rank=r) for r in range(world_size)]
@@ -193,6 +208,7 @@ class RankGroup:
 
     def _spawn(self, rank: int, extra: dict[str, str]) -> None:
         env = {
+            **os.environ,
             "RANK": str(rank),
             "WORLD_SIZE": str(self.world_size),
             "LOCAL_RANK": str(rank),

@@ -41,10 +41,13 @@ def test_gloo_all_reduce(world_size: int) -> None:
 
 def _env_report() -> dict[str, str]:
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "EXTRA", "PER_RANK")
-    return {k: os.environ.get(k, "") for k in keys}
+    keys += ("TG_TEST_SET_LATE",)
+    return {k: os.environ.get(k, "-") for k in keys}
 
 
-def test_every_rank_reports_its_environment() -> None:
+def test_every_rank_reports_its_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    run_ranks(_env_report, 1)  # the forkserver is running before the environment changes
+    monkeypatch.setenv("TG_TEST_SET_LATE", "late")
     results = run_ranks(
         _env_report, 3, env={"EXTRA": "x"}, rank_env=lambda r: {"PER_RANK": str(r * 10)}
     )
@@ -55,6 +58,8 @@ def test_every_rank_reports_its_environment() -> None:
     assert len({e["MASTER_PORT"] for e in envs}) == 1 and envs[0]["MASTER_PORT"].isdigit()
     assert [e["PER_RANK"] for e in envs] == ["0", "10", "20"]
     assert {e["EXTRA"] for e in envs} == {"x"}
+    # each rank sees the test process's environment at its start, as a spawned process does
+    assert {e["TG_TEST_SET_LATE"] for e in envs} == {"late"}
 
 
 def _raise_on_rank(bad: int) -> int:
