@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from trainguard.checkpoint._link import RoundWatch
 from trainguard.checkpoint.local._pipeline import SavePipeline
 from trainguard.checkpoint.local._spare import SparePrefetch
 from trainguard.checkpoint.local._transfer import Channel
@@ -123,10 +124,13 @@ def check_arguments(
         raise ConfigError("writer_nice must be between 0 and 19")
 
 
-def clique_of(replication: CliqueReplication, rank: int, world_size: int) -> list[int]:
-    """``rank``'s clique in a world of ``world_size``; warns when it is short of members."""
+def clique_of(
+    replication: CliqueReplication, rank: int, world_size: int, watch: RoundWatch
+) -> list[int]:
+    """``rank``'s clique in a world of ``world_size``; warns when it is short of members
+    (unless not bound yet: built before torch.distributed, it binds to the real world later)."""
     clique = replication.clique_of(rank, world_size)
-    if len(clique) < replication.factor:
+    if len(clique) < replication.factor and not watch.unbound:
         logger.warning(
             "rank %d's clique %s has %d member(s) for factor %d (world size %d): its parts "
             "have fewer copies",

@@ -176,7 +176,7 @@ class LocalCheckpointManager(Closing):
         store, self.rank, self.world_size = _link.resolve(store, *dist_ranks())
         if self.world_size > 1 and store is None:
             raise ConfigError("several ranks need a store; initialize torch.distributed first")
-        self.clique = clique_of(self.replication, self.rank, self.world_size)
+        self.clique = clique_of(self.replication, self.rank, self.world_size, self._watch)
         link = None
         if store is not None and self.world_size > 1:
             link = _link.StoreLink.join(
