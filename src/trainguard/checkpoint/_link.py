@@ -13,9 +13,11 @@ store but does not know it can forge a commit.
 from __future__ import annotations
 
 import dataclasses
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from trainguard import events
 from trainguard.coord import _secret
 from trainguard.errors import CheckpointError, ConfigError
 
@@ -103,6 +105,18 @@ class RoundWatch:
                 "before using the checkpointer (it then re-binds by itself), or bind(store=...)"
             )
         return True
+
+
+def setup_done(checkpointer: str, started: float, rank: int, world_size: int) -> None:
+    """The ``ckpt_setup`` event of a checkpointer built or re-bound (``checkpointer`` is
+    ``"async"`` or ``"local"``; a field named ``kind`` is impossible: it is the event's own)."""
+    events.emit(
+        "ckpt_setup",
+        duration=time.monotonic() - started,
+        checkpointer=checkpointer,
+        rank_in_round=rank,
+        world_size=world_size,
+    )
 
 
 def _check_store(store: object) -> None:

@@ -165,13 +165,7 @@ class AsyncCheckpointer(SaveWork):
             self._slot.committer = _commit.Committer(
                 link, rank=self.rank, world_size=self.world_size, timeout=self.commit_timeout
             )
-        events.emit(
-            "ckpt_setup",
-            duration=time.monotonic() - started,
-            checkpointer="async",  # "kind" is the event's own key
-            rank_in_round=self.rank,
-            world_size=self.world_size,
-        )
+        _link.setup_done("async", started, self.rank, self.world_size)
 
     def bind(
         self, store: Store | None = None, *, rank: int | None = None, world_size: int | None = None

@@ -152,7 +152,6 @@ class LocalCheckpointManager(Closing):
         #: ``"ranks 1, 3"`` or ``"local + ranks 3"``, and ``bytes_local``, ``bytes_received``,
         #: ``chunks`` and ``parts``.
         self.last_load: dict[str, Any] | None = None
-        self._seq = 0
         self._remembered: Remembered | None = None  # what the staging buffer holds
         stager = Stager(threads=staging_threads or min(4, os.cpu_count() or 1), pin=pin_memory)
         self._res = Resources(WriterProcess(nice=writer_nice), stager)
@@ -187,7 +186,8 @@ class LocalCheckpointManager(Closing):
         self._channel = self._res.channel = (
             _transfer.Channel(self._backend, self.timeout) if link else None
         )
-        self._calls = 0
+        # per round: a rank interrupted before a save the others made is not behind for good
+        self._calls = self._seq = 0
         place = Place(
             self.rank, self.world_size, self.root, self.setting, self.clique, self.keep, self.fsync
         )
@@ -199,13 +199,7 @@ class LocalCheckpointManager(Closing):
             link=link,
             recv_buffers=self._res.recv_buffers,
         )
-        events.emit(
-            "ckpt_setup",
-            duration=time.monotonic() - started,
-            checkpointer="local",  # "kind" is the event's own key
-            rank_in_round=self.rank,
-            world_size=self.world_size,
-        )
+        _link.setup_done("local", started, self.rank, self.world_size)
 
     def bind(self, store: Store | None = None) -> None:
         """Re-bind this manager to a new round; every rank calls it together (it builds the
