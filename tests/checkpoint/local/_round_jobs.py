@@ -58,6 +58,7 @@ def persistent_job(out: str, rounds: int) -> dict[str, Any]:
         info["writers"] = [local._writer.pid, disk.writer_pid]
         info.update(snapshot())
         per_round.append(info)
+        dist.barrier()  # every rank has recorded before the victim can raise
         step += 1
         local.save(_state(step, call.rank), step)
         victim = call.round < rounds and call.rank == call.round % call.world_size

@@ -35,9 +35,9 @@ def test_persistent_checkpointers_survive_twenty_faulted_rounds(tmp_path: Path) 
         steady = rounds[2:]
         for name in ("threads", "children", "memfds"):
             assert all(x[name] == steady[0][name] for x in steady), (name, steady)
+        # a leak grows with every round; a connection mid-close may count for one sample
         fds = [x["fds"] for x in steady]
-        half = len(fds) // 2
-        assert max(fds[half:]) <= max(fds[:half]) and max(fds) - min(fds) <= 2, fds
+        assert fds[-1] <= min(fds[: len(fds) // 2]) + 1 and max(fds) - min(fds) <= 2, fds
         mapped = [x["mapped"] for x in steady]
         assert max(mapped) - min(mapped) <= 1, mapped
         # closed: no child process, memfd or mapping of either checkpointer remains
