@@ -23,10 +23,11 @@ active rank has finished a step of the new round).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from trainguard.report._timeline import REINIT_SOURCES, Span, Timeline, measure, start_of, subtract
 
-__all__ = ["NAMES", "REINIT_PARTS", "first_step", "rows", "split"]
+__all__ = ["NAMES", "REINIT_PARTS", "first_step", "recovery_line", "rows", "split"]
 
 REINIT_PARTS = ("process_group", "checkpointer", "checkpoint_load", "other")
 NAMES = {
@@ -75,3 +76,29 @@ def rows(shares: dict[str, float], source: str, row: Callable[[str, float, int],
         label = NAMES[part] + (f" ({source})" if part == "checkpoint_load" and source else "")
         lines.append(row(label, shares[part], 8))
     return lines
+
+
+def recovery_line(i: int, fault: Any) -> str | None:
+    """One line on how fault ``i`` (a :class:`trainguard.report.Fault`) was recovered from:
+    the fault's moment to every rank's first step of the next round, in consecutive parts
+    that add up (None when no next round trained)."""
+    if fault.training_again is None:
+        return None
+    ph, re = fault.phases, fault.reinit
+    step = fault.training_again - (ph["detection"] + ph["abort"] + ph["barrier"] + ph["reinit"])
+    parts = [
+        ("detection", ph["detection"]),
+        ("abort", ph["abort"]),
+        ("barrier", ph["barrier"]),
+        ("process group", re.get("process_group", 0.0)),
+        ("checkpointer", re.get("checkpointer", 0.0)),
+        (f"load ({fault.load_source or 'none'})", re.get("checkpoint_load", 0.0)),
+        ("other set-up", re.get("other", ph["reinit"])),
+        ("first step", max(0.0, step)),
+    ]
+    where = f"rank {fault.rank}" if fault.rank is not None else "rank ?"
+    at = f" at step {fault.step}" if fault.step is not None else ""
+    return (
+        f"  {i}. {fault.kind} on {where}{at}: training again after {fault.training_again:.3f} s = "
+        + " + ".join(f"{name} {1e3 * s:.0f} ms" for name, s in parts)
+    )
