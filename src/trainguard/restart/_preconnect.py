@@ -13,7 +13,10 @@ The store process opens round ``n+1``'s store before round ``n`` starts
 
 1. Round ``n`` starts: :meth:`Preconnect.ahead` ``(n + 1)``. The call's worker thread reads round
    ``n+1``'s address on a coordination connection of its own and connects a client to it (the
-   lookups and any stall happen there, while round ``n`` trains).
+   lookups and any stall happen there, while round ``n`` trains). That connection may appear
+   while the main thread builds a process group, so it is marked as no group's
+   (:meth:`GroupSockets.exclude <trainguard.restart.abort.GroupSockets.exclude>`): the abort
+   of round ``n`` must not shut it down.
 2. In round ``n+1`` a plain ``init_process_group(backend)`` (``env://`` or ``tcp://``: torch
    makes their store in ``torch.distributed.rendezvous._create_c10d_store``, which
    :meth:`Preconnect.install` replaces while the wrapper runs) and ``call.store`` take that
