@@ -78,7 +78,7 @@ def measure(kind: str, count: int, ranks: int, tmp: Path, kills: int) -> dict[st
         for part in ("process_group", "checkpointer", "checkpoint_load", "other")
     }
     first = summarize([f["first_step"] for f in found])["p50"]
-    sources = sorted({f["load_source"] for f in found if f.get("load_source")})
+    sources = sorted({s for f in found for s in (f.get("load_source") or "").split("+") if s})
     return {
         "training_again_s": summarize(again),
         "reinit_p50_s": parts,
