@@ -317,7 +317,7 @@ def test_reinit_is_split_and_training_again_is_shown(tmp_path: Path) -> None:
         assert text in table
     line = next(x for x in table.splitlines() if "checkpoint find/load (memory+peer)" in x)
     assert " 0.250 s" in line
-    assert "training again 2.000 s after the fault (first step of the next round: 0.500 s" in table
+    assert "stepping again 2.000 s after the fault (first step of the next round: 0.500 s" in table
     as_json = json.loads(json.dumps(rep.to_dict()))["faults"][0]
     assert as_json["reinit"]["process_group"] == pytest.approx(0.3)
     pytest.importorskip("matplotlib")

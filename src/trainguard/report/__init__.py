@@ -340,7 +340,7 @@ def format_table(report: Report) -> str:
                 lines += _reinit.rows(f.reinit, f.load_source, row)
         if f.training_again is not None and f.first_step is not None:
             lines.append(
-                f"      training again {f.training_again:.3f} s after the fault (first step "
+                f"      stepping again {f.training_again:.3f} s after the fault (first step "
                 f"of the next round: {f.first_step:.3f} s, counted as productive)"
             )
         if f.cause:

@@ -99,6 +99,6 @@ def recovery_line(i: int, fault: Any) -> str | None:
     where = f"rank {fault.rank}" if fault.rank is not None else "rank ?"
     at = f" at step {fault.step}" if fault.step is not None else ""
     return (
-        f"  {i}. {fault.kind} on {where}{at}: training again after {fault.training_again:.3f} s = "
+        f"  {i}. {fault.kind} on {where}{at}: stepping again after {fault.training_again:.3f} s = "
         + " + ".join(f"{name} {1e3 * s:.0f} ms" for name, s in parts)
     )
