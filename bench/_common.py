@@ -30,6 +30,7 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
         "n": len(values),
         "p50": percentile(values, 50),
         "p95": percentile(values, 95),
+        "p99": percentile(values, 99),
         "max": max(values) if values else float("nan"),
         "mean": statistics.fmean(values) if values else float("nan"),
     }

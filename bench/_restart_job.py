@@ -19,7 +19,7 @@ def faulty_training(faults: int, seed: int, world: int) -> dict[str, Any]:
     plan = [(rng.randrange(world), rng.randrange(2, 12)) for _ in range(faults)]
     times: dict[str, dict[int, float]] = {"fault": {}, "enter": {}, "init": {}, "first": {}}
 
-    @tr.Wrapper(barrier_timeout=120, completion_timeout=120)
+    @tr.Wrapper(barrier_timeout=120, completion_timeout=120, max_repeated_faults=None)
     def train(call: tr.CallWrapper) -> int:
         times["enter"][call.round] = time.time()
         dist.init_process_group("gloo")

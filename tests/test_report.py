@@ -285,3 +285,43 @@ def test_steps_without_duration_are_noted() -> None:
     rep = report.analyze(events)
     assert rep.productive == 0 and rep.goodput == 0
     assert any("1 train_step events have no duration" in note for note in rep.notes)
+
+
+def test_reinit_is_split_and_training_again_is_shown(tmp_path: Path) -> None:
+    """Round 1's set-up events split its re-initialization; its first step is shown beside."""
+    events = [ev(0.0, "round_start", r) for r in range(2)]
+    events += steps(2, 0, 0, 3, 1.0)  # steps 0..3 end at 2..5
+    events.append(ev(5.5, "fault", 1, error="ValueError: x", type="ValueError"))
+    events += [ev(5.6, "abort", r, duration=0.05) for r in range(2)]
+    events += [ev(6.0, "round_start", r, 1) for r in range(2)]  # re-initialization 6.0 -> 7.0
+    events += [ev(6.2, "pg_setup", 0, 1, duration=0.2), ev(6.3, "pg_setup", 1, 1, duration=0.25)]
+    events += [ev(6.4, "ckpt_setup", r, 1, duration=0.1) for r in range(2)]
+    events.append(ev(6.6, "local_ckpt_load", 0, 1, duration=0.25, source="memory"))  # 6.35..6.6
+    events.append(ev(6.6, "local_ckpt_load", 1, 1, duration=0.1, source="peer"))
+    events += steps(2, 1, 4, 6, 7.0, step_s=0.5)  # first step 7.0 -> 7.5
+    events += [ev(9.0, "complete", r, 1) for r in range(2)]
+    rep = report.analyze(events)
+    fault = rep.faults[0]
+    assert fault.phases["reinit"] == pytest.approx(1.0)
+    # load 6.35..6.6; checkpointer 6.3..6.4 less the load; process group 6.0..6.3
+    assert fault.reinit == pytest.approx(
+        {"checkpoint_load": 0.25, "checkpointer": 0.05, "process_group": 0.3, "other": 0.4}
+    )
+    assert sum(fault.reinit.values()) == pytest.approx(fault.phases["reinit"])
+    assert fault.load_source == "memory+peer"
+    assert fault.first_step == pytest.approx(0.5) and fault.training_again == pytest.approx(2.0)
+    _rows_add_up(rep)
+    assert rep.productive == pytest.approx(4.0 + 1.5)  # the first step stays productive
+    table = report.format_table(rep)
+    for text in ("process-group set-up", "checkpointer set-up", "other (the function"):
+        assert text in table
+    line = next(x for x in table.splitlines() if "checkpoint find/load (memory+peer)" in x)
+    assert " 0.250 s" in line
+    assert "stepping again 2.000 s after the fault (first step of the next round: 0.500 s" in table
+    as_json = json.loads(json.dumps(rep.to_dict()))["faults"][0]
+    assert as_json["reinit"]["process_group"] == pytest.approx(0.3)
+    pytest.importorskip("matplotlib")
+    from trainguard.report._plot import plot_timeline
+
+    plot_timeline(events, rep, tmp_path / "t.png")
+    assert (tmp_path / "t.png").read_bytes()[:8] == PNG_SIGNATURE

@@ -51,8 +51,17 @@ def test_events_for_save_and_load(tmp_path: Path) -> None:
         log.close()
         events.configure(None)
     kinds = [e["kind"] for e in events.read_events(tmp_path / "events")]
-    assert kinds == ["ckpt_requested", "ckpt_staged", "ckpt_durable", "ckpt_committed", "ckpt_load"]
+    assert kinds == [
+        "ckpt_setup",
+        "ckpt_requested",
+        "ckpt_staged",
+        "ckpt_durable",
+        "ckpt_committed",
+        "ckpt_load",
+    ]
     by = {e["kind"]: e for e in events.read_events(tmp_path / "events")}
+    assert by["ckpt_setup"]["checkpointer"] == "async" and by["ckpt_setup"]["duration"] > 0
+    assert by["ckpt_load"]["source"] == "file"
     assert by["ckpt_staged"]["bytes"] == 40 and by["ckpt_staged"]["duration"] >= 0
     assert by["ckpt_durable"]["throughput"] > 0 and by["ckpt_load"]["duration"] > 0
 

@@ -75,6 +75,7 @@ def test_demo_trains_through_every_fault_kind_bit_identically(demo_run) -> None:
         assert f"injected {kind} on rank {rank} before step {step}" in text
     assert "injected lostdir on rank 0 before step 48" in text
     assert text.count("training again") == 4  # one recovery line per fault
+    assert text.count("stepping again after") == 4  # and one line on each recovery's parts
     assert "spare process 2 took over rank 1" in text
     assert "rank 0 (process 0) lost its copy: got its part from rank 1" in text
     assert "bit-identical: yes" in text

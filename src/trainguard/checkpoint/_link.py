@@ -13,10 +13,13 @@ store but does not know it can forge a commit.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
 
+from trainguard import events
 from trainguard.coord import _secret
-from trainguard.errors import ConfigError
+from trainguard.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -51,6 +54,69 @@ def resolve(
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank={rank} is not in range(world_size={world_size})")
     return store, rank, world_size
+
+
+def default_group() -> Any:
+    """torch.distributed's default process group, or None when it is not initialized."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.distributed_c10d._get_default_group()
+
+
+class RoundWatch:
+    """Which default process group a checkpointer is bound to, without keeping it alive.
+
+    A restart round (in-process restart, or any re-initialization of torch.distributed) builds a
+    new default group: :meth:`changed` then says the checkpointer must re-bind its round-
+    dependent parts (store, rank, world size, replication group) before its next operation. A
+    checkpointer given an explicit store is bound to that store, not to a group, and never
+    re-binds by itself.
+    """
+
+    def __init__(self, group: Any, *, explicit: bool) -> None:
+        self.explicit = explicit
+        self._bound = group is not None
+        self._ref = weakref.ref(group) if group is not None else None
+
+    @property
+    def unbound(self) -> bool:
+        """Bound to neither a group nor a store (built before torch.distributed)."""
+        return not self._bound and not self.explicit
+
+    def changed(self) -> bool:
+        """True when the default group is not the one bound (a new round began).
+
+        Raises :class:`CheckpointError` when the bound group was destroyed and none replaced
+        it yet (the new round's ``init_process_group`` has not run).
+        """
+        if self.explicit:
+            return False
+        current = default_group()
+        if not self._bound:
+            return current is not None
+        if self._ref is not None and self._ref() is current:
+            return False
+        if current is None:
+            raise CheckpointError(
+                "the process group this checkpointer was bound to is gone and torch.distributed "
+                "is not initialized again yet: call init_process_group() for the new round "
+                "before using the checkpointer (it then re-binds by itself), or bind(store=...)"
+            )
+        return True
+
+
+def setup_done(checkpointer: str, started: float, rank: int, world_size: int) -> None:
+    """The ``ckpt_setup`` event of a checkpointer built or re-bound (``checkpointer`` is
+    ``"async"`` or ``"local"``; a field named ``kind`` is impossible: it is the event's own)."""
+    events.emit(
+        "ckpt_setup",
+        duration=time.monotonic() - started,
+        checkpointer=checkpointer,
+        rank_in_round=rank,
+        world_size=world_size,
+    )
 
 
 def _check_store(store: object) -> None:

@@ -166,6 +166,7 @@ def _load_into(
         parts=sorted(stats.parts_read),
         path=path,
         verified=verify,
+        source="file",
     )
     return into
 
@@ -209,6 +210,7 @@ def load(
         bytes=os.path.getsize(file),
         path=os.fspath(path),
         verified=verify,
+        source="file",
     )
     return state
 

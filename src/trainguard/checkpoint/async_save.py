@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import os
 import queue
@@ -22,15 +21,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainguard import _progress, _timeouts, events
-from trainguard.checkpoint import _commit, _link, _tmpfile
-from trainguard.checkpoint._closing import Closing, serve_holding, stop_serving
+from trainguard.checkpoint import _commit, _link, _rebind
+from trainguard.checkpoint._closing import serve_holding, stop_serving
 from trainguard.checkpoint._formats import FORMATS
 from trainguard.checkpoint._load import latest, load, part_name
+from trainguard.checkpoint._save_work import SaveWork
 from trainguard.checkpoint._saves import Job, SaveHandle, SaveInfo
 from trainguard.checkpoint.fileformat import check_header_fits, place
 from trainguard.checkpoint.layout import flatten
 from trainguard.checkpoint.staging import Stager
-from trainguard.checkpoint.writer import WriteJob, WriteResult, WriterProcess
+from trainguard.checkpoint.writer import WriterProcess
 from trainguard.errors import CheckpointError, CheckpointWriteError, ConfigError, WriterDied
 
 if TYPE_CHECKING:
@@ -43,14 +43,13 @@ __all__ = ["AsyncCheckpointer", "SaveHandle", "SaveInfo", "latest", "load", "par
 
 logger = logging.getLogger(__name__)
 
-_Item = tuple[Callable[["Job | _commit.Report"], None], "Job | _commit.Report"]
+_Item = tuple[Callable[[Any], None], Any]  # (handle, job): a Job, a Report, or an Event
 
 _IF_BUSY = ("wait", "skip")
-_SLICE = 0.25  # seconds between looks at a close() that gives up, while the writer works
 _GRACE = 30.0  # seconds close() waits for given-up saves to fail
 
 
-class AsyncCheckpointer(Closing):
+class AsyncCheckpointer(SaveWork):
     """Asynchronous checkpoints through one persistent writer process.
 
     Single process: ``save(state, path)`` writes the file ``path``. With a torch.distributed job
@@ -121,9 +120,10 @@ class AsyncCheckpointer(Closing):
         self.close_timeout = _timeouts.seconds("close_timeout", close_timeout)
         if not 0 <= writer_nice <= 19:
             raise ConfigError("writer_nice must be between 0 and 19")
-        given, self.rank, self.world_size = _link.resolve(store, rank, world_size)
-        self.distributed = given is not None
+        started = time.monotonic()
+        _link.resolve(store, rank, world_size)  # bad arguments fail here
         self.fsync = fsync
+        self._key_prefix = key_prefix
         self._stager = Stager(
             threads=staging_threads or min(4, os.cpu_count() or 1), pin=pin_memory
         )
@@ -137,24 +137,62 @@ class AsyncCheckpointer(Closing):
         self._hooks: list[Any] = []
         self._closed = False
         self._giving_up = threading.Event()  # close() gave up: kill a writer that is still busy
-        link = None
-        if given is not None:
-            link = _link.StoreLink.join(given, key_prefix=key_prefix, world_size=self.world_size)
         try:
             self._writer.start()
         except WriterDied as exc:
             raise CheckpointWriteError(str(exc)) from exc
-        self._committer: _commit.Committer | None = None
-        if link is not None:
-            self._committer = _commit.Committer(
-                link, rank=self.rank, world_size=self.world_size, timeout=self.commit_timeout
-            )
+        self._slot = _rebind.CommitterSlot()
+        self._bind(store, rank, world_size, started=started)
         self._thread = threading.Thread(target=serve_holding, args=(self._jobs,), daemon=True)
         self._thread.name = "trainguard-ckpt"
         self._thread.start()
-        then = [self._writer.stop, self._stager.close]  # what close() frees, if never called
-        then[:0] = [self._committer.close] if self._committer is not None else []
+        then = [self._slot.close, self._writer.stop, self._stager.close]  # if never closed
         self._release_when_collected(stop_serving, self._jobs, self._thread, then)
+
+    def _bind(
+        self, store: Store | None, rank: int | None, world_size: int | None, *, started: float
+    ) -> None:
+        """Bind to this round: the store, this rank and the world size; a commit thread."""
+        self._watch = _link.RoundWatch(
+            _link.default_group(), explicit=(store, rank, world_size) != (None, None, None)
+        )
+        given, self.rank, self.world_size = _link.resolve(store, rank, world_size)
+        self.distributed = given is not None
+        if given is not None:
+            link = _link.StoreLink.join(
+                given, key_prefix=self._key_prefix, world_size=self.world_size
+            )
+            self._slot.committer = _commit.Committer(
+                link, rank=self.rank, world_size=self.world_size, timeout=self.commit_timeout
+            )
+        _link.setup_done("async", started, self.rank, self.world_size)
+
+    def bind(
+        self, store: Store | None = None, *, rank: int | None = None, world_size: int | None = None
+    ) -> None:
+        """Re-bind to a new round; every rank calls it (after its ``init_process_group``).
+
+        Not needed with torch.distributed: before ``save``, ``poll`` and ``wait`` the
+        checkpointer checks whether the default process group changed (a restart round
+        initialized it again) and re-binds by itself. Call it when it was given a ``store``
+        (or ``rank``/``world_size``): pass the new round's. Saves of the previous round not yet
+        committed are given up (they fail on every rank of that round; after a fault they
+        could never commit) and their errors logged, not raised; the writer process, staging
+        buffer and hooks are kept.
+        """
+        self._check_open()
+        started = time.monotonic()
+        flushed = threading.Event()
+        self._jobs.put((_rebind.set_event, flushed))  # the queued saves reach the committer
+        flushed.wait()
+        _rebind.retire(self._slot, self._pending, self._results, self.commit_timeout)
+        self._bind(store, rank, world_size, started=started)
+
+    def _ensure_bound(self) -> None:
+        """Re-bind first when a new round began (see :meth:`bind`)."""
+        self._check_open()
+        if self._watch.changed():
+            self.bind()
 
     # ------------------------------------------------------------------ training-thread API
 
@@ -259,7 +297,12 @@ class AsyncCheckpointer(Closing):
         self._hooks.append(optimizer.register_step_pre_hook(fence))
 
     def poll(self) -> None:
-        """Run callbacks of finished saves in this thread; raise the first failure. Never blocks."""
+        """Run callbacks of finished saves in this thread; raise the first failure. Never blocks
+        (except to re-bind to a new round, see :meth:`bind`)."""
+        self._ensure_bound()
+        self._poll()
+
+    def _poll(self) -> None:
         first: CheckpointError | None = None
         while True:
             try:
@@ -289,10 +332,11 @@ class AsyncCheckpointer(Closing):
         :class:`CheckpointWriteError` when a save is not done by then (it goes on).
         """
         limit = _timeouts.optional_seconds("timeout", timeout)
+        self._ensure_bound()
         late = self._late(None if limit is None else time.monotonic() + limit)
         if late is not None:
             raise CheckpointWriteError(f"checkpoint {late.path} not done within {limit} s")
-        self.poll()
+        self._poll()
 
     def close(self, *, abandon: bool = False) -> None:
         """Wait for pending saves, stop the writer, free buffers, threads and hooks.
@@ -317,7 +361,7 @@ class AsyncCheckpointer(Closing):
             elif self._thread.is_alive() and self._late(deadline) is not None:
                 self._give_up()
             else:
-                self.poll()
+                self._poll()
         except BaseException as exc:
             error = exc
         finally:
@@ -345,7 +389,7 @@ class AsyncCheckpointer(Closing):
         except CheckpointWriteError as exc:
             logger.warning("%s", exc)
         with contextlib.suppress(CheckpointError):
-            self.poll()
+            self._poll()
 
     def _give_up(self) -> None:
         """close_timeout has passed: kill the writer, fail the pending saves, raise."""
@@ -382,116 +426,9 @@ class AsyncCheckpointer(Closing):
         self._hooks.clear()
         self._jobs.put(None)
         self._thread.join()
-        if self._committer is not None:
-            self._committer.close()
+        self._slot.close()
         self._writer.stop()
         if self._last is not None and self._last.retired is not None:
             self._last.retired.close()
         self._stager.close()
         self._last = None
-
-    def _stage(self, job: Job) -> None:
-        started = time.monotonic()
-        if job.cuda_stream is not None:
-            torch.cuda.current_stream().wait_stream(job.cuda_stream)  # see Stager.stage
-        assert job.flat is not None
-        job.nbytes = self._stager.stage(job.flat.entries, job.placed)
-        job.staged_at = time.monotonic()
-        job.handle.staged.set()
-        events.emit(
-            "ckpt_staged",
-            duration=job.staged_at - started,
-            bytes=job.nbytes,
-            path=job.handle.path,
-            since_request=job.staged_at - job.requested,
-        )
-
-    def _one(self, job: Job | _commit.Report) -> None:
-        """The background thread's work on one item: stage (overlap), write, then hand over
-        to commit."""
-        if isinstance(job, _commit.Report):
-            assert self._committer is not None
-            self._committer.put(job)
-            return
-        try:
-            if not job.handle.staged.is_set():
-                self._stage(job)
-            result = self._write(job)
-            error = None if result.ok else result.error
-        except Exception as exc:  # staging error or writer death
-            logger.warning("checkpoint %s failed: %s", job.handle.path, exc)
-            result = WriteResult(job.handle.seq, False, error=str(exc))
-            error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, WriterDied) else str(exc)
-        finally:
-            job.handle.staged.set()
-            job.handle.written.set()
-        if error is None:
-            job.durable(result, rank=self.rank, world_size=self.world_size)
-            self._results.put(("durable", job))
-        if self._committer is not None:
-            self._committer.put(self._report(job, error))
-        else:
-            self._finish(job, {} if error is None else {0: error})
-
-    def _write(self, job: Job) -> WriteResult:
-        if self._giving_up.is_set():
-            raise CheckpointWriteError("close() gave up before this save was written")
-        file = job.handle.file
-        assert job.flat is not None
-        os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
-        if self.distributed:
-            _commit.refuse_overwrite(job.handle.path)
-        retired, job.retired = job.retired, None
-        self._writer.prepare(job.buffer, retired=retired)
-        meta = {"rank": str(self.rank), "world_size": str(self.world_size)}
-        meta["skeleton"] = json.dumps(job.flat.skeleton, separators=(",", ":"))
-        self._writer.submit(
-            WriteJob(
-                job_id=job.handle.seq,
-                path=file,
-                buffer_id=job.buffer.id,
-                placed=job.placed,
-                metadata=meta,
-                format=job.format,
-                skeleton=job.flat.skeleton if job.format == "torch" else None,
-                fsync=self.fsync,
-            )
-        )
-        try:
-            result = self._result(file)
-        except WriterDied:
-            _tmpfile.remove_leftovers(file)
-            if self._giving_up.is_set():
-                raise
-            try:  # replace it now, so the next save does not wait for a start
-                self._writer.start()
-            except WriterDied as exc:
-                logger.warning("restarting the checkpoint writer failed (%s); will retry", exc)
-            raise
-        assert result is not None and result.job_id == job.handle.seq
-        return result
-
-    def _result(self, file: str) -> WriteResult:
-        """The writer's answer for ``file``; no bound while open (a write takes what the
-        storage needs), but once close() gives up the writer is killed (WriterDied)."""
-        while True:
-            result = self._writer.result(timeout=_SLICE)
-            if result is not None:
-                return result
-            if self._giving_up.is_set():
-                self._writer.kill()
-                raise WriterDied(
-                    f"the checkpoint writer did not finish {file} within close_timeout="
-                    f"{self.close_timeout:g} s and was killed"
-                )
-
-    def _report(self, job: Job, error: str | None) -> _commit.Report:
-        def done(causes: dict[int, str]) -> None:
-            self._finish(job, causes)
-
-        path = job.handle.path
-        return _commit.Report(job.commit_key, path, error, job.handle.file, job.format, done)
-
-    def _finish(self, job: Job, causes: dict[int, str]) -> None:
-        self._results.put((job.finish(causes, world_size=self.world_size), job))
-        job.handle.finished.set()  # after the result is queued: wait() then poll() sees it

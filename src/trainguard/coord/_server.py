@@ -10,7 +10,9 @@ store up. Every store it hosts listens on one interface only (:mod:`._bind`). Pr
    :meth:`Keyspace.pg_addr`; prints one JSON handshake line on stdout.
 3. Whenever round ``n`` starts (its ``ready`` key is set) it closes round ``n-1``'s store (every
    rank of the job has left round ``n-1`` by then, so no old key stays visible) and opens round
-   ``n+1``'s, so the next round never waits for a store to start.
+   ``n+2``'s. So while round ``n`` runs, round ``n+1``'s store is up and its address published:
+   the next round never waits for a store to start, and each rank connects to it ahead of time
+   (:mod:`trainguard.restart._preconnect`), off the restart's critical path.
 4. Exits when the ``exit`` key is set (the last rank left), after deleting the job's keys from
    an external store; or, once its parent is gone, when no client has been connected to any of
    its stores for ``orphan_grace`` seconds (nothing is left to serve).
@@ -95,7 +97,7 @@ class _Host:
         while True:
             wait_forever(watcher, self.keys.ready(n))
             self.last_round = n
-            self.open_round(n + 1)
+            self.open_round(n + 2)  # round n+1's is up since round n-1 started
             if n >= 1:
                 self.close_round(n - 1)
             n += 1
@@ -136,7 +138,7 @@ class _Host:
         n = self.last_round
         keys = [self.keys.left, self.keys.exit, self.keys.handover, self.keys.latest]
         keys.extend(self.keys.left_mark(r) for r in range(self.cfg["world_size"]))
-        for r in range(max(0, n - 1), n + 2):
+        for r in range(max(0, n - 1), n + 3):
             keys.extend(self.keys.round_keys(r, range(self.cfg["world_size"])))
             keys.append(self.keys.pg_addr(r))
         for key in keys:

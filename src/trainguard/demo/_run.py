@@ -241,9 +241,15 @@ def _write_report(out: str, show: _Display) -> None:
     import json
 
     from trainguard import events, report
+    from trainguard.report._reinit import recovery_line
 
     merged = events.read_events(Path(out) / "events")
     rep = report.analyze(merged)
+    lines = [recovery_line(i, f) for i, f in enumerate(rep.faults, 1)]
+    if any(lines):
+        show.line("recoveries (fault -> every active rank finished a step of the new round):")
+        for line in filter(None, lines):
+            show.line(line)
     table = report.format_table(rep)
     show.line(table)
     Path(out, "report.txt").write_text(table + "\n")

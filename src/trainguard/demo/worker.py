@@ -5,11 +5,15 @@ of ``ranks + spares``:
 
 1. If ``i < ranks``: trains ``steps`` steps with plain ``torch.distributed`` (gloo, its own
    port), no checkpoints, no faults, and reports the parameters' digest: the reference.
-2. Every process then calls the training function under :class:`trainguard.restart.Wrapper`
-   (``FillGaps``, ``MaxActiveWorldSize(ranks)``, so process ``ranks..`` wait as spares). Each
-   round the function initializes gloo, opens a :class:`LocalCheckpointManager` (replicated to
-   a peer) and an :class:`AsyncCheckpointer`, resumes from the newest checkpoint of either kind,
-   trains, injects the scheduled faults, and closes both on the way out.
+2. Every process builds its checkpointers once, before the wrapper: a
+   :class:`LocalCheckpointManager` (replicated to a peer; a spare's also prefetches the other
+   nodes' newest parts while it waits) and an :class:`AsyncCheckpointer`. It then calls the
+   training function under :class:`trainguard.restart.Wrapper` (``FillGaps``,
+   ``MaxActiveWorldSize(ranks)``, so process ``ranks..`` wait as spares). Each round the
+   function initializes gloo (the checkpointers re-bind to the round by themselves), resumes
+   from the newest checkpoint of either kind (the local one from memory when this process
+   staged it), trains and injects the scheduled faults. Both are closed when the wrapper
+   returns.
 
 Every message to the parent is a tuple sent on this process's own channel (a pipe, or a file
 under ``trainguard launch``: see :mod:`trainguard.demo._channel`; a killed process can never
@@ -161,7 +165,8 @@ class _Guarded:
         self.channel = channel
         self.lose_root = False  # set by a `lostdir` fault, carried out before the next round
         self.perturbed = False
-        self.resources: list[Any] = []  # this round's checkpointers, closed by release()
+        # built once, used in every round (they re-bind to each round by themselves)
+        self.local, self.disk = self._open_checkpointers(cfg.local_root(process))
 
     def send(self, *msg: Any) -> None:
         self.channel.send(*msg)
@@ -177,7 +182,7 @@ class _Guarded:
             self.lose_root = False
         started = time.time()
         dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-        local, disk = self._open_checkpointers(root)
+        local, disk = self.local, self.disk
         task = m.TaskConfig()
         teacher, net = m.make_teacher(task), m.make_model(task)
         opt = m.make_optimizer(net, task)
@@ -198,26 +203,35 @@ class _Guarded:
         local.wait()
         disk.wait()
         digest = m.parameters_digest(net)
-        self.release(strict=True)
+        self.release()
         self.send("done", call.rank, self.process, digest, call.round, time.time())
         return digest
 
     def _open_checkpointers(self, root: Path) -> tuple[LocalCheckpointManager, AsyncCheckpointer]:
-        """This round's local and disk checkpointers, registered for :meth:`release`."""
+        """This process's local and disk checkpointers (closed by :meth:`close`). A spare's
+        manager copies the newest complete iteration of the other nodes' roots into its own
+        while it waits (a hot spare: taking over a rank then needs no transfer)."""
         from trainguard.checkpoint import (
             AsyncCheckpointer,
             CliqueReplication,
             LocalCheckpointManager,
         )
 
-        # closed by release(): at the end of the round's function, or (after a fault) by the
-        # wrapper's finalize hook, so that a raising rank reports its fault first
+        spare = self.process >= self.cfg.ranks
+        roots = [self.cfg.local_root(p) for p in range(self.cfg.world)] if spare else None
         local = LocalCheckpointManager(
-            root, replication=CliqueReplication(factor=2, jump=1), keep=2, timeout=30
+            root,
+            replication=CliqueReplication(factor=2, jump=1),
+            keep=2,
+            timeout=30,
+            spare_roots=roots,
+            spare_interval=0.25,
         )
-        self.resources.append(local)
-        disk = AsyncCheckpointer(commit_timeout=30)
-        self.resources.append(disk)
+        try:
+            disk = AsyncCheckpointer(commit_timeout=30)
+        except BaseException:
+            local.close()
+            raise
         return local, disk
 
     def _resume(
@@ -291,14 +305,15 @@ class _Guarded:
                 with events.span("ckpt_stall", what="disk", step=step):
                     disk.save(m.training_state(net, opt, done), path)
 
-    def release(self, state: Any = None, *, strict: bool = False) -> None:
-        """Close this round's checkpointers and process group (the wrapper's finalize hook).
+    def release(self, state: Any = None) -> None:
+        """End this round's process group (the wrapper's finalize hook, and the end of the
+        function). The checkpointers stay: the next round uses them again."""
+        close_round([], strict=False)
 
-        After a fault the errors of closing are expected (the round's groups were aborted) and
-        ignored; at the end of a successful round (``strict``) they are raised.
-        """
-        resources, self.resources = self.resources, []
-        close_round(resources, strict=strict)
+    def close(self, *, strict: bool) -> None:
+        """Close both checkpointers (once the wrapper returned); ``strict``: raise their
+        errors (the job succeeded), else log them."""
+        close_round([self.local, self.disk], strict=strict)
 
     def _maybe_inject(self, call: Any, step: int) -> None:
         asked = _faults.requested(self.cfg.out)
@@ -370,13 +385,11 @@ def run_process(
             digest = reference(cfg, process, ref_port)
             channel.send("reference", process, digest, time.time() - t0)
         else:  # a spare: import now what a round needs, so taking over a rank is quick
-            import trainguard.checkpoint.async_save
-            import trainguard.checkpoint.local.manager  # noqa: F401
             from trainguard.demo import model as m
 
             m.warm_up(m.TaskConfig())  # the first optimizer step's imports (seconds)
         events.configure(Path(cfg.out) / "events")
-        guarded = _Guarded(cfg, process, channel)
+        guarded = _Guarded(cfg, process, channel)  # builds the checkpointers
         wrapper = guarded_wrapper(
             ranks=cfg.ranks,
             max_rounds=len(cfg.faults) + 8,
@@ -385,7 +398,12 @@ def run_process(
             heartbeat_timeout=cfg.heartbeat_timeout,
             finalize=guarded.release,
         )
-        result = wrapper(guarded)()
+        try:
+            result = wrapper(guarded)()
+        except BaseException:
+            guarded.close(strict=False)
+            raise
+        guarded.close(strict=True)
         if result is None:
             channel.send("idle", process, time.time())
     except BaseException as exc:

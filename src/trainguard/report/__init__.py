@@ -34,8 +34,10 @@ How the timeline is cut (job level, across ranks):
   ``rank_gone``/``hard_timeout``/``sidecar_lost`` event or ``abort`` start), **abort** (to the
   last ``abort`` end of the round), **restart barrier** (to the LATEST ``round_start`` of the
   next round over ranks, spares included), **re-initialization** (to the earliest step start of
-  the next round: process group, checkpoint load). Each boundary is clamped to be no earlier
-  than the previous one. other = wall - productive - stalls - faults (startup, gaps, the end).
+  the next round), split into process-group set-up, checkpointer set-up, checkpoint find/load
+  (from memory, a file or a peer) and the rest, with the next round's first step and the time
+  to *training again* beside it (:mod:`trainguard.report._reinit`). Each boundary is clamped
+  to be no earlier than the previous one. other = wall - productive - stalls - faults (startup, gaps, the end).
 - goodput = productive / wall.
 """
 
@@ -48,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard._subproc import exit_text
+from trainguard.report import _reinit
 from trainguard.report._launch import (
     is_rank,
     plural,
@@ -97,6 +100,11 @@ class Fault:
     injected: list[str]  # the ``fault`` of every demo_fault of the round, in time order
     phases: dict[str, float]  # PHASES -> seconds, consecutive, adding up to ``total``
     bounds: list[float]  # the six boundaries of the five phases
+    # re-initialization's shares (_reinit.REINIT_PARTS -> seconds, adding up to phases["reinit"])
+    reinit: dict[str, float] = dataclasses.field(default_factory=dict)
+    load_source: str = ""  # where the next round's checkpoint came from: memory, file, peer
+    first_step: float | None = None  # the next round's first step, earliest start to latest end
+    training_again: float | None = None  # the fault's moment to the end of that first step
 
     @property
     def total(self) -> float:
@@ -196,6 +204,8 @@ def _fault(tl: Timeline, n: int, nxt: int | None, lo: float, hi: float) -> Fault
     for p in (p0, p1, p2, p3, p4, p5 if p5 is not None else p4):
         lo = min(max(p, lo), hi)
         bounds.append(lo)
+    shares, source = _reinit.split(tl, nxt, bounds[4], bounds[5])
+    step = _reinit.first_step(tl, nxt)
     return Fault(
         round=n,
         kind=kind,
@@ -208,6 +218,10 @@ def _fault(tl: Timeline, n: int, nxt: int | None, lo: float, hi: float) -> Fault
         restarted=nxt is not None,
         phases={name: bounds[i + 1] - bounds[i] for i, name in enumerate(PHASES)},
         bounds=bounds,
+        reinit=shares,
+        load_source=source,
+        first_step=step[1] - step[0] if step is not None else None,
+        training_again=step[1] - bounds[1] if step is not None else None,
     )
 
 
@@ -322,6 +336,13 @@ def format_table(report: Report) -> str:
             if name == "recomputed":
                 label += f" ({f.recomputed_steps} steps)"
             lines.append(row(label, f.phases[name], 6))
+            if name == "reinit":
+                lines += _reinit.rows(f.reinit, f.load_source, row)
+        if f.training_again is not None and f.first_step is not None:
+            lines.append(
+                f"      stepping again {f.training_again:.3f} s after the fault (first step "
+                f"of the next round: {f.first_step:.3f} s, counted as productive)"
+            )
         if f.cause:
             lines.append(f"      cause: {f.cause[:90]}")
     rest = report.faults[len(shown) :]

@@ -2,7 +2,9 @@
 
 One lane per rank (the rank stamped on the events, which is a process's launch rank: a spare
 keeps its own lane). On each lane: training steps (kept, recomputed), checkpoint stalls and
-aborts of that rank, and a marker at a fault on its target rank. Across all lanes: each fault's
+aborts of that rank, its process-group set-ups, checkpointer set-ups and checkpoint loads (the
+shares of re-initialization, :mod:`trainguard.report._reinit`), and a marker at a fault on its
+target rank. Across all lanes: each fault's
 detection, restart barrier and re-initialization phases, and a dashed line where each round
 began. The x axis is seconds from the report's start.
 
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainguard.report import Report
 from trainguard.report._launch import is_rank, plural
-from trainguard.report._timeline import Timeline, start_of
+from trainguard.report._timeline import REINIT_SOURCES, Timeline, start_of
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -34,6 +36,9 @@ COLORS = {
     "recomputed": "#f28e2b",
     "stall": "#7b5ea7",
     "abort": "#c0392b",
+    "pg_setup": "#1f77b4",
+    "ckpt_setup": "#17becf",
+    "ckpt_load": "#8c564b",
     "detection": "#e74c3c",
     "barrier": "#95a5a6",
     "reinit": "#f1c40f",
@@ -43,9 +48,17 @@ _LABELS = {
     "recomputed": "training step (recomputed)",
     "stall": "checkpoint stall",
     "abort": "abort (per rank)",
+    "pg_setup": "process-group set-up",
+    "ckpt_setup": "checkpointer set-up",
+    "ckpt_load": "checkpoint find/load",
     "detection": "detection",
     "barrier": "restart barrier",
     "reinit": "re-initialization",
+}
+_REINIT_BARS = {
+    "process_group": "pg_setup",
+    "checkpointer": "ckpt_setup",
+    "checkpoint_load": "ckpt_load",
 }
 _HINT = "install it with: pip install 'trainguard[report]'"
 
@@ -99,6 +112,9 @@ def _bars(tl: Timeline, t0: float, lane: dict[int, int]) -> _Bars:
         add(e, "stall")
     for e in tl.of("abort"):
         add(e, "abort")
+    for part, kinds in REINIT_SOURCES.items():
+        for e in tl.of(*kinds):
+            add(e, _REINIT_BARS[part])
     return bars
 
 

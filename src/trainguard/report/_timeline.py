@@ -25,6 +25,14 @@ DETECTION_KINDS = (
     "launch_node_lost",
 )
 Span = tuple[float, float]
+# a share of re-initialization -> the event kinds that make it, in the order shares take an
+# instant (see trainguard.report._reinit)
+REINIT_SOURCES = {
+    "checkpoint_load": ("ckpt_load", "local_ckpt_load"),
+    "checkpointer": ("ckpt_setup",),
+    "process_group": ("pg_setup",),
+}
+REINIT_KINDS = tuple(kind for kinds in REINIT_SOURCES.values() for kind in kinds)
 
 
 def union(spans: list[Span]) -> list[Span]:
@@ -106,7 +114,8 @@ class Timeline:
         for (n, step, _), (_, end) in self.stalls.items():
             self.round_stalls[n].append((step, end))
         self.in_round: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
-        for e in self.of("demo_fault", "abort", "launch_escalated", *DETECTION_KINDS):
+        kinds = ("demo_fault", "abort", "launch_escalated", *DETECTION_KINDS, *REINIT_KINDS)
+        for e in self.of(*kinds):
             self.in_round[self.round_of(e), e["kind"]].append(e)
 
     @staticmethod
@@ -119,7 +128,8 @@ class Timeline:
         return [e for e in self.events if e.get("kind") in kinds]
 
     def found(self, n: int, *kinds: str) -> list[dict[str, Any]]:
-        """Round ``n``'s events of these kinds (among demo_fault, abort, detections), by time."""
+        """Round ``n``'s events of these kinds (among demo_fault, abort, detections and the
+        set-up and load events of :data:`REINIT_KINDS`), by time."""
         out = [e for kind in kinds for e in self.in_round.get((n, kind), ())]
         return sorted(out, key=lambda e: float(e["time"]))
 

@@ -10,6 +10,7 @@ where the interrupt is raised. The kick needs a handler, installed for the wrapp
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import sys
 import threading
@@ -36,6 +37,23 @@ def importing(thread_id: int) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def in_torch_distributed(thread_id: int) -> bool:
+    """True when ``thread_id`` runs torch.distributed's Python code at its innermost frame.
+
+    A thread seen there while another thread holds the GIL is inside a collective, a barrier
+    or a rendezvous: it waits in C++ (``work.wait()``, a store wait), where an interrupt cannot
+    land until the abort releases it. (A thread that waits for the GIL instead raises a
+    pending interrupt as soon as it has it, before it starts anything new.)
+    """
+    dist = sys.modules.get("torch.distributed")
+    where = getattr(dist, "__file__", None)
+    frame = sys._current_frames().get(thread_id)
+    if not where or frame is None:
+        return False
+    root = os.path.dirname(where) + os.sep
+    return frame.f_code.co_filename.startswith(root)
 
 
 def wait_out_of_imports(thread_id: int, timeout: float) -> None:

@@ -33,6 +33,7 @@ from trainguard import _env, _progress, events
 from trainguard.errors import BarrierTimeoutError, JobEndedError, RetryLimitError, SidecarLostError
 from trainguard.restart import _launch
 from trainguard.restart._interrupt import Kick
+from trainguard.restart._preconnect import Preconnect
 from trainguard.restart._session import Session
 from trainguard.restart.abort import GroupSockets, destroy_groups, shutdown_connections_to
 from trainguard.restart.call import CallWrapper
@@ -65,6 +66,7 @@ class WrappedCall:
         self.monitor: Monitor | None = None
         self.sidecar: Sidecar | AgentSidecar | None = None
         self.watchdog: Watchdog | None = None
+        self.preconnect: Preconnect | None = None
         self.call: CallWrapper | None = None
         self.left_early = False
         self.entered = False  # this process entered a round (a newcomer may never)
@@ -81,6 +83,7 @@ class WrappedCall:
         saved_context = (log.rank, log.round)
         events.set_context(rank=self.launch.rank, round=0)
         GroupSockets.install()
+        Preconnect.install()
         finished = False
         kick = Kick.install()
         try:
@@ -126,6 +129,9 @@ class WrappedCall:
         if self.sidecar is not None:
             self.sidecar.handshake(cfg.store_timeout)
         hang_store = self.session.coord.clone()
+        self.preconnect = Preconnect(
+            self.session.coord.clone(), self.session.keys, timeout=cfg.store_timeout
+        )
         self.watchdog = Watchdog(
             thread_id=threading.get_ident(),
             state=self._progress_state,
@@ -145,7 +151,11 @@ class WrappedCall:
             self.monitor.close()
         destroy_groups()
         GroupSockets.uninstall()
+        Preconnect.uninstall()
         self.session.leave()
+        if self.preconnect is not None:  # a connect under way must not hold the others back
+            self.preconnect.close(timeout=self.cfg.store_timeout)
+            self.preconnect = None
         if self.sidecar is not None:
             self.sidecar.stop()
             self.sidecar = None
@@ -182,6 +192,8 @@ class WrappedCall:
                 raise leaving
             self._enter(n, ready)
             outcome, value, fault = self._round(n, ready)
+            if self.preconnect is not None:
+                self.preconnect.forget(n)
             if outcome.why == "complete":
                 error = self._hook("finalize", self.state)
                 if error is not None:
@@ -252,6 +264,8 @@ class WrappedCall:
         RestartInterrupt.last = None
         self.round_store = ready["pg"] if state.active else None
         monitor.watch(n)
+        if self.preconnect is not None:
+            self.preconnect.ahead(n + 1)
         if not state.active:
             return self._wait(n, None, "spare"), None, None
         call = CallWrapper(state, monitor, ready["pg"], self.cfg.store_timeout)

@@ -9,8 +9,11 @@
 The group's sockets are identified precisely: while the wrapper runs, the constructor of every
 process group (``torch.distributed.distributed_c10d._new_process_group_helper``, called by
 ``init_process_group`` and ``new_group``) is wrapped so that the socket inodes of the process
-before and after it are compared. The store's client connects before the constructor runs and
-the user's sockets are not made inside it, so neither is ever touched. The group's listening
+before and after it are compared, and its set-up time is recorded as a ``pg_setup`` event
+(``duration``: from the start of ``init_process_group``'s rendezvous, or of the constructor,
+to its end; ``store_s``: the rendezvous's part; ``group_size``). The store's client connects
+before the constructor runs and the user's sockets are not made inside it, so neither is ever
+touched. The group's listening
 sockets are never shut down (gloo's listener thread aborts the process on an accept error),
 but their ports are noted: a peer's connection that the listener accepts after the
 constructor returned (seen with 8 ranks) has that local port and is shut down too; without
@@ -27,6 +30,7 @@ import threading
 import time
 from typing import Any
 
+from trainguard import events
 from trainguard.coord import _sockets
 
 __all__ = ["GroupSockets", "abort_distributed", "destroy_groups", "shutdown_connections_to"]
@@ -34,6 +38,21 @@ __all__ = ["GroupSockets", "abort_distributed", "destroy_groups", "shutdown_conn
 logger = logging.getLogger(__name__)
 
 _destroy_lock = threading.Lock()
+_rendezvous_at = threading.local()  # .start: when this thread's last rendezvous began
+
+
+def note_rendezvous(start: float | None) -> None:
+    """Record (or clear, with None) when this thread's ``init_process_group`` began to make its
+    store (``time.monotonic()``); the next ``pg_setup`` event counts from there."""
+    _rendezvous_at.start = start
+
+
+def rendezvous_started() -> float | None:
+    """The start :func:`note_rendezvous` recorded in this thread (handed out once), or None."""
+    start = getattr(_rendezvous_at, "start", None)
+    _rendezvous_at.start = None
+    return start
+
 
 #: torch modules that read the default group at import time and keep it for good:
 #: ``torch.distributed.nn.functional`` binds ``group.WORLD`` as default arguments (imported by
@@ -72,6 +91,7 @@ class GroupSockets:
     _original: Any = None
     _sockets: dict[int, int] = {}  # noqa: RUF012 - process-wide on purpose
     _listen_ports: set[int] = set()  # noqa: RUF012 - the groups' own listening ports
+    _excluded: set[int] = set()  # noqa: RUF012 - connections known to be no group's
 
     @classmethod
     def install(cls) -> None:
@@ -86,9 +106,13 @@ class GroupSockets:
             cls._original = original
 
             def tracked(*args: Any, **kwargs: Any) -> Any:
+                start = time.monotonic()
+                began = rendezvous_started() or start
                 before = set(_sockets.socket_fds())
                 try:
-                    return original(*args, **kwargs)
+                    group = original(*args, **kwargs)
+                    _emit_setup(began, start, args)
+                    return group
                 finally:
                     fresh = {
                         inode: fd
@@ -121,6 +145,16 @@ class GroupSockets:
             cls._original = None
             cls._sockets = {}
             cls._listen_ports = set()
+            cls._excluded = set()
+
+    @classmethod
+    def exclude(cls, inodes: set[int]) -> None:
+        """Never take these sockets: connections that another thread of this process opened
+        while a group was being built (a store client connected ahead of time)."""
+        with cls._lock:
+            cls._excluded |= inodes
+            for inode in inodes:
+                cls._sockets.pop(inode, None)
 
     @classmethod
     def take(cls) -> dict[int, int]:
@@ -128,6 +162,7 @@ class GroupSockets:
         with cls._lock:
             found, cls._sockets = cls._sockets, {}
             ports, cls._listen_ports = cls._listen_ports, set()
+            excluded = set(cls._excluded)
         if ports:
             # A peer's connection may be accepted after the constructor returned: it is ours
             # if its local port is one of the groups' listening ports.
@@ -135,7 +170,18 @@ class GroupSockets:
             for s in _sockets.tcp_sockets(set(fds)):
                 if s.local_port in ports and s.state != _sockets.LISTEN:
                     found.setdefault(s.inode, fds[s.inode])
-        return found
+        return {inode: fd for inode, fd in found.items() if inode not in excluded}
+
+
+def _emit_setup(began: float, start: float, args: tuple[Any, ...]) -> None:
+    """The ``pg_setup`` event of a group just built: from its rendezvous (``began``, when
+    ``init_process_group`` made its store) or its constructor's start to now."""
+    events.emit(
+        "pg_setup",
+        duration=time.monotonic() - began,
+        store_s=start - began,
+        group_size=args[0] if args and isinstance(args[0], int) else None,
+    )
 
 
 def _connected(fd: int, inode: int) -> bool:
@@ -187,14 +233,19 @@ def shutdown_connections_to(host: str, port: int) -> int:
 
     Used on the round's store when a round is aborted: a wait on that store (a gather of the
     checkpointers, the rendezvous inside a process group's constructor) blocks in C++, where
-    the restart interrupt cannot land; with its connection shut down it raises at once. The
-    peer is compared by address (every address ``host`` resolves to) and port.
+    the restart interrupt cannot land; with its connection shut down it raises at once.
     """
+    return shutdown_sockets(connections_to(host, port))
+
+
+def connections_to(host: str, port: int) -> dict[int, int]:
+    """This process's TCP connections to ``host:port`` as ``inode -> fd``. The peer is compared
+    by address (every address ``host`` resolves to) and port."""
     try:
         peers = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
     except OSError as exc:
         logger.debug("cannot resolve the round's store %s:%d: %s", host, port, exc)
-        return 0
+        return {}
     recorded: dict[int, int] = {}
     for inode, fd in _sockets.socket_fds().items():
         dup = _sockets.fd_of_inode(fd, inode)
@@ -210,7 +261,7 @@ def shutdown_connections_to(host: str, port: int) -> int:
             pass  # not connected, or not an IP socket
         finally:
             sock.close()
-    return shutdown_sockets(recorded)
+    return recorded
 
 
 def _has_cuda_backend(dist: Any) -> bool:

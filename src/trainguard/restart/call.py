@@ -15,6 +15,7 @@ from typing import Any
 
 from trainguard import _progress
 from trainguard.coord.store import connect, parse_addr
+from trainguard.restart._preconnect import claim
 from trainguard.restart.monitor import Monitor
 from trainguard.restart.state import RoundState
 
@@ -60,7 +61,9 @@ class CallWrapper:
         """
         if self._store is None:
             host, port = parse_addr(self._pg_addr)
-            self._store = connect(host, port, timeout=self._timeout)
+            # connected ahead of time when a plain init_process_group did not take it
+            store = claim(host, port, self._timeout)
+            self._store = store if store is not None else connect(host, port, timeout=self._timeout)
         return self._store
 
     def ping(self) -> None:

@@ -8,7 +8,8 @@ round ``n`` (driven by the main thread):
 2. Outcome ``complete``: nothing to do. Outcome ``fault`` or ``end``: the monitor waits for
    any :meth:`atomic` section to finish; if the main thread is inside the function, raises
    :class:`RestartInterrupt` in it (:mod:`._interrupt`) and gives it a moment (``settle_s``)
-   to leave; then aborts torch.distributed (:mod:`.abort`) and calls
+   to leave (not when it is blocked in a collective; see :meth:`Monitor._interrupt_first`);
+   then aborts torch.distributed (:mod:`.abort`) and calls
    :attr:`MonitorHooks.aborted` (the user's ``abort`` hook). The interrupt comes first so that a main thread running Python code does
    not start a collective while the abort tears the group down (see
    :meth:`Monitor._interrupt_first`); it is never raised while the main thread runs an
@@ -39,7 +40,12 @@ from trainguard import events
 from trainguard._threads import serve
 from trainguard.coord.barrier import wait_forever
 from trainguard.coord.keys import Keyspace
-from trainguard.restart._interrupt import cancel_in, raise_in, wait_out_of_imports
+from trainguard.restart._interrupt import (
+    cancel_in,
+    in_torch_distributed,
+    raise_in,
+    wait_out_of_imports,
+)
 from trainguard.restart.abort import abort_distributed
 from trainguard.restart.state import RestartInterrupt, RoundOutcome
 
@@ -252,8 +258,11 @@ class Monitor:
         connection of the group is closed (seen under load: the pairs' descriptors gone, the
         thread still in ``work.wait()``), and the interrupt cannot land in that C++ wait.
         Raised first, the interrupt lands before the collective starts. A main thread that
-        is already blocked in a collective does not leave within :attr:`settle_s`; the
-        shutdown that follows releases it.
+        is already blocked in a collective (its innermost frame is torch.distributed's, see
+        :func:`~trainguard.restart._interrupt.in_torch_distributed`) is not waited for: the
+        shutdown that follows releases it at once. Otherwise the wait ends as soon as the main
+        thread has left the function (an event), :attr:`settle_s` at most (a main thread busy in
+        a long C++ call, e.g. a backward pass that starts its own collectives).
         """
         if self._in_fn:  # never inside an import (a module half-imported stays broken)
             wait_out_of_imports(self._tid, self._abort_timeout)
@@ -263,6 +272,8 @@ class Monitor:
             self._injected = raise_in(self._tid)
             if not self._injected:
                 return
+        if in_torch_distributed(self._tid):
+            return  # blocked in a collective: only the shutdown that follows releases it
         if self._hooks.kick is not None:
             with contextlib.suppress(Exception):
                 self._hooks.kick(self._tid)

@@ -214,9 +214,10 @@ def test_lost_node_root_recovers_newest_from_peer(saved: Path, tmp_path: Path) -
     assert [o["latest"] for o in out] == [3] * WORLD
     assert [o["loaded"] for o in out] == [3] * WORLD  # bit-exact, checked on each rank
     loads = _loads(tmp_path)
-    assert loads[1]["source"] == "rank 3" and loads[1]["transfers"] == 1
+    assert loads[1]["source"] == "peer" and loads[1]["copy"] == "rank 3"
+    assert loads[1]["transfers"] == 1
     for r in (0, 2, 3):
-        assert loads[r]["source"].startswith("local "), loads[r]
+        assert loads[r]["source"] == "file" and loads[r]["copy"].startswith("local "), loads[r]
     assert all(e["bytes"] > 1 << 19 for e in loads.values())
 
 
@@ -254,7 +255,7 @@ def test_corrupt_copy_is_skipped_for_the_other(saved: Path, tmp_path: Path) -> N
         f.write(bytes([byte[0] ^ 0xFF]))
     out = _run_recover(roots, tmp_path)
     assert [o["loaded"] for o in out] == [3] * WORLD
-    assert _loads(tmp_path)[0]["source"] == "rank 2"
+    assert _loads(tmp_path)[0]["copy"] == "rank 2"
 
 
 def test_world_shrinks_parts_of_missing_ranks_go_to_nobody(saved: Path, tmp_path: Path) -> None:
@@ -405,4 +406,4 @@ def test_resume_after_in_process_restart_is_bit_identical(tmp_path) -> None:
         for e in read_events(tmp_path / "faulted" / "events")
         if e["kind"] == "local_ckpt_load" and e["rank"] == 1
     ]
-    assert len(loads) == 1 and "rank" in str(loads[0]["source"])  # fetched from a peer
+    assert len(loads) == 1 and loads[0]["source"] == "peer"  # fetched from a peer

@@ -121,7 +121,13 @@ class StorageReader(storage.StorageReader):
                 target.copy_(region)
                 planner.commit_tensor(item, target)
         self.bytes_read = nbytes
-        events.emit("ckpt_load", duration=time.monotonic() - started, bytes=nbytes, path=self.path)
+        events.emit(
+            "ckpt_load",
+            duration=time.monotonic() - started,
+            bytes=nbytes,
+            path=self.path,
+            source="file",
+        )
         future: Future[None] = Future()
         future.set_result(None)
         return future

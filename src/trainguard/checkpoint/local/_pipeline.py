@@ -58,6 +58,7 @@ class StagedSave:
     requested: float
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: str | None = None
+    own_written: bool = False  # this rank's part is durable, written from ``buffer``
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +92,7 @@ class SavePipeline:
         inventory: _inventory.Inventory,
         channel: Channel | None,
         link: StoreLink | None,
+        recv_buffers: dict[int, StagingBuffer] | None = None,
     ) -> None:
         self.place = place
         self.rank, self.world_size, self.root = place.rank, place.world_size, place.root
@@ -100,7 +102,8 @@ class SavePipeline:
         self._link = link
         self._bg_store = link.client() if link is not None else None  # this thread's
         self._fg_store = link.client() if link is not None else None  # the caller's
-        self._recv_buffers: dict[int, StagingBuffer] = {}
+        # receive buffers (per peer): the manager's, kept across rounds when it passes them
+        self._recv_buffers: dict[int, StagingBuffer] = {} if recv_buffers is None else recv_buffers
         self.last: StagedSave | None = None
         self._errors: list[str] = []
         self._complete: set[int] = set()
@@ -181,11 +184,13 @@ class SavePipeline:
             self._confirm(self._fg_store)
             self._prune()
 
-    def release(self) -> None:
-        """Free the receive buffers (after the writer has stopped)."""
-        for buffer in self._recv_buffers.values():
-            buffer.close()
-        self._recv_buffers.clear()
+    def release(self, *, buffers: bool = True) -> None:
+        """Free the receive buffers (after the writer has stopped; ``buffers=False`` keeps
+        them for the manager's next round) and a retired staging buffer."""
+        if buffers:
+            for buffer in self._recv_buffers.values():
+                buffer.close()
+            self._recv_buffers.clear()
         if self.last is not None and self.last.retired is not None:
             self.last.retired.close()
         self.last = None
@@ -263,6 +268,7 @@ class SavePipeline:
                     errors.append(f"{path}: cannot make it private: {exc}")
                     continue
                 self._inventory.trust(path)
+                job.own_written = job.own_written or path == paths[0]
         if failure is not None:
             raise CheckpointWriteError(f"replication to {peers} failed: {failure}") from failure
         if errors:

@@ -115,7 +115,9 @@ def load_into(
     }
     elapsed = time.monotonic() - started
     extra = {"requested": iteration, "saved_world": chosen.saved_world, "attempts": attempt + 1}
-    events.emit("local_ckpt_load", duration=elapsed, **mgr.last_load, **extra)
+    fields = {**mgr.last_load, **extra, "copy": mgr.last_load["source"]}
+    fields["source"] = "peer" if fetched.received else "file"  # "memory" is for whole parts
+    events.emit("local_ckpt_load", duration=elapsed, **fields)
     return into
 
 

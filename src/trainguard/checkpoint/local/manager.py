@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from trainguard import _progress, _timeouts, events
 from trainguard.checkpoint import _link
@@ -27,7 +25,17 @@ from trainguard.checkpoint.fileformat import (
 )
 from trainguard.checkpoint.layout import flatten
 from trainguard.checkpoint.local import _choose, _inventory, _reshard_load, _root, _transfer
+from trainguard.checkpoint.local._binding import (
+    Background,
+    Resources,
+    abandoned,
+    check_arguments,
+    clique_of,
+    dist_ranks,
+)
 from trainguard.checkpoint.local._pipeline import Place, SavePipeline, StagedSave
+from trainguard.checkpoint.local._remembered import Remembered
+from trainguard.checkpoint.local._spare import SparePrefetch
 from trainguard.checkpoint.local.replication import CliqueReplication, no_replication
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.writer import WriterProcess
@@ -48,15 +56,6 @@ __all__ = ["LocalCheckpointManager"]
 logger = logging.getLogger(__name__)
 
 _ATTEMPTS = 3  # loads in a row whose received copies fail their checksums before giving up
-
-
-def _ranks() -> tuple[int, int]:
-    """This rank and the world size from torch.distributed (0 and 1 when not initialized)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 class LocalCheckpointManager(Closing):
@@ -86,6 +85,13 @@ class LocalCheckpointManager(Closing):
       complete is decided once for every rank (:mod:`trainguard.coord.commit`), so every rank
       keeps the same iterations.
 
+    - Build it once per process and use it in every restart round: before each operation it
+      re-binds to a new round by itself (see :meth:`bind`), keeping its writer process,
+      buffers and files. :meth:`load` restores from the staging buffer when it still holds
+      this rank's part of the iteration (after an exception or a hang), reading no file.
+    - A spare (built with ``spare_roots``, before torch.distributed is initialized) copies the
+      newest complete iteration found under those roots into its root while it waits (see
+      :mod:`._spare`), so that taking over a rank needs no transfer.
     - The root is created with mode 0700 (parts are written 0600); a root owned by another
       user, writable by group or others, or that is not a directory raises
       :class:`ConfigError` here (see :mod:`._root`).
@@ -102,6 +108,9 @@ class LocalCheckpointManager(Closing):
         allow_replication_change: load iterations saved with another replication setting
             instead of raising :class:`CheckpointReplicationMismatchError`.
         key_prefix: prefix of this manager's store keys.
+        spare_roots: other ranks' roots this process can read, to prefetch from while it is a
+            spare (costs one iteration's parts of those roots in ``root``); None: off.
+        spare_interval: how often a spare looks for a newer iteration there.
     """
 
     def __init__(
@@ -119,80 +128,101 @@ class LocalCheckpointManager(Closing):
         writer_nice: int = 10,
         allow_replication_change: bool = False,
         key_prefix: str = "trainguard/local",
+        spare_roots: Sequence[str | os.PathLike[str]] | None = None,
+        spare_interval: _timeouts.Timeout = 1.0,
     ) -> None:
-        if replication is not None and not isinstance(replication, CliqueReplication):
-            raise ConfigError("replication must be a CliqueReplication(factor, jump) or None")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ConfigError(f"keep={keep!r}: keep at least 1 complete iteration")
-        if backend not in (None, "gloo", "nccl"):
-            raise ConfigError(f"backend={backend!r}; use 'gloo' (CPU) or 'nccl' (GPU)")
-        if backend == "nccl" and not torch.cuda.is_available():
-            raise ConfigError("backend='nccl' needs CUDA; use backend='gloo'")
-        if staging_threads is not None and staging_threads < 1:
-            raise ConfigError("staging_threads must be >= 1 (or None for the default)")
-        if not 0 <= writer_nice <= 19:
-            raise ConfigError("writer_nice must be between 0 and 19")
+        check_arguments(replication, keep, backend, staging_threads, writer_nice)
+        started = time.monotonic()
         self.timeout = _timeouts.seconds("timeout", timeout)
-        store, self.rank, self.world_size = _link.resolve(store, *_ranks())
-        if self.world_size > 1 and store is None:
-            raise ConfigError("several ranks need a store; initialize torch.distributed first")
+        interval = _timeouts.seconds("spare_interval", spare_interval)
+        _link.resolve(store, *dist_ranks())  # bad arguments fail here, before anything starts
         self.replication = replication or no_replication()
         self.setting = self.replication.describe()
-        self.clique = self._clique()
         self.root = os.path.abspath(os.fspath(root))
         self.keep = keep
         self.fsync = fsync
         self.allow_replication_change = allow_replication_change
+        self._backend = backend or "gloo"
+        self._key_prefix = key_prefix
         _root.prepare_root(self.root)
         self._inventory = _inventory.Inventory(self.root)
         self._closed = False
-        #: After :meth:`load`: ``{"iteration", "source", "bytes"}``, where ``source`` is
-        #: ``"local PATH"`` or ``"rank N"`` (the peer that sent this rank's part); after a
-        #: load with ``into``, ``source`` is ``"local"``, ``"ranks 1, 3"`` or ``"local + ranks
-        #: 3"`` and ``bytes_local``, ``bytes_received``, ``chunks`` and ``parts`` are added.
+        #: After :meth:`load`: ``{"iteration", "source", "bytes"}``; ``source`` is ``"memory"``,
+        #: ``"local PATH"`` or ``"rank N"`` (the peer that sent it); with ``into``: ``"local"``,
+        #: ``"ranks 1, 3"`` or ``"local + ranks 3"``, and ``bytes_local``, ``bytes_received``,
+        #: ``chunks`` and ``parts``.
         self.last_load: dict[str, Any] | None = None
-        link = None
-        if store is not None and self.world_size > 1:
-            link = _link.StoreLink.join(store, key_prefix=key_prefix, world_size=self.world_size)
-        self._link = link
-        self._store = link.client() if link is not None else None  # for gathers
-        self._channel = _transfer.Channel(backend or "gloo", self.timeout) if link else None
-        self._stager = Stager(
-            threads=staging_threads or min(4, os.cpu_count() or 1), pin=pin_memory
-        )
-        self._writer = WriterProcess(nice=writer_nice)
-        self._calls = 0
-        self._seq = 0
+        self._remembered: Remembered | None = None  # what the staging buffer holds
+        stager = Stager(threads=staging_threads or min(4, os.cpu_count() or 1), pin=pin_memory)
+        self._res = Resources(WriterProcess(nice=writer_nice), stager)
+        self._writer, self._stager = self._res.writer, stager
         try:
             self._writer.start()
-        except WriterDied as exc:
-            self._release(None)
-            raise CheckpointWriteError(str(exc)) from exc
-        place = Place(self.rank, self.world_size, self.root, self.setting, self.clique, keep, fsync)
-        self._pipeline = SavePipeline(
+            self._bind(store, explicit=store is not None, started=started)
+        except BaseException as exc:
+            self._res.free(pipeline_closed=False)
+            if isinstance(exc, WriterDied):
+                raise CheckpointWriteError(str(exc)) from exc
+            raise
+        if spare_roots and self._watch.unbound:
+            roots = [os.path.abspath(os.fspath(r)) for r in spare_roots]
+            self._res.prefetch = SparePrefetch(self.root, roots, interval, self._inventory)
+        self._release_when_collected(abandoned, self._res)
+
+    def _bind(self, store: Store | None, *, explicit: bool, started: float) -> None:
+        """Bind to this round: store, rank, world size, replication group, pipeline."""
+        self._watch = _link.RoundWatch(_link.default_group(), explicit=explicit)
+        store, self.rank, self.world_size = _link.resolve(store, *dist_ranks())
+        if self.world_size > 1 and store is None:
+            raise ConfigError("several ranks need a store; initialize torch.distributed first")
+        self.clique = clique_of(self.replication, self.rank, self.world_size, self._watch)
+        link = None
+        if store is not None and self.world_size > 1:
+            link = _link.StoreLink.join(
+                store, key_prefix=self._key_prefix, world_size=self.world_size
+            )
+        self._link = link
+        self._store = link.client() if link is not None else None  # for gathers
+        self._channel = self._res.channel = (
+            _transfer.Channel(self._backend, self.timeout) if link else None
+        )
+        # per round: a rank interrupted before a save the others made is not behind for good
+        self._calls = self._seq = 0
+        place = Place(
+            self.rank, self.world_size, self.root, self.setting, self.clique, self.keep, self.fsync
+        )
+        self._pipeline = self._res.pipeline = SavePipeline(
             place,
             writer=self._writer,
             inventory=self._inventory,
             channel=self._channel,
             link=link,
+            recv_buffers=self._res.recv_buffers,
         )
-        self._release_when_collected(
-            _abandoned, self._writer, self._stager, self._pipeline, self._channel
-        )
+        _link.setup_done("local", started, self.rank, self.world_size)
 
-    def _clique(self) -> list[int]:
-        clique = self.replication.clique_of(self.rank, self.world_size)
-        if len(clique) < self.replication.factor:
-            logger.warning(
-                "rank %d's clique %s has %d member(s) for factor %d (world size %d): its parts "
-                "have fewer copies",
-                self.rank,
-                clique,
-                len(clique),
-                self.replication.factor,
-                self.world_size,
-            )
-        return clique
+    def bind(self, store: Store | None = None) -> None:
+        """Re-bind this manager to a new round; every rank calls it together (it builds the
+        round's replication group, a collective over the default group).
+
+        Not needed with torch.distributed: before each operation the manager checks whether
+        the default process group changed (a restart round initialized it again) and re-binds
+        by itself. Call it when the manager was given a ``store``: pass the new round's (None:
+        the default group's). Waits for the previous round's background work (after a fault it
+        fails at once) and logs its errors, then takes the new round's store, rank and world
+        size. Writer process, buffers (what a restore from memory needs) and files are kept.
+        """
+        self._check_open()
+        started = time.monotonic()
+        self._res.stop_prefetch()
+        self._res.end_round()
+        self._bind(store, explicit=store is not None, started=started)
+
+    def _ensure_bound(self) -> None:
+        """Re-bind first when a new round began (see :meth:`bind`)."""
+        self._check_open()
+        if self._watch.changed():
+            self.bind()
 
     # ------------------------------------------------------------------ API
 
@@ -203,7 +233,7 @@ class LocalCheckpointManager(Closing):
         writing and replication run in the background. Waits first for the previous save's
         background work (the buffers are reused). Raises the error of an earlier failed save.
         """
-        self._check_open()
+        self._ensure_bound()
         if (
             isinstance(iteration, bool)
             or not isinstance(iteration, int)
@@ -220,6 +250,7 @@ class LocalCheckpointManager(Closing):
         flat = flatten(state, pickle=pickle)
         placed, nbytes = place(flat.entries)
         check_header_fits(placed, flat.skeleton)  # what a reader would refuse
+        self._remembered = None  # the buffer is about to change (an interrupt may land midway)
         buffer, retired = self._stager.ensure(nbytes)
         self._stager.stage(flat.entries, placed)
         job = StagedSave(
@@ -227,6 +258,7 @@ class LocalCheckpointManager(Closing):
         )
         self._seq += 1
         self._pipeline.submit(job)
+        self._remembered = Remembered(iteration, self.rank, job)
         _progress.mark()
         events.emit(
             "local_ckpt_save",
@@ -244,6 +276,7 @@ class LocalCheckpointManager(Closing):
         manager's). Every rank calls it (it reads the store only).
         """
         limit = _timeouts.optional_seconds("timeout", timeout)
+        self._ensure_bound()
         self._pipeline.wait(self.timeout if limit is None else limit)
 
     def find_latest(self) -> int | None:
@@ -258,7 +291,7 @@ class LocalCheckpointManager(Closing):
         :class:`CheckpointReplicationMismatchError` when that iteration was saved with another
         replication setting (unless ``allow_replication_change``).
         """
-        self._check_open()
+        self._ensure_bound()
         started = time.monotonic()
         self._pipeline.drain()
         parts = self._inventory.scan()
@@ -296,7 +329,7 @@ class LocalCheckpointManager(Closing):
         Tensors are views of a private memory map (or of the received bytes).
         :attr:`last_load` says which copy was used.
         """
-        self._check_open()
+        self._ensure_bound()
         started = time.monotonic()
         self._pipeline.drain()
         if into is not None:
@@ -314,10 +347,14 @@ class LocalCheckpointManager(Closing):
             transfers = _inventory.plan(chosen, self.world_size)
             mine = {p.owner: p for p in parts if p.iteration == chosen.iteration}
             own = mine.get(self.rank) if self.rank < chosen.saved_world else None
-            # this rank's own copy is hashed again while the transfers run
-            check = _Background(verify_path, own.path) if own is not None else None
+            memory = self._remembered
+            if own is None or memory is None or not memory.usable(chosen.iteration, self.rank):
+                memory = None
+            # this rank's own copy is hashed again while the transfers run (unless the staging
+            # buffer it was written from still holds it: then no file is read)
+            check = Background(verify_path, own.path) if own is not None and not memory else None
             received = self._transfer(chosen, transfers, mine)
-            state, bad = None, None
+            state, bad, kind = None, None, "file"
             if received is not None:
                 source, raw = received
                 try:
@@ -329,7 +366,10 @@ class LocalCheckpointManager(Closing):
                 except CheckpointCorruptError as exc:  # the sender's copy went bad unseen
                     logger.warning("%s", exc)
                     bad = [self.rank, source]
-                where, nbytes = f"rank {source}", len(raw)
+                where, nbytes, kind = f"rank {source}", len(raw), "peer"
+            elif memory is not None:
+                state = memory.restore(allow_pickle=allow_pickle)
+                where, nbytes, kind = "memory", memory.nbytes, "memory"
             elif own is not None and check is not None:
                 error = check.result()
                 if error is None:
@@ -362,7 +402,8 @@ class LocalCheckpointManager(Closing):
             iteration=chosen.iteration,
             requested=iteration,
             bytes=nbytes,
-            source=where,
+            source=kind,
+            copy=where,
             transfers=len(transfers),
             attempts=attempt + 1,
         )
@@ -408,19 +449,19 @@ class LocalCheckpointManager(Closing):
             return
         self._closed = True
         self._closed_explicitly()
-        self._pipeline.close()
-        self._release(self._pipeline)
-        self._pipeline.raise_errors()
+        self._res.stop_prefetch()
+        pipeline = self._pipeline
+        pipeline.close()
+        self._res.free(pipeline_closed=True)
+        self._channel = None
+        self._remembered = None
+        pipeline.raise_errors()
 
     # ------------------------------------------------------------------ internals
 
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this LocalCheckpointManager is closed; create a new one")
-
-    def _release(self, pipeline: SavePipeline | None) -> None:
-        _free(self._writer, self._stager, pipeline, self._channel)
-        self._channel = None
 
     def _gather(self, what: str, parts: list[_inventory.Part]) -> dict[int, dict[str, Any]]:
         return _inventory.holdings(self._gather_values(what, [p.report() for p in parts]))
@@ -451,47 +492,3 @@ class LocalCheckpointManager(Closing):
         return _transfer.move_parts(
             self._channel, chosen.iteration, chosen.sizes, transfers, paths, rank=self.rank
         )
-
-
-class _Background:
-    """Run ``fn(*args)`` in a thread; :meth:`result` returns the exception it raised, or None."""
-
-    def __init__(self, fn: Any, *args: Any) -> None:
-        self._error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                fn(*args)
-            except BaseException as exc:
-                self._error = exc
-
-        self._thread = threading.Thread(target=run, name="trainguard-verify", daemon=True)
-        self._thread.start()
-
-    def result(self) -> BaseException | None:
-        self._thread.join()
-        return self._error
-
-
-def _free(
-    writer: WriterProcess,
-    stager: Stager,
-    pipeline: SavePipeline | None,
-    channel: _transfer.Channel | None,
-) -> None:
-    """Stop the writer, free the buffers and the group (after ``pipeline.close()``)."""
-    writer.stop()
-    stager.close()
-    if pipeline is not None:
-        pipeline.release()
-    if channel is not None:
-        channel.close()
-
-
-def _abandoned(
-    writer: WriterProcess, stager: Stager, pipeline: SavePipeline, channel: _transfer.Channel | None
-) -> None:
-    """What a manager garbage-collected without close() runs (see Closing): close() without
-    raising the errors of its saves."""
-    pipeline.close()
-    _free(writer, stager, pipeline, channel)

@@ -1,0 +1,83 @@
+"""Moving an :class:`~trainguard.checkpoint.AsyncCheckpointer` from one round to the next.
+
+The checkpointer's writer process, staging buffer and background thread live as long as it
+does; its commit thread (:class:`~._commit.Committer`) belongs to one round: it counts parts in
+that round's store, for that round's world. :func:`retire` ends a round's commits: the saves
+still waiting for other ranks are given up (after a fault the round's store is gone and some
+rank may be dead: they could never commit), the commit thread stops, and the outcomes are
+taken off the result queue and logged, so that the next round does not raise them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from trainguard import events
+from trainguard.checkpoint._commit import Committer
+
+logger = logging.getLogger(__name__)
+
+
+class CommitterSlot:
+    """The committer of the round a checkpointer is bound to (None: a single process)."""
+
+    def __init__(self) -> None:
+        self.committer: Committer | None = None
+
+    def close(self) -> None:
+        committer, self.committer = self.committer, None
+        if committer is not None:
+            committer.close()
+
+
+def set_event(event: threading.Event) -> None:
+    """A job for the checkpointer's thread: it has handled every item queued before."""
+    event.set()
+
+
+def retire(
+    slot: CommitterSlot,
+    pending: list[Any],
+    results: queue.SimpleQueue[tuple[str, Any]],
+    timeout: float,
+) -> None:
+    """End the round of ``slot``'s committer; see the module docstring. ``pending`` are the
+    checkpointer's unfinished :class:`~._saves.SaveHandle`; ``results`` its result queue."""
+    committer = slot.committer
+    open_ = [h for h in pending if not h.finished.is_set()]
+    if committer is not None and open_:
+        committer.abandon([h.commit_key for h in open_], "abandoned: the round ended")
+        events.emit("ckpt_abandoned", paths=[h.path for h in open_])
+    deadline = time.monotonic() + timeout
+    for handle in open_:
+        if not handle.finished.wait(max(0.0, deadline - time.monotonic())):
+            logger.warning("the commit of %s did not end with its round", handle.path)
+    slot.close()
+    _discard(pending, results)
+
+
+def _discard(pending: list[Any], results: queue.SimpleQueue[tuple[str, Any]]) -> None:
+    """Take the finished saves' outcomes off ``results``: run their callbacks (in the calling,
+    training thread, as ``poll`` would), log the failures."""
+    while True:
+        try:
+            kind, job = results.get_nowait()
+        except queue.Empty:
+            return
+        if kind in ("failed", "committed"):
+            with contextlib.suppress(ValueError):
+                pending.remove(job.handle)
+        if kind == "failed":
+            logger.warning("a save of the previous round did not commit: %s", job.handle.error)
+            continue
+        callback = job.on_durable if kind == "durable" else job.on_commit
+        if callback is not None and job.handle.info is not None:
+            try:
+                callback(job.handle.info)
+            except Exception as exc:  # the user's; the new round must still start
+                logger.warning("a callback of %s raised: %s", job.handle.path, exc)
