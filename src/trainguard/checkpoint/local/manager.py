@@ -219,8 +219,9 @@ class LocalCheckpointManager(Closing):
         self._bind(store, explicit=store is not None, started=started)
 
     def _ensure_bound(self) -> None:
-        """Re-bind first when a new round began (see :meth:`bind`)."""
+        """Re-bind first when a new round began (see :meth:`bind`); a spare's prefetch ends."""
         self._check_open()
+        self._res.stop_prefetch()
         if self._watch.changed():
             self.bind()
 
