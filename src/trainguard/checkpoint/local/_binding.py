@@ -42,6 +42,15 @@ class Resources:
     channel: Channel | None = None
     prefetch: SparePrefetch | None = None
 
+    def channel_for(self, needed: bool, backend: str, timeout: float) -> Channel | None:
+        """The round's replication group, built on first need (``new_group``, a collective
+        over the default group: every rank must call it alike) and given to the pipeline."""
+        if needed and self.channel is None:
+            self.channel = Channel(backend, timeout)
+            if self.pipeline is not None:
+                self.pipeline.use_channel(self.channel)
+        return self.channel
+
     def stop_prefetch(self) -> None:
         if self.prefetch is not None:
             self.prefetch.stop()

@@ -183,9 +183,8 @@ class LocalCheckpointManager(Closing):
             )
         self._link = link
         self._store = link.client() if link is not None else None  # for gathers
-        self._channel = self._res.channel = (
-            _transfer.Channel(self._backend, self.timeout) if link else None
-        )
+        # the replication group is built on first need (a save that replicates, a transfer)
+        self._replicates = link is not None and self.replication.replicates(self.world_size)
         # per round: a rank interrupted before a save the others made is not behind for good
         self._calls = self._seq = 0
         place = Place(
@@ -195,7 +194,7 @@ class LocalCheckpointManager(Closing):
             place,
             writer=self._writer,
             inventory=self._inventory,
-            channel=self._channel,
+            channel=None,
             link=link,
             recv_buffers=self._res.recv_buffers,
         )
@@ -258,6 +257,7 @@ class LocalCheckpointManager(Closing):
             self._seq, iteration, flat.skeleton, placed, nbytes, buffer, retired, requested
         )
         self._seq += 1
+        self._group(self._replicates)
         self._pipeline.submit(job)
         self._remembered = Remembered(iteration, self.rank, job)
         _progress.mark()
@@ -454,7 +454,6 @@ class LocalCheckpointManager(Closing):
         pipeline = self._pipeline
         pipeline.close()
         self._res.free(pipeline_closed=True)
-        self._channel = None
         self._remembered = None
         pipeline.raise_errors()
 
@@ -463,6 +462,10 @@ class LocalCheckpointManager(Closing):
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this LocalCheckpointManager is closed; create a new one")
+
+    def _group(self, needed: bool) -> _transfer.Channel | None:
+        """This round's replication group, built when first ``needed`` (every rank alike)."""
+        return self._res.channel_for(needed, self._backend, self.timeout)
 
     def _gather(self, what: str, parts: list[_inventory.Part]) -> dict[int, dict[str, Any]]:
         return _inventory.holdings(self._gather_values(what, [p.report() for p in parts]))
@@ -490,6 +493,5 @@ class LocalCheckpointManager(Closing):
         mine: dict[int, _inventory.Part],
     ) -> tuple[int, Any] | None:
         paths = {owner: part.path for owner, part in mine.items()}
-        return _transfer.move_parts(
-            self._channel, chosen.iteration, chosen.sizes, transfers, paths, rank=self.rank
-        )
+        group, it = self._group(bool(transfers)), chosen.iteration
+        return _transfer.move_parts(group, it, chosen.sizes, transfers, paths, rank=self.rank)
