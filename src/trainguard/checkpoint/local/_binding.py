@@ -20,6 +20,7 @@ import torch
 
 from trainguard.checkpoint._link import RoundWatch
 from trainguard.checkpoint.local._pipeline import SavePipeline
+from trainguard.checkpoint.local._remembered import RestoreBuffer
 from trainguard.checkpoint.local._spare import SparePrefetch
 from trainguard.checkpoint.local._transfer import Channel
 from trainguard.checkpoint.local.replication import CliqueReplication
@@ -41,6 +42,7 @@ class Resources:
     pipeline: SavePipeline | None = None
     channel: Channel | None = None
     prefetch: SparePrefetch | None = None
+    restore: RestoreBuffer = dataclasses.field(default_factory=RestoreBuffer)
 
     def channel_for(self, needed: bool, backend: str, timeout: float) -> Channel | None:
         """The round's replication group, built on first need (``new_group``, a collective
@@ -84,6 +86,7 @@ class Resources:
         for buffer in self.recv_buffers.values():
             buffer.close()
         self.recv_buffers.clear()
+        self.restore.close()
         if self.channel is not None:
             self.channel.close()
         self.pipeline = self.channel = None

@@ -369,7 +369,7 @@ class LocalCheckpointManager(Closing):
                     bad = [self.rank, source]
                 where, nbytes, kind = f"rank {source}", len(raw), "peer"
             elif memory is not None:
-                state = memory.restore(allow_pickle=allow_pickle)
+                state = memory.restore(self._res.restore, allow_pickle=allow_pickle)
                 where, nbytes, kind = "memory", memory.nbytes, "memory"
             elif own is not None and check is not None:
                 error = check.result()
