@@ -45,10 +45,11 @@ def test_persistent_checkpointers_survive_twenty_faulted_rounds(tmp_path: Path) 
         assert after["children"] == [] and after["memfds"] == [] and after["mapped"] == 0
         assert not any(t.startswith("trainguard") for t in after["threads"]), after
     setups = [e for e in events if e["kind"] == "ckpt_setup"]
-    for kind in ("local", "async"):
+    # built once, then re-bound in every round it was used (the disk one in even rounds at
+    # least: in odd rounds the fault comes before its save)
+    for kind, used in (("local", ROUNDS + 1), ("async", ROUNDS // 2 + 1)):
         mine = [e for e in setups if e["checkpointer"] == kind]
-        # built once, then re-bound in every round it was used
-        assert len(mine) >= WORLD * (ROUNDS + 1), (kind, len(mine))
+        assert len(mine) >= WORLD * (used + 1), (kind, len(mine))
         assert all(e["duration"] >= 0 and e["world_size"] in (1, WORLD) for e in mine)
     loads = [e for e in events if e["kind"] == "local_ckpt_load"]
     assert {e["source"] for e in loads} <= {"memory", "file", "peer"}

@@ -20,6 +20,7 @@ import torch
 
 from trainguard.checkpoint._link import RoundWatch
 from trainguard.checkpoint.local._pipeline import SavePipeline
+from trainguard.checkpoint.local._remembered import RestoreBuffer
 from trainguard.checkpoint.local._spare import SparePrefetch
 from trainguard.checkpoint.local._transfer import Channel
 from trainguard.checkpoint.local.replication import CliqueReplication
@@ -41,6 +42,16 @@ class Resources:
     pipeline: SavePipeline | None = None
     channel: Channel | None = None
     prefetch: SparePrefetch | None = None
+    restore: RestoreBuffer = dataclasses.field(default_factory=RestoreBuffer)
+
+    def channel_for(self, needed: bool, backend: str, timeout: float) -> Channel | None:
+        """The round's replication group, built on first need (``new_group``, a collective
+        over the default group: every rank must call it alike) and given to the pipeline."""
+        if needed and self.channel is None:
+            self.channel = Channel(backend, timeout)
+            if self.pipeline is not None:
+                self.pipeline.use_channel(self.channel)
+        return self.channel
 
     def stop_prefetch(self) -> None:
         if self.prefetch is not None:
@@ -75,6 +86,7 @@ class Resources:
         for buffer in self.recv_buffers.values():
             buffer.close()
         self.recv_buffers.clear()
+        self.restore.close()
         if self.channel is not None:
             self.channel.close()
         self.pipeline = self.channel = None

@@ -122,6 +122,10 @@ class SavePipeline:
         self.last = job
         self._jobs.put(job)
 
+    def use_channel(self, channel: Channel) -> None:
+        """The replication group, built by the manager before the first save that needs it."""
+        self._channel = channel
+
     def drain(self) -> None:
         """Wait until the background thread is done with the last save."""
         if self.last is not None:

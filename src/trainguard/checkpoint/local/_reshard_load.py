@@ -193,7 +193,9 @@ def _fetch(
     needs = mgr._gather_values("needs", wanted)
     plan = plan_ranges({int(k): v for k, v in needs.items()}, chosen.holders)
     paths = {owner: part.path for owner, part in mine.items()}
-    got = _transfer.move_ranges(mgr._channel, chosen.iteration, plan, paths, rank=mgr.rank)
+    got = _transfer.move_ranges(
+        mgr._group(bool(plan)), chosen.iteration, plan, paths, rank=mgr.rank
+    )
     for i, (source, buf) in got.items():
         part, begin, end, _, _ = plan[i]
         try:

@@ -183,9 +183,8 @@ class LocalCheckpointManager(Closing):
             )
         self._link = link
         self._store = link.client() if link is not None else None  # for gathers
-        self._channel = self._res.channel = (
-            _transfer.Channel(self._backend, self.timeout) if link else None
-        )
+        # the replication group is built on first need (a save that replicates, a transfer)
+        self._replicates = link is not None and self.replication.replicates(self.world_size)
         # per round: a rank interrupted before a save the others made is not behind for good
         self._calls = self._seq = 0
         place = Place(
@@ -195,7 +194,7 @@ class LocalCheckpointManager(Closing):
             place,
             writer=self._writer,
             inventory=self._inventory,
-            channel=self._channel,
+            channel=None,
             link=link,
             recv_buffers=self._res.recv_buffers,
         )
@@ -219,8 +218,9 @@ class LocalCheckpointManager(Closing):
         self._bind(store, explicit=store is not None, started=started)
 
     def _ensure_bound(self) -> None:
-        """Re-bind first when a new round began (see :meth:`bind`)."""
+        """Re-bind first when a new round began (see :meth:`bind`); a spare's prefetch ends."""
         self._check_open()
+        self._res.stop_prefetch()
         if self._watch.changed():
             self.bind()
 
@@ -257,6 +257,7 @@ class LocalCheckpointManager(Closing):
             self._seq, iteration, flat.skeleton, placed, nbytes, buffer, retired, requested
         )
         self._seq += 1
+        self._group(self._replicates)
         self._pipeline.submit(job)
         self._remembered = Remembered(iteration, self.rank, job)
         _progress.mark()
@@ -368,7 +369,7 @@ class LocalCheckpointManager(Closing):
                     bad = [self.rank, source]
                 where, nbytes, kind = f"rank {source}", len(raw), "peer"
             elif memory is not None:
-                state = memory.restore(allow_pickle=allow_pickle)
+                state = memory.restore(self._res.restore, allow_pickle=allow_pickle)
                 where, nbytes, kind = "memory", memory.nbytes, "memory"
             elif own is not None and check is not None:
                 error = check.result()
@@ -453,7 +454,6 @@ class LocalCheckpointManager(Closing):
         pipeline = self._pipeline
         pipeline.close()
         self._res.free(pipeline_closed=True)
-        self._channel = None
         self._remembered = None
         pipeline.raise_errors()
 
@@ -462,6 +462,10 @@ class LocalCheckpointManager(Closing):
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this LocalCheckpointManager is closed; create a new one")
+
+    def _group(self, needed: bool) -> _transfer.Channel | None:
+        """This round's replication group, built when first ``needed`` (every rank alike)."""
+        return self._res.channel_for(needed, self._backend, self.timeout)
 
     def _gather(self, what: str, parts: list[_inventory.Part]) -> dict[int, dict[str, Any]]:
         return _inventory.holdings(self._gather_values(what, [p.report() for p in parts]))
@@ -489,6 +493,5 @@ class LocalCheckpointManager(Closing):
         mine: dict[int, _inventory.Part],
     ) -> tuple[int, Any] | None:
         paths = {owner: part.path for owner, part in mine.items()}
-        return _transfer.move_parts(
-            self._channel, chosen.iteration, chosen.sizes, transfers, paths, rank=self.rank
-        )
+        group, it = self._group(bool(transfers)), chosen.iteration
+        return _transfer.move_parts(group, it, chosen.sizes, transfers, paths, rank=self.rank)

@@ -80,6 +80,10 @@ class CliqueReplication:
                     out.append(members)
         return out
 
+    def replicates(self, world_size: int) -> bool:
+        """Whether some clique of a world of ``world_size`` has more than one member."""
+        return any(len(members) > 1 for members in self.cliques(world_size))
+
     def clique_of(self, rank: int, world_size: int) -> list[int]:
         """The members of ``rank``'s clique (``rank`` included), in rank order."""
         for members in self.cliques(world_size):
