@@ -23,9 +23,7 @@ def check_fault_run(results: list[RankResult], out: Path, steps: int) -> dict[st
     rounds = [(r["round"], r["rank"], r["resumed"]) for r in first["faulty"]["rounds"]]
     assert rounds == [(0, 0, None), (1, 0, 4), (2, 0, 8)], first["faulty"]["rounds"]
     assert first["faulty"]["rounds"][-1]["step"] == steps
-    assert [(r["round"], r["rank"], r["resumed"]) for r in spare["faulty"]["rounds"]] == [
-        (2, 1, 8)
-    ]
+    assert [(r["round"], r["rank"], r["resumed"]) for r in spare["faulty"]["rounds"]] == [(2, 1, 8)]
     assert spare["reference"]["rounds"] == []  # a spare that never trained
     assert [r["step"] for r in first["reference"]["rounds"]] == [steps]
     for final in (first["faulty"]["final"], spare["faulty"]["final"]):

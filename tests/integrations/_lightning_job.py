@@ -11,8 +11,8 @@ under the same Wrapper, without faults. Module level, so spawned ranks import it
 from __future__ import annotations
 
 import os
-import threading
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -119,9 +119,13 @@ class _Job:
                 local,
                 Probe(),
                 ModelCheckpoint(
-                    self.out / "lightning", every_n_train_steps=EVERY, save_top_k=2,
-                    monitor="step", mode="max", save_last=True,
-                ),  # fmt: skip
+                    self.out / "lightning",
+                    every_n_train_steps=EVERY,
+                    save_top_k=2,
+                    monitor="step",
+                    mode="max",
+                    save_last=True,
+                ),
             ],
             max_epochs=STEPS // EVERY,
             logger=False,
@@ -143,7 +147,7 @@ def lightning_job(out: str, ports: tuple[int, int]) -> dict[str, Any]:
     from trainguard.integrations.lightning import release_round
 
     results = {}
-    for (name, faults), port in zip((("reference", False), ("faulty", True)), ports):
+    for (name, faults), port in zip((("reference", False), ("faulty", True)), ports, strict=True):
         os.environ["MASTER_PORT"] = str(port)
         path = Path(out) / name
         path.mkdir(exist_ok=True)

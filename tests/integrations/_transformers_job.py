@@ -11,8 +11,8 @@ function under the same Wrapper without faults. Module level, so spawned ranks i
 from __future__ import annotations
 
 import os
-import threading
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +132,7 @@ def transformers_job(out: str, ports: tuple[int, int]) -> dict[str, Any]:
     from trainguard.integrations.transformers import release_round
 
     results = {}
-    for (name, faults), port in zip((("reference", False), ("faulty", True)), ports):
+    for (name, faults), port in zip((("reference", False), ("faulty", True)), ports, strict=True):
         os.environ["MASTER_PORT"] = str(port)
         path = Path(out) / name
         path.mkdir(exist_ok=True)

@@ -60,12 +60,12 @@ def new_round() -> None:
 def _rng_state() -> dict[str, Any]:
     """This process's random states, as tensors and plain values (no pickle needed)."""
     version, mt, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = numpy.random.get_state()
+    kind, keys, pos, has_gauss, cached = numpy.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "python": {"version": version, "mt": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
         "numpy": {
             "kind": kind,
-            "keys": torch.from_numpy(keys.astype(numpy.int64)),
+            "keys": torch.from_numpy(numpy.asarray(keys).astype(numpy.int64)),
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "cached": float(cached),
