@@ -9,13 +9,11 @@ behind ``ModelCheckpoint``. Rank 1 raises at step 6 of round 0; round 1 resumes 
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import socket
-import tempfile
 
 import lightning.pytorch as pl
 import torch
+from _ranks import start
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import trainguard.restart as tr
@@ -75,24 +73,8 @@ def train(root: str) -> None:
     release_round(strict=True)  # the last round's process group
 
 
-def rank_main(rank: int, port: int, root: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-    torch.set_num_threads(1)
-    train(root)
-
-
 def main() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = tempfile.mkdtemp(prefix="trainguard-lightning-")
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=rank_main, args=(r, port, root)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
+    root = start(train, 2, "trainguard-lightning-")
     print("ModelCheckpoint files:", sorted(os.listdir(f"{root}/lightning")))
 
 

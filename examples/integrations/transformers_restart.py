@@ -9,12 +9,8 @@ from ``callback.resume()``. Rank 1 raises at step 6 of round 0; round 1 resumes 
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import socket
-import tempfile
-
 import torch
+from _ranks import start
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 import trainguard.restart as tr
@@ -63,25 +59,5 @@ def train(root: str) -> None:
     release_round(strict=True)  # the last round's process group
 
 
-def rank_main(rank: int, port: int, root: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")  # fmt: skip
-    torch.set_num_threads(1)
-    train(root)
-
-
-def main() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = tempfile.mkdtemp(prefix="trainguard-transformers-")
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=rank_main, args=(r, port, root)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-
-
 if __name__ == "__main__":
-    main()
+    start(train, 2, "trainguard-transformers-")

@@ -1,13 +1,53 @@
-"""Assertions shared by the framework tests: rounds, faults, weights, leftovers."""
+"""What the framework tests share: the fault plan, the two runs of a job, the assertions."""
 
 from __future__ import annotations
 
+import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy
 
 from tests._dist import RankResult
+
+STEPS = 16  # 4 epochs of 4 steps: 16 samples, batch 2 per rank, 2 ranks
+EVERY = 4  # a local checkpoint per epoch
+RAISE_AT = (0, 0, 6)  # (round, process, step): resume from step 4
+KILL_AT = (1, 1, 10)  # resume from step 8, the spare (process 2) takes rank 1
+TIMEOUTS: dict[str, Any] = {
+    "barrier_timeout": 90,
+    "completion_timeout": 90,
+    "soft_timeout": 60.0,
+    "hard_timeout": 90.0,
+    "termination_grace_time": 1.0,
+    "heartbeat_interval": 0.5,
+    "heartbeat_timeout": 30.0,
+    "max_rounds": 4,
+}
+
+
+def run_both(make_job: Callable[[Path, bool], Any], out: str, ports: tuple[int, int]) -> Any:
+    """One process: the reference run, then the run with faults, of the job ``make_job`` builds
+    (each under a Wrapper of its own, on a store port of its own); results, rounds, threads."""
+    import trainguard.restart as tr
+    from trainguard.integrations._round import release_round
+
+    os.environ["TG_PROCESS"] = os.environ["RANK"]
+    results: dict[str, Any] = {}
+    for (name, faults), port in zip((("reference", False), ("faulty", True)), ports, strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        path = Path(out) / name
+        path.mkdir(exist_ok=True)
+        job = make_job(path, faults)
+        options = {**TIMEOUTS, "finalize": release_round}
+        options.update(rank_filter=tr.MaxActiveWorldSize(2), rank_assignment=tr.FillGaps())
+        final = tr.Wrapper(**options)(job)()
+        release_round(strict=True)
+        results[name] = {"final": final, "rounds": job.rounds}
+    results["threads"] = [t.name for t in threading.enumerate()]
+    return results
 
 
 def check_fault_run(results: list[RankResult], out: Path, steps: int) -> dict[str, Any]:

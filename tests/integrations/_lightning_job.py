@@ -12,28 +12,15 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import trainguard.restart as tr
+from tests.integrations._checks import EVERY, KILL_AT, RAISE_AT, STEPS, run_both
 
-STEPS = 16  # 4 epochs of 4 steps: 16 samples, batch 2 per rank, 2 ranks
-EVERY = 4
-RAISE_AT = (0, 0, 6)  # (round, process, step)
-KILL_AT = (1, 1, 10)
-TIMEOUTS: dict[str, Any] = {
-    "barrier_timeout": 90,
-    "completion_timeout": 90,
-    "soft_timeout": 60.0,
-    "hard_timeout": 90.0,
-    "termination_grace_time": 1.0,
-    "heartbeat_interval": 0.5,
-    "heartbeat_timeout": 30.0,
-    "max_rounds": 4,
-}
+__all__ = ["EVERY", "STEPS"]
 
 
 def _module() -> Any:
@@ -140,22 +127,6 @@ class _Job:
 
 
 def lightning_job(out: str, ports: tuple[int, int]) -> dict[str, Any]:
-    """One process: the reference run, then the run with faults (each a job of its own, on a
-    store port of its own); both results and rounds."""
+    """One process: the reference run, then the run with faults (see ``run_both``)."""
     torch.set_num_threads(1)
-    os.environ["TG_PROCESS"] = os.environ["RANK"]
-    from trainguard.integrations.lightning import release_round
-
-    results = {}
-    for (name, faults), port in zip((("reference", False), ("faulty", True)), ports, strict=True):
-        os.environ["MASTER_PORT"] = str(port)
-        path = Path(out) / name
-        path.mkdir(exist_ok=True)
-        job = _Job(path, faults)
-        options = {**TIMEOUTS, "finalize": release_round}
-        options.update(rank_filter=tr.MaxActiveWorldSize(2), rank_assignment=tr.FillGaps())
-        final = tr.Wrapper(**options)(job)()
-        release_round(strict=True)
-        results[name] = {"final": final, "rounds": job.rounds}
-    results["threads"] = [t.name for t in threading.enumerate()]
-    return results
+    return run_both(_Job, out, ports)  # type: ignore[no-any-return]

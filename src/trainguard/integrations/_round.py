@@ -11,6 +11,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from trainguard import _timeouts
+from trainguard.errors import ConfigError
+
 _lock = threading.Lock()
 _open: list[Any] = []  # this process's checkpointers opened by an integration, oldest first
 
@@ -42,3 +45,16 @@ def release_round(*_: Any, strict: bool = False) -> None:
         resources = list(_open)
         _open.clear()
     close_round(resources, strict=strict)
+
+
+def check_schedule(every_n_steps: Any, replication: Any, keep: Any, timeout: Any) -> None:
+    """Raise :class:`ConfigError` for a checkpoint schedule a callback cannot run."""
+    from trainguard.checkpoint.local.replication import CliqueReplication
+
+    if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+        raise ConfigError(f"every_n_steps={every_n_steps!r}: use a positive integer")
+    if replication is not None and not isinstance(replication, CliqueReplication):
+        raise ConfigError("replication must be a CliqueReplication(factor, jump) or None")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ConfigError(f"keep={keep!r}: keep at least 1 complete iteration")
+    _timeouts.seconds("timeout", timeout)

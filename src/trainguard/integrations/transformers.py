@@ -31,8 +31,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from trainguard import _timeouts
 from trainguard.checkpoint import CliqueReplication, LocalCheckpointManager
-from trainguard.errors import ConfigError
-from trainguard.integrations._round import release_round, track, untrack
+from trainguard.integrations._round import check_schedule, release_round, track, untrack
 
 __all__ = ["TrainguardCallback", "new_round", "release_round"]
 
@@ -126,15 +125,7 @@ class TrainguardCallback(TrainerCallback):
         timeout: _timeouts.Timeout = 300.0,
         **manager: Any,
     ) -> None:
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int):
-            raise ConfigError(f"every_n_steps={every_n_steps!r}: use a positive integer")
-        if every_n_steps < 1:
-            raise ConfigError(f"every_n_steps={every_n_steps}: use a positive integer")
-        if replication is not None and not isinstance(replication, CliqueReplication):
-            raise ConfigError("replication must be a CliqueReplication(factor, jump) or None")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ConfigError(f"keep={keep!r}: keep at least 1 complete iteration")
-        _timeouts.seconds("timeout", timeout)
+        check_schedule(every_n_steps, replication, keep, timeout)
         self.root = os.fspath(root)
         self.every_n_steps = every_n_steps
         self._options = {"replication": replication, "keep": keep, "timeout": timeout, **manager}
