@@ -8,11 +8,15 @@ document) can close them and the round's process group without the caller holdin
 
 from __future__ import annotations
 
+import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainguard import _timeouts
 from trainguard.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainguard.checkpoint import CliqueReplication, LocalCheckpointManager
 
 _lock = threading.Lock()
 _open: list[Any] = []  # this process's checkpointers opened by an integration, oldest first
@@ -58,3 +62,43 @@ def check_schedule(every_n_steps: Any, replication: Any, keep: Any, timeout: Any
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ConfigError(f"keep={keep!r}: keep at least 1 complete iteration")
     _timeouts.seconds("timeout", timeout)
+
+
+class LocalSchedule:
+    """The local-checkpoint part of a framework callback: where, how often, which manager.
+
+    Args:
+        root: this rank's local directory (``/dev/shm/...`` or a local NVMe).
+        every_n_steps: save after every this many optimizer steps.
+        replication: a :class:`~trainguard.checkpoint.CliqueReplication`, or None (one copy).
+        keep: complete iterations to keep.
+        timeout: how long a rank waits for the others (seconds or a ``timedelta``).
+        **manager: other keyword arguments of ``LocalCheckpointManager`` (``fsync``, ...).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        every_n_steps: int,
+        *,
+        replication: CliqueReplication | None = None,
+        keep: int = 2,
+        timeout: _timeouts.Timeout = 300.0,
+        **manager: Any,
+    ) -> None:
+        check_schedule(every_n_steps, replication, keep, timeout)
+        self.root = os.fspath(root)
+        self.every_n_steps = every_n_steps
+        self._options = {"replication": replication, "keep": keep, "timeout": timeout, **manager}
+        self.manager: LocalCheckpointManager | None = None
+        #: The step (iteration) this run resumed from, or None.
+        self.resumed_from: int | None = None
+        self._saved = -1
+
+    def _open(self) -> LocalCheckpointManager:
+        """The manager, opened (every rank together) on first use and tracked for the round."""
+        from trainguard.checkpoint import LocalCheckpointManager
+
+        if self.manager is None:
+            self.manager = track(LocalCheckpointManager(self.root, **self._options))
+        return self.manager

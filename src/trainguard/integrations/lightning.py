@@ -32,11 +32,10 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 
-from trainguard import _timeouts
-from trainguard.checkpoint import AsyncCheckpointer, CliqueReplication, LocalCheckpointManager
+from trainguard.checkpoint import AsyncCheckpointer
 from trainguard.checkpoint import load as load_checkpoint
 from trainguard.errors import ConfigError
-from trainguard.integrations._round import check_schedule, release_round, track, untrack
+from trainguard.integrations._round import LocalSchedule, release_round, track, untrack
 
 __all__ = [
     "AsyncCheckpointIO",
@@ -146,7 +145,7 @@ class AsyncCheckpointIO(CheckpointIO):
             checkpointer.close()
 
 
-class LocalCheckpointCallback(pl.Callback):
+class LocalCheckpointCallback(LocalSchedule, pl.Callback):
     """Local replicated checkpoints every ``every_n_steps`` optimizer steps; resume from them.
 
     Protocol (every rank runs the same callbacks, as Lightning does):
@@ -168,15 +167,10 @@ class LocalCheckpointCallback(pl.Callback):
     A mid-epoch resume is exact only with a resumable (stateful) dataloader, Lightning's rule;
     with ``every_n_steps`` a multiple of the steps per epoch any dataloader resumes exactly.
 
-    Args:
-        root: this rank's local directory (``/dev/shm/...`` or a local NVMe; ranks of a node may
-            share it).
-        every_n_steps: save after every this many optimizer steps (``trainer.global_step``).
-        replication: a :class:`~trainguard.checkpoint.CliqueReplication`, or None (one copy).
-        keep: complete iterations to keep.
-        timeout: how long a rank waits for the others (seconds or a ``timedelta``).
-        pickle: allow leaves JSON cannot hold (arbitrary ``hparams``); loading allows it too.
-        **manager: other keyword arguments of ``LocalCheckpointManager`` (``fsync``, ...).
+    Args: those of :class:`~trainguard.integrations._round.LocalSchedule` (``root``,
+    ``every_n_steps`` counted in ``trainer.global_step``, ``replication``, ``keep``,
+    ``timeout``, other ``LocalCheckpointManager`` arguments), and ``pickle``: allow leaves
+    JSON cannot hold (arbitrary ``hparams``); loading allows it too.
     """
 
     def __init__(
@@ -184,37 +178,27 @@ class LocalCheckpointCallback(pl.Callback):
         root: str | os.PathLike[str],
         every_n_steps: int,
         *,
-        replication: CliqueReplication | None = None,
-        keep: int = 2,
-        timeout: _timeouts.Timeout = 300.0,
         pickle: bool = False,
-        **manager: Any,
+        **options: Any,
     ) -> None:
-        check_schedule(every_n_steps, replication, keep, timeout)
-        self.root = os.fspath(root)
-        self.every_n_steps = every_n_steps
+        super().__init__(root, every_n_steps, **options)
         self.pickle = pickle
-        self._options = {"replication": replication, "keep": keep, "timeout": timeout, **manager}
-        self.manager: LocalCheckpointManager | None = None
-        #: The step (iteration) this fit resumed from, or None.
-        self.resumed_from: int | None = None
-        self._saved = -1
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         if self.manager is not None:
             raise ConfigError("a LocalCheckpointCallback serves one fit; build a new one")
-        self.manager = track(LocalCheckpointManager(self.root, **self._options))
-        found = self.manager.find_latest()
+        manager = self._open()
+        found = manager.find_latest()
         if found is None:
             return
-        checkpoint = self.manager.load(found, allow_pickle=self.pickle)
+        checkpoint = manager.load(found, allow_pickle=self.pickle)
         # what fit(ckpt_path=...) would have loaded: Lightning restores everything from it
         trainer._checkpoint_connector._loaded_checkpoint = checkpoint
         self.resumed_from = found
         self._saved = found
-        logger.info("resuming from local checkpoint of step %d (%s)", found, self.manager.last_load)
+        logger.info("resuming from local checkpoint of step %d (%s)", found, manager.last_load)
 
     def on_train_batch_end(
         self,

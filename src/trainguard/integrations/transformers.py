@@ -29,9 +29,7 @@ import numpy
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from trainguard import _timeouts
-from trainguard.checkpoint import CliqueReplication, LocalCheckpointManager
-from trainguard.integrations._round import check_schedule, release_round, track, untrack
+from trainguard.integrations._round import LocalSchedule, release_round, untrack
 
 __all__ = ["TrainguardCallback", "new_round", "release_round"]
 
@@ -90,7 +88,7 @@ def _trainer_rng(saved: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class TrainguardCallback(TrainerCallback):
+class TrainguardCallback(LocalSchedule, TrainerCallback):
     """Save the training state as local replicated checkpoints every ``every_n_steps`` steps.
 
     Protocol (every rank of the job, as the Trainer runs callbacks on every rank):
@@ -106,38 +104,10 @@ class TrainguardCallback(TrainerCallback):
     - ``on_train_end`` waits until the last save is durable with all its copies and closes the
       manager. After a fault, :func:`release_round` (the Wrapper's ``finalize``) closes it.
 
-    Args:
-        root: this rank's local directory (``/dev/shm/...`` or a local NVMe).
-        every_n_steps: save after every this many optimizer steps (``state.global_step``).
-        replication: a :class:`~trainguard.checkpoint.CliqueReplication`, or None (one copy).
-        keep: complete iterations to keep.
-        timeout: how long a rank waits for the others (seconds or a ``timedelta``).
-        **manager: other keyword arguments of ``LocalCheckpointManager`` (``fsync``, ...).
+    Args: those of :class:`~trainguard.integrations._round.LocalSchedule` (``root``,
+    ``every_n_steps`` counted in ``state.global_step``, ``replication``, ``keep``, ``timeout``,
+    other ``LocalCheckpointManager`` arguments).
     """
-
-    def __init__(
-        self,
-        root: str | os.PathLike[str],
-        every_n_steps: int,
-        *,
-        replication: CliqueReplication | None = None,
-        keep: int = 2,
-        timeout: _timeouts.Timeout = 300.0,
-        **manager: Any,
-    ) -> None:
-        check_schedule(every_n_steps, replication, keep, timeout)
-        self.root = os.fspath(root)
-        self.every_n_steps = every_n_steps
-        self._options = {"replication": replication, "keep": keep, "timeout": timeout, **manager}
-        self.manager: LocalCheckpointManager | None = None
-        #: The step (iteration) :meth:`resume` found, or None.
-        self.resumed_from: int | None = None
-        self._saved = -1
-
-    def _open(self) -> LocalCheckpointManager:
-        if self.manager is None:
-            self.manager = track(LocalCheckpointManager(self.root, **self._options))
-        return self.manager
 
     def resume(self) -> str | None:
         """A Trainer checkpoint directory of the newest local iteration, or None; every rank."""
