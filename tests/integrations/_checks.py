@@ -1,0 +1,75 @@
+"""What the framework tests share: the fault plan, the two runs of a job, the assertions."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy
+
+from tests._dist import RankResult
+
+STEPS = 16  # 4 epochs of 4 steps: 16 samples, batch 2 per rank, 2 ranks
+EVERY = 4  # a local checkpoint per epoch
+RAISE_AT = (0, 0, 6)  # (round, process, step): resume from step 4
+KILL_AT = (1, 1, 10)  # resume from step 8, the spare (process 2) takes rank 1
+TIMEOUTS: dict[str, Any] = {
+    "barrier_timeout": 90,
+    "completion_timeout": 90,
+    "soft_timeout": 60.0,
+    "hard_timeout": 90.0,
+    "termination_grace_time": 1.0,
+    "heartbeat_interval": 0.5,
+    "heartbeat_timeout": 30.0,
+    "max_rounds": 4,
+}
+
+
+def run_both(make_job: Callable[[Path, bool], Any], out: str, ports: tuple[int, int]) -> Any:
+    """One process: the reference run, then the run with faults, of the job ``make_job`` builds
+    (each under a Wrapper of its own, on a store port of its own); results, rounds, threads."""
+    import trainguard.restart as tr
+    from trainguard.integrations._round import release_round
+
+    os.environ["TG_PROCESS"] = os.environ["RANK"]
+    results: dict[str, Any] = {}
+    for (name, faults), port in zip((("reference", False), ("faulty", True)), ports, strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        path = Path(out) / name
+        path.mkdir(exist_ok=True)
+        job = make_job(path, faults)
+        options = {**TIMEOUTS, "finalize": release_round}
+        options.update(rank_filter=tr.MaxActiveWorldSize(2), rank_assignment=tr.FillGaps())
+        final = tr.Wrapper(**options)(job)()
+        release_round(strict=True)
+        results[name] = {"final": final, "rounds": job.rounds}
+    results["threads"] = [t.name for t in threading.enumerate()]
+    return results
+
+
+def check_fault_run(results: list[RankResult], out: Path, steps: int) -> dict[str, Any]:
+    """The run with faults went as planned, and ended with the reference's weights.
+
+    Process 0 raised at step 6 of round 0 (round 1 resumed from step 4), process 1 was
+    SIGKILLed at step 10 of round 1, and the spare (process 2) took rank 1 in round 2, which
+    resumed from step 8 and ended at ``steps``. Returns process 0's values."""
+    assert (out / "faulty" / "killed").exists(), "the victim was not killed"
+    assert results[1].exitcode == -9, results[1]
+    values = {r.rank: r.get() for r in results if r.rank != 1}
+    first, spare = values[0], values[2]
+    rounds = [(r["round"], r["rank"], r["resumed"]) for r in first["faulty"]["rounds"]]
+    assert rounds == [(0, 0, None), (1, 0, 4), (2, 0, 8)], first["faulty"]["rounds"]
+    assert first["faulty"]["rounds"][-1]["step"] == steps
+    assert [(r["round"], r["rank"], r["resumed"]) for r in spare["faulty"]["rounds"]] == [(2, 1, 8)]
+    assert spare["reference"]["rounds"] == []  # a spare that never trained
+    assert [r["step"] for r in first["reference"]["rounds"]] == [steps]
+    for final in (first["faulty"]["final"], spare["faulty"]["final"]):
+        assert sorted(final) == sorted(first["reference"]["final"])
+        for key, value in first["reference"]["final"].items():
+            assert numpy.array_equal(final[key], value), f"{key} differs from the reference"
+    for value in values.values():
+        assert not [t for t in value["threads"] if t != "MainThread"], value["threads"]
+    return first
