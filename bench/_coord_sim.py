@@ -163,16 +163,15 @@ def _spawn(target: Callable[..., None], args: tuple[Any, ...]) -> threading.Thre
     return thread
 
 
-def rounds(sim: Sim, reps: int) -> dict[str, Any]:
-    """``reps`` restart rounds after a fault, then ``reps`` after a death notice.
+def rounds(sim: Sim, reps: int, *, budget: float = 600.0) -> dict[str, Any]:
+    """Up to ``reps`` restart rounds after a fault, then up to ``reps`` after a death notice
+    (each kind stops repeating once it took ``budget`` seconds; at least one of each).
 
     Returns per repetition: fault/notice -> every rank saw the outcome, -> every rank read its
     assignment; the layout's bytes; store operations per rank per round; and whether every
     rank's assignment was consistent (the same layout, its own rank where the layout puts it).
     """
     n = sim.n
-    victims = [n - 1 - 8 * j for j in range(reps)]  # one per notice repetition
-    last_round = {v: reps + j for j, v in enumerate(victims)}  # the round the victim dies in
     total = 2 * reps + 1
     seen = [[0.0] * n for _ in range(total)]
     got = [[0.0] * n for _ in range(total)]
@@ -186,50 +185,57 @@ def rounds(sim: Sim, reps: int) -> dict[str, Any]:
         try:
             for k in range(total):
                 if k > 0:
-                    wait_forever(store, sim.keys.stop(k - 1))
+                    outcome = RoundOutcome.decode(wait_forever(store, sim.keys.stop(k - 1)))
                     seen[k][i] = time.monotonic()
+                    if outcome.why == "end" or (outcome.type == "RankGone" and outcome.rank == i):
+                        return  # the simulation is over, or this rank "died" (its notice)
                 ready = session.barrier(k, leaving=None, fault=None, progress=True)
                 got[k][i] = time.monotonic()
                 assert ready is not None
                 active = ready["active"]
                 position = active.index(i) if i in active else -1
                 assigned[k][i] = (position, len(active), hash(tuple(active)))
-                if last_round.get(i) == k:
-                    return  # dies in round k: its notice follows
         except Exception as exc:  # reported, never left waiting
             errors.append(f"rank {i}: {type(exc).__name__}: {exc}")
 
     threads = [_spawn(rank, (i,)) for i in range(n)]
     out: dict[str, list[float]] = {"fault": [], "fault_aware": [], "notice": [], "notice_aware": []}
+    ops_per_rank: list[float] = []
     layout_bytes: list[int] = []
-    _wait_round(got[0], range(n), errors)  # round 0: the start, not timed
-    for k in range(1, total):
-        live = [i for i in range(n) if last_round.get(i, total) >= k]
-        before = [c[0] for c in counters]
-        t0 = time.monotonic()
-        if k <= reps:
-            kind = "fault"
-            sim.main.compare_set(
-                sim.keys.stop(k - 1), "", RoundOutcome.fault(0, "simulated", "Sim").encode()
-            )
-        else:
-            kind = "notice"
-            victim = victims[k - reps - 1]
-            roster = tuple(i for i in range(n) if last_round.get(i, total) >= k - 1)
-            write_notice(sim.client(), sim.sidecar_config(victim), victim, k - 1, roster, "dead")
-        _wait_round(got[k], live, errors)
-        out[kind + "_aware"].append(max(seen[k][i] for i in live) - t0)
-        out[kind].append(max(got[k][i] for i in live) - t0)
-        layout_bytes.append(len(bytes(sim.main.get(sim.keys.latest))))
-        ops = sum(c[0] for c in counters) - sum(before)
-        out.setdefault("ops_per_rank", []).append(ops / len(live))  # type: ignore[arg-type]
+    live = list(range(n))
+    _wait_round(got[0], live, errors)  # round 0: the start, not timed
+    k, spent = 1, {"fault": 0.0, "notice": 0.0}
+    for kind in ("fault", "notice"):
+        for rep in range(reps):
+            if rep and spent[kind] > budget:
+                break
+            before = sum(c[0] for c in counters)
+            t0 = time.monotonic()
+            if kind == "fault":
+                fault = RoundOutcome.fault(0, "simulated", "Sim")
+                sim.main.compare_set(sim.keys.stop(k - 1), "", fault.encode())
+            else:
+                victim = live[-1 - 8 * rep % len(live)]
+                config = sim.sidecar_config(victim)
+                write_notice(sim.client(), config, victim, k - 1, tuple(live), "dead")
+                live.remove(victim)
+            _wait_round(got[k], live, errors)
+            out[kind + "_aware"].append(max(seen[k][i] for i in live) - t0)
+            out[kind].append(max(got[k][i] for i in live) - t0)
+            spent[kind] += time.monotonic() - t0
+            layout_bytes.append(len(bytes(sim.main.get(sim.keys.latest))))
+            ops_per_rank.append((sum(c[0] for c in counters) - before) / len(live))
+            k += 1
+    sim.main.compare_set(sim.keys.stop(k - 1), "", RoundOutcome.end("over").encode())
     for thread in threads:
         thread.join(60.0)
     return {
         **out,
+        "ops_per_rank": ops_per_rank,
         "layout_bytes": layout_bytes,
-        "consistent": _consistent(assigned) and not errors,
-        "roster": [i for i in range(n) if i not in last_round],
+        "consistent": _consistent(assigned[:k]) and not errors,
+        "roster": live,
+        "last_round": k - 1,
         "errors": errors[:5],
     }
 

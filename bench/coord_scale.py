@@ -41,7 +41,7 @@ BASELINE = "2737cfd"
 SILENT = range(8, 16)  # node 1: eight consecutive ranks go silent
 
 
-def measure(n: int, reps: int, interval: float, timeout: float) -> dict[str, Any]:
+def measure(n: int, reps: int, interval: float, timeout: float, budget: float) -> dict[str, Any]:
     """One size, in this process (whatever ``trainguard`` is on the path)."""
     import logging
 
@@ -52,7 +52,7 @@ def measure(n: int, reps: int, interval: float, timeout: float) -> dict[str, Any
     sim = _coord_sim.Sim(n, heartbeat_interval=interval, heartbeat_timeout=timeout)
     try:
         start = time.monotonic()
-        rounds = _coord_sim.rounds(sim, reps)
+        rounds = _coord_sim.rounds(sim, reps, budget=budget)
         out: dict[str, Any] = {
             "n": n,
             "round_s": summarize(rounds["fault"]),
@@ -65,7 +65,7 @@ def measure(n: int, reps: int, interval: float, timeout: float) -> dict[str, Any
             "errors": rounds["errors"],
             "rounds_wall_s": time.monotonic() - start,
         }
-        roster, last = rounds["roster"], 2 * reps
+        roster, last = rounds["roster"], rounds["last_round"]
         live = _coord_sim.liveness(sim, roster, last, silent=SILENT, sweeps=1, sample=8)
         if live["sweep_s"] < 0.8 * interval:
             sweeps = int(timeout / interval) + 8
@@ -88,7 +88,7 @@ def run_baseline(rev: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         cmd = [sys.executable, __file__, "--child", str(out), "--no-baseline", "--sizes"]
         cmd += [str(n) for n in args.sizes]
         cmd += ["--reps", str(args.reps), "--interval", str(args.interval)]
-        cmd += ["--timeout", str(args.timeout)]
+        cmd += ["--timeout", str(args.timeout), "--budget", str(args.budget)]
         subprocess.run(cmd, env=env, check=True)
         result: list[dict[str, Any]] = json.loads(out.read_text())
         return result
@@ -173,13 +173,16 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--interval", type=float, default=1.0, help="heartbeat_interval, s")
     parser.add_argument("--timeout", type=float, default=3.0, help="heartbeat_timeout, s")
+    parser.add_argument(
+        "--budget", type=float, default=60.0, help="s per kind of round and size, then stop"
+    )
     parser.add_argument("--baseline", default=BASELINE, help="git revision to compare with")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     current = []
     for n in args.sizes:
-        m = measure(n, args.reps, args.interval, args.timeout)
+        m = measure(n, args.reps, args.interval, args.timeout, args.budget)
         print(f"N={n}: round p50 {m['round_s']['p50']:.3f} s ...", file=sys.stderr, flush=True)
         current.append(m)
     if args.child:
