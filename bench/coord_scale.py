@@ -66,7 +66,7 @@ def measure(n: int, reps: int, interval: float, timeout: float, budget: float) -
             "rounds_wall_s": time.monotonic() - start,
         }
         roster, last = rounds["roster"], rounds["last_round"]
-        live = _coord_sim.liveness(sim, roster, last, silent=SILENT, sweeps=1, sample=8)
+        live = _coord_sim.liveness(sim, roster, last, silent=SILENT, sweeps=2, sample=8)
         if live["sweep_s"] < 0.8 * interval:
             sweeps = int(timeout / interval) + 8
             live = _coord_sim.liveness(sim, roster, last, silent=SILENT, sweeps=sweeps)
