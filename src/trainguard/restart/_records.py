@@ -61,7 +61,7 @@ def _expand(value: object) -> list[int] | None:
     out: list[int] = []
     for item in value:
         if _is_rank(item):
-            out.append(item)  # type: ignore[arg-type]
+            out.append(item)
             continue
         if not (
             isinstance(item, list)
