@@ -110,17 +110,24 @@ class RoundBook:
         published = bytes(self.store.compare_set(self.keys.ready(n), "", payload))
         if published == payload:
             self.store.set(self.keys.latest, payload)
-            self._delete_round(n - 1)  # after publishing: off the others' critical path
+            self._delete_round(n - 1, published)  # after publishing: off the others' path
         elif admitted:
             self._recount(admitted, published)
         return published
 
     def enter(self, ready: dict[str, Any]) -> None:
-        """Follow the published round ``ready``: its ranks are the next barrier's roster."""
+        """Follow the published round ``ready``: its ranks are the next barrier's roster.
+
+        A rank (``writer`` >= 0) then deletes its own record of the round before: every rank
+        deletes its own (one operation each), the publisher only those of the ranks that the
+        round does not hold (:meth:`_delete_round`)."""
         self.previous_roster = self.roster
         self.roster = tuple(ready["active"]) + tuple(ready["spare"])
         self.gone = {int(k): v for k, v in ready["gone"].items()}
         self.repeats = Repeats.decode(ready.get("repeats"))
+        if self.writer >= 0 and ready["round"] > 0:
+            with contextlib.suppress(Exception):  # best effort: a missing key is fine
+                self.store.delete_key(self.keys.member(ready["round"] - 1, self.writer))
 
     def _lay_out(self, n: int) -> tuple[bytes, list[int]]:
         """Run by the last arriver: read every record, apply the policies; the layout to
@@ -169,8 +176,8 @@ class RoundBook:
         payload = encode(
             {
                 "round": n,
-                "active": list(layout.active) if end is None else [],
-                "spare": list(layout.spares) if end is None else sorted(present),
+                "active": _records.runs(layout.active) if end is None else [],
+                "spare": _records.runs(layout.spares if end is None else sorted(present)),
                 "gone": {str(k): v for k, v in gone.items()},
                 "faults": {str(k): v for k, v in faults.items()},
                 "pg": pg.decode(),
@@ -210,11 +217,17 @@ class RoundBook:
             if r not in holds:
                 self.count_out(r)
 
-    def _delete_round(self, n: int) -> None:
-        """Delete round ``n``'s keys: every rank of it has reached round ``n+1``'s barrier."""
+    def _delete_round(self, n: int, published: bytes) -> None:
+        """Delete round ``n``'s keys: every rank of it has reached round ``n+1``'s barrier.
+        Its fixed keys, and the records of its ranks that round ``n+1`` (``published``) does
+        not hold; each rank it holds deletes its own on entering it (:meth:`enter`), so that
+        this costs the publisher O(ranks gone), not O(ranks)."""
         if n < 0:
             return
-        for key in self.keys.round_keys(n, self.previous_roster):
+        ready = _records.layout(published)
+        holds = set(ready["active"]) | set(ready["spare"])
+        keys = self.keys.round_keys(n, [r for r in self.previous_roster if r not in holds])
+        for key in keys:
             with contextlib.suppress(Exception):
                 self.store.delete_key(key)
 

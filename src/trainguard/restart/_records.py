@@ -4,6 +4,12 @@ Anyone who can write to the store could leave any bytes under a key, and a rank 
 act on a value it misread: :func:`layout` returns a published round layout or raises
 :class:`~trainguard.errors.CoordinationError` saying what is wrong with it, :func:`record`
 returns a rank's barrier record or None for one that is unreadable.
+
+A layout's rank lists (``active``, ``spare``) travel as runs (:func:`runs`): a rank ``r`` or a
+pair ``[a, b]`` for the ranks ``a..b`` in that order, so that the usual layout (ranks in order,
+a few gone) costs bytes in the number of gaps, not in the number of ranks: every rank reads the
+whole layout each round, and at thousands of ranks a list of every rank would be most of the
+store's traffic. :func:`layout` expands them back into plain lists.
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ from typing import Any
 from trainguard.coord.store import parse_addr
 from trainguard.errors import ConfigError, CoordinationError
 
-__all__ = ["layout", "record"]
+__all__ = ["layout", "record", "runs"]
+
+_MAX_RANKS = 1 << 22  # a run list that expands to more ranks than this is not a layout
 
 
 def _load(raw: bytes | str) -> object:
@@ -29,8 +37,47 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def runs(ranks: list[int] | tuple[int, ...]) -> list[int | list[int]]:
+    """``ranks`` as runs: each maximal ascending step-1 stretch of 3 or more ranks becomes
+    ``[first, last]``, the other ranks stay as they are (inverse: :func:`_expand`)."""
+    out: list[int | list[int]] = []
+    i, n = 0, len(ranks)
+    while i < n:
+        j = i
+        while j + 1 < n and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        if j - i >= 2:
+            out.append([ranks[i], ranks[j]])
+        else:
+            out.extend(ranks[i : j + 1])
+        i = j + 1
+    return out
+
+
+def _expand(value: object) -> list[int] | None:
+    """A run list (see :func:`runs`) as the ranks it stands for; None when it is not one."""
+    if not isinstance(value, list):
+        return None
+    out: list[int] = []
+    for item in value:
+        if _is_rank(item):
+            out.append(item)
+            continue
+        if not (
+            isinstance(item, list)
+            and len(item) == 2
+            and _is_rank(item[0])
+            and _is_rank(item[1])
+            and item[0] <= item[1]
+            and len(out) + item[1] - item[0] < _MAX_RANKS
+        ):
+            return None
+        out.extend(range(item[0], item[1] + 1))
+    return out if len(out) <= _MAX_RANKS else None
+
+
 def _ranks(value: object) -> bool:
-    return isinstance(value, list) and all(_is_rank(r) for r in value)
+    return _expand(value) is not None
 
 
 def _why_by_rank(value: object) -> bool:
@@ -78,6 +125,8 @@ def layout(raw: bytes | str) -> dict[str, Any]:
     if isinstance(doc, dict):
         bad = [name for name, ok in _LAYOUT.items() if not ok(doc.get(name))]
         if not bad:
+            doc["active"] = _expand(doc["active"])
+            doc["spare"] = _expand(doc["spare"])
             return doc
         problem = "bad " + ", ".join(bad)
     else:

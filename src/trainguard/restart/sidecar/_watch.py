@@ -24,14 +24,33 @@ TCPStore operation on a server that stopped answering blocks far past its timeou
   ``group_kill`` a SIGCONT goes first (a stopped process cannot handle SIGTERM) and every signal
   goes to the process group the training process leads, if it leads one.
 - ``tg-beats`` (sidecar only): counts this rank's counter up every ``heartbeat_interval`` and
-  reads the others' counters (one ``multi_get``); a rank whose counter did not move for
-  ``heartbeat_timeout`` by this process's clock is gone: a ``tg-notice`` thread with its own
-  connection writes the notice, so a notice waiting on a barrier never stops the beats. A
-  value that is not a counter counts as a counter that does not move.
+  reads the counters of the ranks it observes (one ``multi_get``); a rank whose counter did not
+  move for ``heartbeat_timeout`` by this process's clock is gone: a ``tg-notice`` thread with a
+  connection of its own (opened for the notice) writes the notice, so a notice waiting on a
+  barrier never stops the beats. A value that is not a counter counts as a counter that does
+  not move.
+
+Who observes whom (O(N) store traffic in all, not O(N^2)): the ranks of the current round in
+initial-rank order form a ring, and each sidecar observes the :data:`WINDOW` ranks that follow
+its own on it, leaving out the ranks it declared gone or that said goodbye (so its window moves
+on past them). Each rank is thus observed by the ``WINDOW`` ranks before it: losing any few
+observers blinds nobody, and a node (consecutive initial ranks, as torchrun hands them out) of
+up to ``WINDOW - 1`` ranks lost at once still has live observers of each of its ranks that
+started their clocks before it went silent, so all of them are declared within
+``heartbeat_timeout`` (plus one interval of judging). A longer silent run is declared a window
+at a time (one more ``heartbeat_timeout`` per ``WINDOW`` ranks). Every observer that finds a
+rank silent writes its notice: the notice is idempotent, the first one counts the rank out.
+Per interval each sidecar makes two store operations (``set``, ``multi_get`` of ``WINDOW``
+keys).
+
+The sidecar holds one store connection (beats, its goodbye, its own rank's death notice: a
+TCPStore client serializes its operations), plus one per notice about another rank while it
+is written.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import logging
@@ -48,6 +67,9 @@ from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._notice import Notice, write_notice
 
 logger = logging.getLogger("trainguard.restart.sidecar")
+
+#: how many ranks each sidecar observes (the ones after it on the ring, see the module doc)
+WINDOW = 16
 
 
 class Watch:
@@ -80,7 +102,7 @@ class Watch:
         self.group_kill = group_kill
         self.killer = killer
         self.coord: Any = connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
-        self.beat_store: Any = self.coord.clone() if heartbeats else None
+        self.beat_store: Any = self.coord if heartbeats else None  # one connection for both
         self.pidfd = os.pidfd_open(self.parent)
         self.lock = threading.Lock()  # guards the fields below, shared by the threads
         self.round = -1
@@ -99,12 +121,11 @@ class Watch:
         self.declared: set[int] = set()
         self.last_beat = time.monotonic()
         self.sent = 0  # this rank's heartbeat counter
+        # the observed ranks for (round, how many declared), and the counters known to exist
+        self.window: tuple[tuple[int, int], list[int]] = ((-2, 0), [])
+        self.ensured: set[int] = set()
         if heartbeats:
-            # Every counter must exist so that reading them never blocks on a missing key. Not
-            # by add(): a TCPStore server drops the connection of an add to a value that is no
-            # number.
-            for r in range(self.world):
-                self.coord.compare_set(self.keys.heartbeat(r), "", b"0")
+            self.ensure([self.rank])
 
     # lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -209,15 +230,38 @@ class Watch:
             except Exception as exc:
                 logger.warning("heartbeat failed: %s", exc)
 
+    def ensure(self, ranks: list[int]) -> None:
+        """Make the counters of ``ranks`` exist, so that reading them never blocks on a missing
+        key. Not by add(): a TCPStore server drops the connection of an add to a value that is
+        no number."""
+        for r in ranks:
+            if r not in self.ensured:
+                self.beat_store.compare_set(self.keys.heartbeat(r), "", b"0")
+                self.ensured.add(r)
+
+    def observed(self, n: int, roster: tuple[int, ...]) -> list[int]:
+        """The ranks this sidecar observes in round ``n`` (see the module docstring)."""
+        key = (n, len(self.declared))
+        if self.window[0] == key:
+            return self.window[1]
+        ring = sorted(r for r in roster if r != self.rank and r not in self.declared)
+        start = bisect.bisect_right(ring, self.rank)
+        window = (ring[start:] + ring[:start])[:WINDOW]
+        self.window = (key, window)
+        return window
+
     def beat(self) -> None:
         store = self.beat_store
         asked = time.monotonic()
         self.sent += 1  # set, not add: whatever another writer left there is overwritten
         store.set(self.keys.heartbeat(self.rank), str(self.sent))
         n, roster = self.position()
-        others = [r for r in roster if r != self.rank and r not in self.declared]
-        if not others or n < 0:  # judged once every rank passed the first barrier
+        if n < 0:  # judged once every rank passed the first barrier
             return
+        others = self.observed(n, roster)
+        if not others:
+            return
+        self.ensure(others)
         values = store.multi_get([self.keys.heartbeat(r) for r in others])
         now = time.monotonic()
         timeout = self.cfg.heartbeat_timeout
@@ -226,7 +270,8 @@ class Watch:
             # got no CPU): that time says nothing about the others. Start their clocks afresh.
             self.seen = {}
         self.last_beat = asked
-        self.seen = {r: v for r, v in self.seen.items() if r in roster}
+        watched = set(others)  # a rank that comes back into the window starts afresh
+        self.seen = {r: v for r, v in self.seen.items() if r in watched}
         for r, raw in zip(others, values, strict=True):
             if bytes(raw) == b"bye":  # that rank finished normally
                 self.declared.add(r)
