@@ -190,8 +190,9 @@ class _Round:
             self.acted = "taken out"
             take_out.verdict = why
             logger.warning("rank %d: %s; it leaves the job", irank, why)
-            outcome = RoundOutcome.fault(irank, why, "Straggler")
-            coord.compare_set(session.keys.stop(n), "", outcome.encode())
+            outcome = RoundOutcome.fault(irank, why, "Straggler").encode()
+            if bytes(coord.compare_set(session.keys.stop(n), "", outcome)) == outcome:
+                events.emit("fault", error=why, type="Straggler")
         finally:
             del coord
         return self.acted
