@@ -11,8 +11,7 @@ import torch.distributed as dist
 
 from trainguard.errors import ConfigError, StragglerError
 from trainguard.restart import WrapperConfig
-from trainguard.stragglers import Stragglers, TakeOutStragglers, section
-from trainguard.stragglers import _timing
+from trainguard.stragglers import Stragglers, TakeOutStragglers, _timing, section
 from trainguard.stragglers.scores import entry_line, individual, parse_entries, relative
 
 

@@ -69,9 +69,7 @@ class Timer:
         self.on_window = on_window
         self.cuda = _cuda_in_use() if cuda is None else cuda
         self.samples: dict[str, collections.deque[float]] = {}
-        self.pending: collections.deque[tuple[str, Any, Any]] = collections.deque(
-            maxlen=4 * window
-        )
+        self.pending: collections.deque[tuple[str, Any, Any]] = collections.deque(maxlen=4 * window)
         self.steps = 0
         self._last: float | None = None
 
