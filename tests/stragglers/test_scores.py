@@ -23,11 +23,17 @@ def test_relative_score_names_the_slow_section_against_the_fastest_rank() -> Non
     }
     scores = relative(entries, floor=0.0)
     assert scores[1].section == "compute" and scores[1].fastest_rank == 0
-    assert scores[1].score == pytest.approx(0.050 / 0.065)
+    assert scores[1].score == pytest.approx(0.075 / 0.090)  # floor: a quarter of the step
     assert scores[0].score == pytest.approx(1.0) and scores[2].score > 0.98
     # the floor keeps microsecond sections from turning noise into scores
     tiny = relative({0: {"x": 1e-6}, 1: {"x": 3e-6}}, floor=0.0005)
     assert tiny[1].score > 0.99
+    # and so does a quarter of the fastest step: 2 ms more of a 100 ms step is no straggler
+    short = relative({0: {"step": 0.1, "io": 0.001}, 1: {"step": 0.1, "io": 0.003}}, floor=0)
+    assert short[1].score == pytest.approx(0.026 / 0.028)
+    assert relative({0: {"step": 0.1}, 1: {"step": 0.2}}, 0)[1].score == pytest.approx(
+        0.125 / 0.225
+    )
 
 
 def test_individual_score_compares_with_the_rank_s_own_best() -> None:

@@ -5,8 +5,10 @@ rank and the median time of each section over its recent samples):
 
 - **relative score** of a rank on a section: ``(fastest + floor) / (own + floor)``, where
   ``fastest`` is the smallest median of that section over the ranks that published it. 1.0 is
-  the fastest rank; 0.5 takes twice as long. ``floor`` (seconds) keeps sections of a few
-  microseconds from turning timer noise into large ratios. A rank's relative score is its
+  the fastest rank; 0.5 takes twice as long. ``floor`` is the ``floor`` setting (seconds)
+  plus :data:`STEP_SHARE` of the fastest rank's median step time: a section too short to
+  matter for the step cannot turn timer noise into a low score (a section that adds a
+  quarter of a step to one rank still scores about 0.8). A rank's relative score is its
   lowest over the sections, and that section is the one it is slow in.
 - **individual score**: the same ratio against the rank's own best median of the section in
   earlier windows (a whole job that slows down lowers everyone's individual score, and no
@@ -23,7 +25,20 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["RankScore", "individual", "parse_entries", "relative"]
+from trainguard.stragglers._timing import STEP
+
+__all__ = [
+    "STEP_SHARE",
+    "RankScore",
+    "entry_line",
+    "individual",
+    "parse_entries",
+    "relative",
+    "slowest",
+]
+
+#: the share of the fastest median step time added to each ratio's floor
+STEP_SHARE = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +64,7 @@ def relative(entries: Mapping[int, Mapping[str, float]], floor: float) -> dict[i
         for name, value in medians.items():
             if name not in fastest or value < fastest[name][0]:
                 fastest[name] = (value, rank)
+    floor += STEP_SHARE * fastest.get(STEP, (0.0, 0))[0]
     out = {}
     for rank, medians in entries.items():
         worst: RankScore | None = None
