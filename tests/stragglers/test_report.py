@@ -27,17 +27,22 @@ def _events(named: bool) -> list[dict[str, Any]]:
             evs.append({"time": t, "kind": "straggler", "rank": 2, "round": 0, "host": "node9",
                         "window": w, "section": "compute", "relative": slow - w / 100,
                         "individual": 0.5, "action": "reported"})  # fmt: skip
+    if named:  # a one-window blip of another rank
+        evs.append({"time": t, "kind": "straggler", "rank": 1, "round": 0, "host": "h",
+                    "window": 6, "section": "step", "relative": 0.84, "action": "reported"})  # fmt: skip
     return evs
 
 
 def test_report_lists_the_slowest_ranks_and_the_named_straggler(tmp_path: Path) -> None:
     rep = report.analyze(_events(named=True))
-    (named,) = rep.stragglers["ranks"]
+    named, blip = rep.stragglers["ranks"]
+    assert blip["rank"] == 1 and blip["windows"] == 1
     assert named["rank"] == 2 and named["windows"] == 4 and named["host"] == "node9"
     assert named["worst"] == pytest.approx(0.64) and named["first"] == pytest.approx(3.0)
     text = report.format_table(rep)
     assert "stragglers: 1 rank named slower than the others" in text
     assert "rank 2 on node9: 4 windows from 3.0 s, section 'compute'" in text
+    assert "below the threshold in one window only: rank 1 (step, 0.84)" in text
     quiet = report.format_table(report.analyze(_events(named=False)))
     assert "stragglers: none named in 6 scored windows; slowest: rank 2 0.97 (compute)" in quiet
     pytest.importorskip("matplotlib")

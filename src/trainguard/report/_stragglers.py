@@ -77,11 +77,16 @@ def lines(part: dict[str, Any]) -> list[str]:
             f"stragglers: none named in {plural(part['windows'], 'scored window')}"
             + (f"; slowest: {slow}" if slow else "")
         ]
-    out = [f"stragglers: {plural(len(ranks), 'rank')} named slower than the others, slowest first"]
-    for r in ranks:
+    steady = [r for r in ranks if r["windows"] > 1] or ranks[:1]
+    once = [r for r in ranks if r not in steady]
+    out = [f"stragglers: {plural(len(steady), 'rank')} named slower than the others, slowest first"]
+    for r in steady:
         out.append(
             f"  rank {r['rank']} on {r['host']}: {plural(r['windows'], 'window')} from "
             f"{r['first']:.1f} s, section {r['section']!r}, relative score {r['relative']:.2f} "
             f"(worst {r['worst']:.2f}); {r['action']}"
         )
+    if once:
+        blips = ", ".join(f"rank {r['rank']} ({r['section']}, {r['worst']:.2f})" for r in once)
+        out.append(f"  below the threshold in one window only: {blips}")
     return out
