@@ -40,7 +40,7 @@ from trainguard.errors import ConfigError
 
 KINDS = ("exception", "hang", "kill", "lostdir", "slow")
 SLOW_S = 0.02  #: what a ``slow`` fault adds to each step of its process (seconds)
-DEFAULT_SCHEDULE = "exception@45:1,hang@95:2,kill@150:3,lostdir@215:0"
+DEFAULT_SCHEDULE = "exception@45:1,hang@95:2,kill@150:3,lostdir@215:0,slow@240:1"
 
 _ITEM = re.compile(r"^\s*([a-z]+)\s*@\s*(\d+)\s*:\s*(\d+)\s*$")
 
