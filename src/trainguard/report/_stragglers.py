@@ -18,7 +18,7 @@ __all__ = ["lines", "summary"]
 
 
 def summary(events: list[dict[str, Any]], t0: float) -> dict[str, Any]:
-    """``{"windows": scored windows, "ranks": [...]}``: the ranks named, slowest first, each
+    """``{"windows": scored windows, "ranks": [...]}``: the ranks named, most windows first, each
     with ``rank``, ``host``, ``windows`` (named in), ``first`` (s from ``t0``), ``relative``
     (median over those windows), ``worst``, ``section`` and ``action`` (the last one); or,
     when none was named, the slowest ranks of the scored windows (``named`` False)."""
@@ -44,7 +44,10 @@ def summary(events: list[dict[str, Any]], t0: float) -> dict[str, Any]:
             }
             for rank, scores in seen.items()
         ]
-    ranks.sort(key=lambda r: (r["relative"], r["rank"]))
+    if named:  # the most persistent first
+        ranks.sort(key=lambda r: (-r["windows"], r["worst"], r["rank"]))
+    else:
+        ranks.sort(key=lambda r: (r["relative"], r["rank"]))
     return {"windows": scored, "ranks": ranks[:5] if not named else ranks}
 
 
@@ -79,7 +82,9 @@ def lines(part: dict[str, Any]) -> list[str]:
         ]
     steady = [r for r in ranks if r["windows"] > 1] or ranks[:1]
     once = [r for r in ranks if r not in steady]
-    out = [f"stragglers: {plural(len(steady), 'rank')} named slower than the others, slowest first"]
+    out = [
+        f"stragglers: {plural(len(steady), 'rank')} named slower than the others, most often first"
+    ]
     for r in steady:
         out.append(
             f"  rank {r['rank']} on {r['host']}: {plural(r['windows'], 'window')} from "
