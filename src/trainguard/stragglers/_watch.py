@@ -12,7 +12,9 @@ the function and :meth:`StragglerWatch.stop` after it, whatever happened):
    them. In a synchronous job every live rank published ``k-1`` before any rank ends ``k``.
 3. From those entries it computes the scores (:mod:`.scores`); the rank whose relative score
    is below the threshold emits a ``straggler`` event, and the round's rank 0 emits
-   ``straggler_window`` (the slowest ranks, who is missing) and deletes window ``k-2``.
+   ``straggler_window`` (the slowest ranks, who is missing) and deletes window ``k-8`` (a
+   rank that far behind finds its previous window gone, checks first and skips it: a
+   ``get`` of a missing key would wait).
 4. With :class:`~trainguard.stragglers.TakeOutStragglers`: after ``windows`` straggling
    windows in a row it claims a removal (rate limit, coordination store) and records the
    fault ``Straggler`` for the round; the policy then takes the rank out at the health check.
@@ -46,6 +48,7 @@ __all__ = ["StragglerWatch"]
 logger = logging.getLogger(__name__)
 
 _MAX_RANK = 1 << 24  # initial ranks read back from the store must be below this
+_KEEP = 8  # rank 0 deletes window k - _KEEP at window k: a rank that far behind skips a window
 
 
 class StragglerWatch:
@@ -124,15 +127,16 @@ class _Round:
         store.append(f"{self.prefix}{k}", entry_line(irank, medians))
         self.mine[k] = medians
         prev = self.mine.pop(k - 1, None)
-        if prev is None:
+        key = f"{self.prefix}{k - 1}"
+        if prev is None or not store.check([key]):  # a rank far behind: rank 0 deleted it
             return
-        entries = parse_entries(store.get(f"{self.prefix}{k - 1}"), _MAX_RANK)
+        entries = parse_entries(store.get(key), _MAX_RANK)
         scores = relative(entries, self.watch.cfg.floor)
         own, where = individual(prev, self.watch.best, self.watch.cfg.floor)
         if self.state.rank == 0:
             self._summary(k - 1, scores, own)
-            if k >= 3:
-                store.delete_key(f"{self.prefix}{k - 2}")
+            if k > _KEEP:
+                store.delete_key(f"{self.prefix}{k - _KEEP}")
         mine = scores.get(irank)
         if mine is None or mine.score >= self.watch.cfg.threshold:
             self.below = 0
