@@ -30,7 +30,7 @@ def detect_job(events_dir: str) -> dict[str, Any]:
     events.configure(events_dir)
 
     @tr.Wrapper(
-        stragglers=Stragglers(every=EVERY, threshold=0.9),
+        stragglers=Stragglers(every=EVERY, threshold=0.87),
         barrier_timeout=60,
         completion_timeout=60,
         soft_timeout=20,

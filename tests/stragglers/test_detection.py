@@ -36,7 +36,7 @@ def test_names_the_slow_rank_only_and_never_waits_for_a_hung_one(tmp_path) -> No
     first = min(e["window"] for e in named)
     assert first_slow <= first <= first_slow + 2, named
     assert all(e["section"] == "compute" and e["action"] == "reported" for e in named)
-    assert all(0.6 < e["relative"] < 0.9 for e in named)
+    assert all(0.6 < e["relative"] < 0.87 for e in named)
     slow_windows = [e for e in windows if first_slow <= e["window"] < hang_window]
     assert all(e["named"] in ([], [_jobs.SLOW]) for e in slow_windows), slow_windows
     assert sum(e["named"] == [_jobs.SLOW] for e in slow_windows) >= len(slow_windows) / 2
