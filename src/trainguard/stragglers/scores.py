@@ -9,7 +9,8 @@ rank and the median time of each section over its recent samples):
   plus :data:`STEP_SHARE` of the fastest rank's median step time: a section too short to
   matter for the step cannot turn timer noise into a low score (a section that adds a
   quarter of a step to one rank still scores about 0.8). A rank's relative score is its
-  lowest over the sections, and that section is the one it is slow in.
+  lowest over the sections (the step time counts only for a rank that names none), and that
+  section is the one it is slow in.
 - **individual score**: the same ratio against the rank's own best median of the section in
   earlier windows (a whole job that slows down lowers everyone's individual score, and no
   one's relative score).
@@ -68,7 +69,12 @@ def relative(entries: Mapping[int, Mapping[str, float]], floor: float) -> dict[i
     out = {}
     for rank, medians in entries.items():
         worst: RankScore | None = None
+        # with named sections the step time does not count here: in a synchronous job every
+        # rank's step lasts as long as the slowest's, and what differs is scheduling noise
+        named = any(name != STEP for name in medians)
         for name, value in sorted(medians.items()):
+            if named and name == STEP:
+                continue
             best, who = fastest[name]
             score = _ratio(best, value, floor)
             if worst is None or score < worst.score:
