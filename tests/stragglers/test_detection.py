@@ -44,8 +44,10 @@ def test_names_the_slow_rank_only_and_never_waits_for_a_hung_one(tmp_path) -> No
     (began,) = _of(evs, "test_hang")
     (ended,) = _of(evs, "test_hang_end")
     during = [e for e in windows if began["time"] < e["time"] < ended["time"]]
-    assert len(during) >= 5, (len(during), windows[-3:])
-    assert all(_jobs.HUNG in e["missing"] for e in during[1:])
+    # (the first ones may still hold what it published before it hung)
+    without = [e for e in during if _jobs.HUNG in e["missing"]]
+    assert len(without) >= 5, (len(during), during[-3:])
+    assert _jobs.HUNG in during[-1]["missing"]
 
 
 def test_policy_replaces_one_persistent_straggler_and_keeps_to_its_rate_limit(tmp_path) -> None:
