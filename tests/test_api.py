@@ -32,6 +32,8 @@ PACKAGES = [
     "trainguard.report",
     "trainguard.restart",
     "trainguard.restart.policy",
+    "trainguard.stragglers",
+    "trainguard.stragglers.config",
 ]
 
 

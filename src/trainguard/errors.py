@@ -9,7 +9,9 @@ Every error the library raises on purpose derives from :class:`TrainguardError`:
     ├── RestartError             in-process restart could not continue (too few ranks, ...)
     │   ├── JobEndedError        another rank ended the job (KeyboardInterrupt, SystemExit)
     │   ├── RetryLimitError      max_rounds or min_active_world_size of RetryController hit
-    │   └── SidecarLostError     this rank's sidecar process died; the rank left the job
+    │   ├── SidecarLostError     this rank's sidecar process died; the rank left the job
+    │   └── StragglerError       this rank stayed much slower than the others; the
+    │                            straggler policy took it out of the job
     └── CheckpointError          a checkpoint could not be written, committed or loaded
         ├── CheckpointWriteError         staging, writing or committing failed (disk full,
         │                                permission denied, writer killed, a rank failed)
@@ -52,6 +54,7 @@ __all__ = [
     "RestartError",
     "RetryLimitError",
     "SidecarLostError",
+    "StragglerError",
     "TrainguardError",
     "WriterDied",
 ]
@@ -123,6 +126,12 @@ class RetryLimitError(RestartError):
 
 class SidecarLostError(RestartError):
     """This rank's sidecar process died: the rank left the job rather than run unwatched."""
+
+
+class StragglerError(RestartError):
+    """This rank stayed slower than the others for too long: the straggler policy
+    (:class:`~trainguard.stragglers.TakeOutStragglers`) took it out of the job, and a spare
+    takes its number at the next round."""
 
 
 class CheckpointError(TrainguardError):

@@ -135,6 +135,9 @@ class _Run:
             self.guard_end = max(self.guard_end or t, t)
         elif kind == "idle":
             self.idle.add(msg[1])
+        elif kind == "straggler":  # taken out by the straggler policy; a spare takes over
+            self.killed.add(msg[1])
+            self.show.line(f"  process {msg[1]} left the job: {msg[2].splitlines()[0]}")
         elif kind == "error":
             _, process, text = msg
             self.errors.append(f"process {process}: {text}")

@@ -13,7 +13,11 @@ rank that holds number ``RANK`` when it is about to run step ``STEP``. Kinds:
     takes the rank's number);
 ``lostdir``
     the rank's node-local checkpoint directory is deleted and the rank raises, so the next
-    round must recover that rank's part from a replica on a peer.
+    round must recover that rank's part from a replica on a peer;
+``slow``
+    the rank's process sleeps :data:`SLOW_S` in its data section of every step from then on
+    (a straggler: no error, the heartbeats are fine). Straggler detection names it; with
+    ``--take-out-stragglers`` it leaves the job and a spare takes its number.
 
 A running demo can be asked for more (:func:`request`, :func:`hold`, :func:`release`: files
 under ``<run>/faults/requested`` that each rank lists before each step).
@@ -34,8 +38,9 @@ from pathlib import Path
 
 from trainguard.errors import ConfigError
 
-KINDS = ("exception", "hang", "kill", "lostdir")
-DEFAULT_SCHEDULE = "exception@45:1,hang@95:2,kill@150:3,lostdir@215:0"
+KINDS = ("exception", "hang", "kill", "lostdir", "slow")
+SLOW_S = 0.02  #: what a ``slow`` fault adds to each step of its process (seconds)
+DEFAULT_SCHEDULE = "exception@45:1,hang@95:2,kill@150:3,lostdir@215:0,slow@240:1"
 
 _ITEM = re.compile(r"^\s*([a-z]+)\s*@\s*(\d+)\s*:\s*(\d+)\s*$")
 
@@ -156,7 +161,10 @@ def requested(run_dir: str | os.PathLike[str]) -> Requests:
 
 
 def inject(fault: Fault) -> None:
-    """Carry out ``fault`` in this process (``lostdir``'s deletion is the caller's part)."""
+    """Carry out ``fault`` in this process (``lostdir``'s deletion and ``slow``'s sleeps are
+    the caller's part)."""
+    if fault.kind == "slow":
+        return
     if fault.kind == "exception":
         raise InjectedFault(f"injected exception on rank {fault.rank} at step {fault.step}")
     if fault.kind == "hang":

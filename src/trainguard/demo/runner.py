@@ -79,6 +79,12 @@ def add_parser(sub: Any) -> None:
         help="each step lasts at least this many seconds (default 0; --launch: 0.1, so that "
         "respawned processes and the replacement node start while the job trains)",
     )
+    p.add_argument(
+        "--take-out-stragglers",
+        action="store_true",
+        help="a rank that stays much slower than the others (a `slow` fault) leaves the job "
+        "and a spare takes its number (default: stragglers are only reported)",
+    )
     p.add_argument("--perturb", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=command)
 
@@ -140,6 +146,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         hard_timeout=max(10.0, 3 * args.soft_timeout),
         perturb=args.perturb,
         step_time=step_time,
+        take_out_stragglers=args.take_out_stragglers,
     )
 
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainguard.demo import faults as _faults
 from trainguard.demo._channel import Channel, PipeChannel
+from trainguard.errors import StragglerError
 
 if TYPE_CHECKING:
     from trainguard.checkpoint import AsyncCheckpointer, LocalCheckpointManager
@@ -58,6 +59,7 @@ class DemoConfig:
     heartbeat_timeout: float = 5.0
     perturb: bool = False  # test hook: flip one bit of one parameter after the first restore
     step_time: float = 0.0  # a step lasts at least this long (seconds): faults land mid-run
+    take_out_stragglers: bool = False  # a persistent straggler leaves, a spare takes over
 
     @property
     def world(self) -> int:
@@ -128,9 +130,14 @@ def guarded_wrapper(
     hard_timeout: float,
     heartbeat_timeout: float,
     finalize: Any,
+    take_out_stragglers: bool = False,
 ) -> Any:
-    """The demo's Wrapper: ``ranks`` active ranks, spares fill gaps, the job never shrinks."""
+    """The demo's Wrapper: ``ranks`` active ranks, spares fill gaps, the job never shrinks;
+    stragglers are reported (and taken out with ``take_out_stragglers``)."""
     from trainguard import restart as tr
+    from trainguard.stragglers import Stragglers, TakeOutStragglers
+
+    take_out = TakeOutStragglers(windows=3) if take_out_stragglers else None
 
     return tr.Wrapper(
         rank_assignment=tr.FillGaps(),
@@ -143,6 +150,7 @@ def guarded_wrapper(
         heartbeat_interval=0.5,
         heartbeat_timeout=heartbeat_timeout,
         finalize=finalize,
+        stragglers=Stragglers(every=10, take_out=take_out),
     )
 
 
@@ -164,6 +172,7 @@ class _Guarded:
         self.process = process
         self.channel = channel
         self.lose_root = False  # set by a `lostdir` fault, carried out before the next round
+        self.slow = False  # set by a `slow` fault
         self.perturbed = False
         # built once, used in every round (they re-bind to each round by themselves)
         self.local, self.disk = self._open_checkpointers(cfg.local_root(process))
@@ -282,7 +291,10 @@ class _Guarded:
         for step in range(first, cfg.steps):
             self._maybe_inject(call, step)
             t0 = time.monotonic()
-            x, y = m.batch(model.task, model.teacher, step, call.rank)
+            with call.section("data"):
+                x, y = m.batch(model.task, model.teacher, step, call.rank)
+                if self.slow:  # a `slow` fault: this process straggles from then on
+                    time.sleep(_faults.SLOW_S)
             lr = m.learning_rate(model.task, step, cfg.steps)
             loss = m.train_step(net, opt, x, y, call.world_size, lr)
             if cfg.step_time > 0:  # a longer step, as if the model were larger
@@ -334,6 +346,7 @@ class _Guarded:
             self.send("fault", fault.kind, step, call.rank, self.process, call.round, time.time())
             if fault.kind == "lostdir":
                 self.lose_root = True
+            self.slow = self.slow or fault.kind == "slow"
             _faults.inject(fault)
 
 
@@ -397,6 +410,7 @@ def run_process(
             hard_timeout=cfg.hard_timeout,
             heartbeat_timeout=cfg.heartbeat_timeout,
             finalize=guarded.release,
+            take_out_stragglers=cfg.take_out_stragglers,
         )
         try:
             result = wrapper(guarded)()
@@ -406,6 +420,8 @@ def run_process(
         guarded.close(strict=True)
         if result is None:
             channel.send("idle", process, time.time())
+    except StragglerError as exc:  # taken out by the straggler policy: not a failure
+        channel.send("straggler", process, str(exc), time.time())
     except BaseException as exc:
         channel.send("error", process, f"{type(exc).__name__}: {exc}")
         raise

@@ -59,6 +59,8 @@ from trainguard.report._launch import (
     summary,
     target,
 )
+from trainguard.report._stragglers import lines as straggler_lines
+from trainguard.report._stragglers import summary as straggler_summary
 from trainguard.report._timeline import (
     DETECTION_KINDS,
     Span,
@@ -80,8 +82,9 @@ _PHASE_NAMES = {
 }
 
 # injections that do not end a round by themselves (a deleted local checkpoint directory is only
-# noticed at the next load): never taken as the moment of the round's fault
-PASSIVE_INJECTIONS = frozenset({"lostdir"})
+# noticed at the next load; a slowdown is no fault until a policy acts on it): never taken as
+# the moment of the round's fault
+PASSIVE_INJECTIONS = frozenset({"lostdir", "slow"})
 MAX_FAULT_ROWS = 20  # the table details this many faults and sums up the others in one row
 
 
@@ -132,6 +135,8 @@ class Report:
     notes: list[str]
     # ``trainguard launch``'s events (see trainguard.report._launch.summary), by time
     launcher: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # ranks named slower than the others (see trainguard.report._stragglers.summary)
+    stragglers: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -292,6 +297,7 @@ def analyze(events: list[dict[str, Any]]) -> Report:
         faults=faults,
         notes=notes,
         launcher=summary(tl.events, t0),
+        stragglers=straggler_summary(tl.events, t0),
     )
 
 
@@ -355,5 +361,6 @@ def format_table(report: Report) -> str:
     else:
         lines.append(f"goodput: {100 * report.goodput:.1f} % (productive / wall)")
     lines += section(report.launcher)
+    lines += straggler_lines(report.stragglers)
     lines += [f"note: {note}" for note in report.notes]
     return "\n".join(lines)

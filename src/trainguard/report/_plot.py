@@ -3,8 +3,8 @@
 One lane per rank (the rank stamped on the events, which is a process's launch rank: a spare
 keeps its own lane). On each lane: training steps (kept, recomputed), checkpoint stalls and
 aborts of that rank, its process-group set-ups, checkpointer set-ups and checkpoint loads (the
-shares of re-initialization, :mod:`trainguard.report._reinit`), and a marker at a fault on its
-target rank. Across all lanes: each fault's
+shares of re-initialization, :mod:`trainguard.report._reinit`), a marker at a fault on its
+target rank, and one where the rank was first named a straggler. Across all lanes: each fault's
 detection, restart barrier and re-initialization phases, and a dashed line where each round
 began. The x axis is seconds from the report's start.
 
@@ -86,6 +86,7 @@ def plot_timeline(
     top = -0.6
     _draw_rounds(ax, tl, report, top)
     shown = _draw_launcher(ax, report, lane, top)
+    shown += _draw_stragglers(ax, report, lane)
     ax.set_yticks(list(lane.values()), [f"rank {r}" for r in ranks])
     ax.set_ylim(len(ranks) - 0.4, top - 0.3)
     ax.set_xlim(0, max(report.wall, 1e-6) * 1.02)
@@ -204,6 +205,18 @@ def _draw_launcher(ax: Axes, report: Report, lane: dict[int, int], top: float) -
     return shown
 
 
+_STRAGGLER = ("d", "#d35400", "straggler named (first window)")
+
+
+def _draw_stragglers(ax: Axes, report: Report, lane: dict[int, int]) -> list[str]:
+    """A marker on each named straggler's lane where it was first named."""
+    named = [r for r in report.stragglers.get("ranks", ()) if r["named"] and r["rank"] in lane]
+    marker, color, _ = _STRAGGLER
+    for r in named:
+        ax.plot([r["first"]], [lane[r["rank"]]], marker, color=color, markersize=10, zorder=6)
+    return ["straggler"] if named else []
+
+
 def _add_title_and_legend(ax: Axes, report: Report, ranks: int, shown: list[str]) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -218,7 +231,10 @@ def _add_title_and_legend(ax: Axes, report: Report, ranks: int, shown: list[str]
     handles: list[Any] = [Patch(color=COLORS[k], label=v) for k, v in _LABELS.items()]
     handles.append(Line2D([], [], marker="X", color="black", linestyle="", label="fault"))
     for kind in shown:
-        if kind in _MARKS:
+        if kind == "straggler":
+            marker, color, label = _STRAGGLER
+            handles.append(Line2D([], [], marker=marker, color=color, linestyle="", label=label))
+        elif kind in _MARKS:
             marker, color, label = _MARKS[kind]
             handles.append(Line2D([], [], marker=marker, color=color, linestyle="", label=label))
         else:

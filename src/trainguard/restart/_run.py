@@ -43,6 +43,7 @@ from trainguard.restart.sidecar import Sidecar, SidecarConfig
 from trainguard.restart.sidecar._agent import AgentSidecar, agent_address
 from trainguard.restart.state import RestartInterrupt, RoundOutcome, RoundState, describe
 from trainguard.restart.watchdog import Watchdog
+from trainguard.stragglers._watch import StragglerWatch
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ class WrappedCall:
         self.watchdog: Watchdog | None = None
         self.preconnect: Preconnect | None = None
         self.call: CallWrapper | None = None
+        slow = cfg.stragglers
+        self.stragglers = StragglerWatch(slow, self.session, cfg.store_timeout) if slow else None
         self.left_early = False
         self.entered = False  # this process entered a round (a newcomer may never)
         self.round_store: str | None = None  # the round store's "host:port" (ready["pg"])
@@ -216,6 +219,7 @@ class WrappedCall:
             leaving = (
                 self._hook("finalize", self.state)
                 or self._hook("health_check", self.state)
+                or self._take_out()
                 or self._sidecar_lost()
             )
             n += 1
@@ -268,7 +272,8 @@ class WrappedCall:
             self.preconnect.ahead(n + 1)
         if not state.active:
             return self._wait(n, None, "spare"), None, None
-        call = CallWrapper(state, monitor, ready["pg"], self.cfg.store_timeout)
+        timer = self.stragglers.start(state, ready["pg"]) if self.stragglers else None
+        call = CallWrapper(state, monitor, ready["pg"], self.cfg.store_timeout, timer)
         self.call = call
         kwargs = dict(self.kwargs)
         if self.param is not None:
@@ -299,6 +304,8 @@ class WrappedCall:
         finally:
             self.call = None
             call._close()
+            if self.stragglers is not None:
+                self.stragglers.stop()
         self._check_swallowed(returned)
         if returned:
             self.session.complete(n, state.world_size)
@@ -400,6 +407,10 @@ class WrappedCall:
         except Exception as exc:
             logger.error("could not record the fault %r: %s", why, exc)
 
+    def _take_out(self) -> BaseException | None:
+        take_out = self.cfg.stragglers.take_out if self.cfg.stragglers else None
+        return self._hook("health_check", self.state, take_out) if take_out else None
+
     def _sidecar_lost(self) -> BaseException | None:
         lost = self.watchdog.lost if self.watchdog is not None else None
         if lost is None:
@@ -426,8 +437,8 @@ class WrappedCall:
             faults={int(k): v for k, v in ready["faults"].items()},
         )
 
-    def _hook(self, name: str, state: RoundState) -> BaseException | None:
-        hook = getattr(self.cfg, name)
+    def _hook(self, name: str, state: RoundState, hook: Any = None) -> BaseException | None:
+        hook = hook or getattr(self.cfg, name)
         if hook is None:
             return None
         try:

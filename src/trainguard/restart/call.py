@@ -18,6 +18,7 @@ from trainguard.coord.store import connect, parse_addr
 from trainguard.restart._preconnect import claim
 from trainguard.restart.monitor import Monitor
 from trainguard.restart.state import RoundState
+from trainguard.stragglers._timing import Section, Timer, section
 
 __all__ = ["CallWrapper", "call_param"]
 
@@ -33,7 +34,14 @@ class CallWrapper:
         state: the full :class:`RoundState`.
     """
 
-    def __init__(self, state: RoundState, monitor: Monitor, pg_addr: str, timeout: float):
+    def __init__(
+        self,
+        state: RoundState,
+        monitor: Monitor,
+        pg_addr: str,
+        timeout: float,
+        timer: Timer | None = None,
+    ):
         self.state = state
         self.round = state.round
         self.world_size = state.world_size
@@ -45,6 +53,7 @@ class CallWrapper:
         self._store: Any = None
         self.pings = 0
         self.last_ping = time.monotonic()
+        self._timer = timer
 
     @property
     def rank(self) -> int:
@@ -73,11 +82,23 @@ class CallWrapper:
         ping for ``soft_timeout`` is a hang even when the main thread's position keeps moving
         (a loop in Python code), and the round is aborted and restarted. A ping is also
         progress: rounds that keep failing the same way count as repeats only when nothing
-        pinged (or saved a checkpoint) between them (``max_repeated_faults``).
+        pinged (or saved a checkpoint) between them (``max_repeated_faults``). With
+        ``Wrapper(stragglers=...)`` a ping also ends a step: its time is a sample.
         """
         self.pings += 1
         self.last_ping = time.monotonic()
         _progress.mark()
+        if self._timer is not None:
+            self._timer.step()
+
+    def section(self, name: str) -> Section:
+        """A named, timed block for straggler detection: ``with call.section("forward"):``.
+
+        With ``Wrapper(stragglers=...)`` its CPU wall time (and CUDA event time when CUDA is
+        in use) goes into this rank's scores; otherwise it does nothing. Also usable as
+        ``trainguard.stragglers.section(name)``, a context manager or decorator.
+        """
+        return section(name)
 
     def atomic(self) -> contextlib.AbstractContextManager[None]:
         """A block that a restart never interrupts: the abort waits until it ends.

@@ -21,6 +21,7 @@ from trainguard.restart.policy._round import Policy, RoundPolicies
 from trainguard.restart.policy.assignment import ShiftRanks
 from trainguard.restart.policy.retry import RetryController
 from trainguard.restart.state import RoundState
+from trainguard.stragglers.config import Stragglers
 
 __all__ = ["Hook", "StoreHandle", "WrapperConfig"]
 
@@ -103,6 +104,8 @@ class WrapperConfig:
             declared gone by the others' sidecars.
         sidecar: start the sidecar process (default True; False only for debugging: then
             deaths, hard hangs and lost nodes are not detected).
+        stragglers: a :class:`~trainguard.stragglers.Stragglers` to find ranks that are alive
+            but slow (None, the default: no measurement, ``call.section`` does nothing).
 
     Once built, ``rank_assignment`` is never None (:class:`ShiftRanks` by default), ``retry``
     holds the controller that ``max_rounds`` stands for, and :attr:`policies` bundles the
@@ -129,6 +132,7 @@ class WrapperConfig:
     heartbeat_interval: _Seconds = _Seconds(1)
     heartbeat_timeout: _Seconds = _Seconds(10)
     sidecar: bool = True
+    stragglers: Stragglers | None = None
     #: rank assignment, rank filter and retry controller, as the round layout applies them.
     policies: RoundPolicies = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -137,6 +141,10 @@ class WrapperConfig:
         self._check_order()
         if not isinstance(self.sidecar, bool):
             raise ConfigError(f"sidecar={self.sidecar!r}: pass True or False")
+        if self.stragglers is not None and not isinstance(self.stragglers, Stragglers):
+            raise ConfigError(
+                f"stragglers={self.stragglers!r}: pass trainguard.stragglers.Stragglers(...)"
+            )
         retry = self.retry
         if retry is not None and not isinstance(retry, RetryController):
             raise ConfigError(f"retry={retry!r}: pass a trainguard.restart.RetryController")
