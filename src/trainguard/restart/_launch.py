@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import re
 import socket
@@ -23,6 +24,8 @@ from collections.abc import Iterator, Mapping
 
 from trainguard import _env
 from trainguard.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,3 +132,18 @@ def round_environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def escalate(exc: BaseException) -> None:
+    """Under ``trainguard launch``: in-process restart cannot cure ``exc`` (the job ended), so
+    ask the launcher for a whole-job restart (a new generation, state from checkpoints; the
+    job fails when torchrun's ``--max-restarts`` has none left). Elsewhere nothing."""
+    if _env.settings().agent is None:
+        return
+    from trainguard.launch.worker import escalate
+
+    try:
+        escalate(f"{type(exc).__name__}: {exc}"[:2000])
+        logger.error("the job ended (%s); asked the launcher to restart the whole job", exc)
+    except Exception as failed:
+        logger.error("could not ask the launcher for a whole-job restart: %s", failed)

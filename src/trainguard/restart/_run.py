@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from trainguard import _env, _progress, events
+from trainguard import _progress, events
 from trainguard.errors import BarrierTimeoutError, JobEndedError, RetryLimitError, SidecarLostError
 from trainguard.restart import _launch
 from trainguard.restart._interrupt import Kick
@@ -105,7 +105,7 @@ class WrappedCall:
                         RoundOutcome.end("left with an error", rank=self.launch.rank),
                     )
             if isinstance(exc, (RetryLimitError, JobEndedError)):
-                _escalate(exc)
+                _launch.escalate(exc)
             raise
         finally:
             self._stop(kick, finished)
@@ -492,18 +492,3 @@ class WrappedCall:
             where,
         )
         events.emit("interrupt_swallowed", raised_at=interrupt.raised_at, swallowed_at=where)
-
-
-def _escalate(exc: BaseException) -> None:
-    """Under ``trainguard launch``: in-process restart cannot cure ``exc`` (the job ended), so
-    ask the launcher for a whole-job restart (a new generation, state from checkpoints; the
-    job fails when torchrun's ``--max-restarts`` has none left). Elsewhere nothing."""
-    if _env.settings().agent is None:
-        return
-    from trainguard.launch.worker import escalate
-
-    try:
-        escalate(f"{type(exc).__name__}: {exc}"[:2000])
-        logger.error("the job ended (%s); asked the launcher to restart the whole job", exc)
-    except Exception as failed:
-        logger.error("could not ask the launcher for a whole-job restart: %s", failed)
