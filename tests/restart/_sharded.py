@@ -184,7 +184,7 @@ class _Trainer:
     def release(self, state: Any = None, *, strict: bool = False) -> None:
         """Close this round's manager and process group (also the Wrapper's finalize hook:
         after a fault the errors of closing are expected and ignored)."""
-        from trainguard.demo.worker import close_round
+        from trainguard._teardown import close_round
 
         resources, self.resources = self.resources, []
         close_round(resources, strict=strict)

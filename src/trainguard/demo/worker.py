@@ -24,7 +24,6 @@ steps, ``("fault", ...)`` at an injection, ``("resumed", ...)`` after each round
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import shutil
@@ -33,6 +32,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainguard._teardown import close_round
 from trainguard.demo import faults as _faults
 from trainguard.demo._channel import Channel, PipeChannel
 from trainguard.errors import StragglerError
@@ -93,33 +93,6 @@ def reference(cfg: DemoConfig, process: int, port: int) -> str:
 def committed(path: Path) -> bool:
     """Whether ``path`` is a committed disk checkpoint (saving there again would be refused)."""
     return (path / "COMMITTED").exists()
-
-
-def close_round(resources: list[Any], *, strict: bool) -> None:
-    """Close a round's checkpointers (last opened first) and its process group.
-
-    After a fault (not ``strict``) errors of closing are expected and ignored, and a pending
-    disk commit is abandoned (it may wait for a dead rank); with ``strict`` the first error
-    is raised.
-    """
-    import torch.distributed as dist
-
-    from trainguard.checkpoint import AsyncCheckpointer
-
-    errors = []
-    for resource in reversed(resources):
-        try:
-            if not strict and isinstance(resource, AsyncCheckpointer):
-                resource.close(abandon=True)
-            else:
-                resource.close()
-        except Exception as exc:
-            errors.append(exc)
-    if dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-    if strict and errors:
-        raise errors[0]
 
 
 def guarded_wrapper(

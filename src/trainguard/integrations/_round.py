@@ -43,7 +43,7 @@ def release_round(*_: Any, strict: bool = False) -> None:
     of closing are expected and ignored and a pending disk commit is abandoned; with ``strict``
     the first error is raised. Idempotent.
     """
-    from trainguard.demo.worker import close_round
+    from trainguard._teardown import close_round
 
     with _lock:
         resources = list(_open)
