@@ -75,8 +75,9 @@ class AsyncCheckpointIO(CheckpointIO):
     and stops the writer.
 
     Build it before torch.distributed is initialized (Lightning initializes it inside ``fit``):
-    its checkpointer, started here on every rank, then writes single files with no commit
-    round (a checkpointer made inside a job would count parts of every rank). One plugin per
+    its checkpointer, started here on every rank as a world of one, then writes single files
+    with no commit round and never binds to a round's process group (a checkpointer of the job
+    would count parts of every rank). One plugin per
     ``Trainer``: :meth:`teardown` stops it.
 
     Args:
@@ -100,7 +101,10 @@ class AsyncCheckpointIO(CheckpointIO):
         self.pickle = pickle
         self.if_busy = if_busy
         self._options = checkpointer
-        self._checkpointer: AsyncCheckpointer | None = track(AsyncCheckpointer(**checkpointer))
+        # a world of one: built before torch.distributed, a checkpointer otherwise binds to the
+        # job's default group at its first save after init_process_group (every rank's part)
+        single = AsyncCheckpointer(rank=0, world_size=1, **checkpointer)
+        self._checkpointer: AsyncCheckpointer | None = track(single)
 
     @property
     def checkpointer(self) -> AsyncCheckpointer:
