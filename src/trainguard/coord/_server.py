@@ -32,10 +32,13 @@ from typing import Any
 
 from trainguard import _subproc
 from trainguard.coord import _bind, _sockets
-from trainguard.coord.barrier import wait_forever
+from trainguard.coord.barrier import timed_out, wait_forever
 from trainguard.coord.keys import Keyspace
 
 logger = logging.getLogger(__name__)
+
+_CATCH_UP = timedelta(seconds=0.2)  # how often a follower waiting for a round looks further
+_MAX_BEHIND = 64  # rounds a follower looks ahead for one published meanwhile
 
 
 class _Host:
@@ -95,12 +98,34 @@ class _Host:
         watcher = self.coord.clone()
         n = 0
         while True:
-            wait_forever(watcher, self.keys.ready(n))
+            n = self.published(watcher, n)
             self.last_round = n
+            self.open_round(n + 1)  # open already, unless this follower fell behind
             self.open_round(n + 2)  # round n+1's is up since round n-1 started
-            if n >= 1:
-                self.close_round(n - 1)
+            with self.lock:
+                old = [r for r in self.rounds if r < n]
+            for r in old:
+                self.close_round(r)
             n += 1
+
+    def published(self, watcher: Any, n: int) -> int:
+        """Wait until round ``n`` is published; the newest published round from then on.
+
+        Round ``n``'s ready key is deleted when round ``n+1`` is published, and with round
+        stores opened two rounds ahead nothing makes that wait for this follower: in rounds
+        that fault at once it can miss the key. A later round's key then stands for it."""
+        while True:
+            try:
+                watcher.wait([self.keys.ready(n)], _CATCH_UP)
+                return n
+            except Exception as exc:
+                if not timed_out(exc):
+                    raise
+            later = n + 1
+            while later <= n + _MAX_BEHIND and not watcher.check([self.keys.ready(later)]):
+                later += 1
+            if later <= n + _MAX_BEHIND:
+                n = later
 
     def external_clients(self) -> int:
         """Connections to our servers from sockets that are not our own clients."""

@@ -32,6 +32,7 @@ import dataclasses
 import importlib
 import logging
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +47,11 @@ from trainguard.restart.abort import GroupSockets, connections_to, note_rendezvo
 __all__ = ["Preconnect", "claim"]
 
 logger = logging.getLogger(__name__)
+
+_PROBE_S = 1.0  # a probe of the next round's store before connecting a client to it
+#: at most this long for a client made ahead (above a stalled reverse lookup, 5 s); a
+#: round whose client is not ready connects as usual, and the call's end waits no longer
+_CONNECT_S = 8.0
 
 
 @dataclasses.dataclass
@@ -118,6 +124,7 @@ class Preconnect:
         self._keys = keys
         self._timeout = timeout
         self._jobs: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._newest = -1  # the newest round asked for: older asks still queued are stale
         self._thread = threading.Thread(
             target=serve, args=(self._jobs, self._connect), name="trainguard-preconnect"
         )
@@ -147,6 +154,7 @@ class Preconnect:
 
     def ahead(self, n: int) -> None:
         """Connect to round ``n``'s store in the background (returns at once)."""
+        self._newest = max(self._newest, n)
         self._jobs.put(n)
 
     def forget(self, n: int) -> None:
@@ -179,11 +187,15 @@ class Preconnect:
         if raw is None:
             return  # not published (the job is ending): that round connects as usual
         addr = parse_addr(raw.decode())
+        if n < self._newest or not _listening(*addr):
+            # a later round is asked for, or this one's store is closed already (rounds that
+            # fault at once pass faster than connects): a client would only wait out its timeout
+            return
         slot = _Slot(n, self)
         with _lock:
             _slots[addr] = slot
         try:
-            slot.store = connect(*addr, timeout=self._timeout)
+            slot.store = connect(*addr, timeout=min(self._timeout, _CONNECT_S))
             # made while the main thread may be building a group: it is no group's socket
             GroupSockets.exclude(set(connections_to(*addr)))
         except Exception as exc:
@@ -193,3 +205,12 @@ class Preconnect:
                     del _slots[addr]
         finally:
             slot.done.set()
+
+
+def _listening(host: str, port: int) -> bool:
+    """Whether a server accepts connections at ``host:port`` (a numeric address: no lookup)."""
+    try:
+        with socket.create_connection((host, port), timeout=_PROBE_S):
+            return True
+    except OSError:
+        return False
