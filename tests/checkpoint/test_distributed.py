@@ -218,6 +218,9 @@ def _abandon_while_a_rank_is_late(root: str) -> dict:
             out["close_seconds"] = time.monotonic() - started
             out["handle_error"] = handle.error.causes if handle.error else None
             store.set("abandoned", "1")
+            # This rank hosts the store: keep it up until rank 1 has its outcome (rank 1's
+            # report after SIGCONT would otherwise meet a closed store, not the abandon).
+            store.wait(["r1_done"], timedelta(seconds=60))
         else:
             store.wait(["abandoned"], timedelta(seconds=60))
             os.kill(ckpt.writer_pid, signal.SIGCONT)
@@ -227,6 +230,7 @@ def _abandon_while_a_rank_is_late(root: str) -> dict:
             except CheckpointWriteError as exc:
                 out["error"] = exc.causes
             ckpt.close()
+            store.set("r1_done", "1")
         out["latest"] = str(latest(root))
     finally:
         dist.destroy_process_group()
