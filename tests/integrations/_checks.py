@@ -28,6 +28,16 @@ TIMEOUTS: dict[str, Any] = {
 }
 
 
+class JobBase:
+    """The wrapped function of a framework test, with this process's memory across rounds:
+    subclasses define ``__call__(call)`` and append one dict per round to ``rounds``."""
+
+    def __init__(self, out: Path, faults: bool) -> None:
+        self.out = out
+        self.faults = faults
+        self.rounds: list[dict[str, Any]] = []
+
+
 def run_both(make_job: Callable[[Path, bool], Any], out: str, ports: tuple[int, int]) -> Any:
     """One process: the reference run, then the run with faults, of the job ``make_job`` builds
     (each under a Wrapper of its own, on a store port of its own); results, rounds, threads."""

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import trainguard.restart as tr
-from tests.integrations._checks import EVERY, KILL_AT, RAISE_AT, STEPS, run_both
+from tests.integrations._checks import EVERY, KILL_AT, RAISE_AT, STEPS, JobBase, run_both
 
 __all__ = ["EVERY", "STEPS"]
 
@@ -61,13 +61,8 @@ def arguments(out: Path, **extra: Any) -> Any:
     return TrainingArguments(**{**options, **extra})
 
 
-class _Job:
+class _Job(JobBase):
     """The wrapped function, with this process's memory across rounds."""
-
-    def __init__(self, out: Path, faults: bool) -> None:
-        self.out = out
-        self.faults = faults
-        self.rounds: list[dict[str, Any]] = []
 
     def __call__(self, call: tr.CallWrapper) -> dict[str, Any]:
         from transformers import Trainer, TrainerCallback
