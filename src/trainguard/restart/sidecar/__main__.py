@@ -14,6 +14,10 @@ point only: nothing imports it, so ``python -m`` runs it without importing it tw
 The watch itself (threads, hard timeout, heartbeats, notices) is
 :class:`~trainguard.restart.sidecar._watch.Watch`, shared with the launcher's agent.
 
+It never imports torch (~200 MB of memory and a second or two of CPU per process): it talks to
+the store with the pure-Python client (:mod:`trainguard.coord._wire`). Policies the user pickled
+into its configuration may import what they need.
+
 It logs to :func:`~trainguard.restart.sidecar.log_path` (opened without following links) and
 records ``rank_gone`` and ``hard_timeout`` events in the events directory.
 """
@@ -26,6 +30,7 @@ import os
 import sys
 
 from trainguard import _private, _subproc, events
+from trainguard.coord import _wire
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._handle import log_path, private_log
 from trainguard.restart.sidecar._watch import Watch
@@ -48,6 +53,7 @@ def _log_to(cfg: SidecarConfig) -> logging.Handler:
 
 
 def main() -> int:
+    _wire.activate()  # before any store connection: this process never imports torch
     try:
         raw, buf = _subproc.read_config()
         cfg = SidecarConfig.from_json(raw)
