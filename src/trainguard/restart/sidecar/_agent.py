@@ -77,11 +77,15 @@ class AgentSidecar:
             reply = handshake_reply(self._read_line(timeout))
         if not reply.get("ok"):
             self.stop(0.0)
-            raise CoordinationError(
-                f"the launcher's agent does not watch this process: {reply.get('error')}; "
-                "start it with `trainguard launch` (or unset TRAINGUARD_AGENT to run it with a "
-                "sidecar process of its own)"
-            )
+            raise CoordinationError(self.refusal(reply.get("error")))
+
+    def refusal(self, error: object) -> str:
+        """The message of the error :meth:`handshake` raises when it is not watched."""
+        return (
+            f"the launcher's agent does not watch this process: {error}; start it with "
+            "`trainguard launch` (or unset TRAINGUARD_AGENT to run it with a sidecar process of "
+            "its own)"
+        )
 
     def _read_line(self, timeout: float) -> bytes:
         assert self.sock is not None

@@ -1,0 +1,68 @@
+"""One watcher process per node (``TRAINGUARD_SIDECAR=node``), 4 real ranks on this host: it
+watches every rank (one process, no torch), writes a dead rank's notice at once, kills a rank
+hung holding the GIL at the hard timeout, and exits when its last rank has left."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from tests._dist import run_ranks
+from tests.restart import _faults, _jobs
+from trainguard.events import read_events
+
+STEPS = 10
+FAULT_STEP = 4
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize(("kind", "within"), [("sigkill", 2.0), ("gil", 3.0 + 1.0 + 2.0)])
+def test_one_watcher_per_node_keeps_the_sidecar_guarantees(kind: str, within: float, tmp_path):
+    victim = 2
+    results = run_ranks(
+        _faults.fault_job,
+        4,
+        args=(STEPS, victim, FAULT_STEP, kind, str(tmp_path)),
+        env={"TRAINGUARD_SIDECAR": "node"},
+        timeout=120,
+    )
+    fault_time = float((tmp_path / f"fault-{victim}").read_text())
+    assert results[victim].exitcode in ((-9,) if kind == "sigkill" else (-15, -9))
+    expected = _jobs.reference(STEPS, 4, switch=FAULT_STEP, after=3)
+    for new_rank, rank in enumerate(r for r in range(4) if r != victim):
+        value = results[rank].get()
+        assert value["weights"] == pytest.approx(expected, rel=1e-12, abs=1e-12)
+        worlds = [(x["round"], x["rank"], x["world"]) for x in value["rounds"]]
+        assert worlds == [(0, rank, 4), (1, new_rank, 3)]
+        latency = value["rounds"][1]["entered"] - fault_time
+        assert 0 < latency < within, f"rank {rank} re-entered {latency:.3f} s after the fault"
+    # one watcher process watched all four ranks; no sidecar process per rank
+    assert not list(tmp_path.glob("sidecar-[0-9]*.log"))
+    (log,) = tmp_path.glob("sidecar-node-*.log")
+    text = log.read_text()
+    watched = re.findall(r"node watcher pid (\d+) .* watching rank (\d+) ", text)
+    assert sorted(int(r) for _, r in watched) == [0, 1, 2, 3], text
+    assert len({pid for pid, _ in watched}) == 1, text
+    pid = int(watched[0][0])
+    if kind == "sigkill":
+        assert "notice written" in text, text
+        gone = [e for e in read_events(tmp_path) if e["kind"] == "rank_gone"]
+        assert [(e["gone_rank"], e["counted"]) for e in gone] == [(victim, True)]
+    else:
+        assert "hard timeout" in text, text
+        kills = [e for e in read_events(tmp_path) if e["kind"] == "hard_timeout"]
+        assert [e["killed_rank"] for e in kills] == [victim]
+    # the last rank has left: the watcher exits by itself
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid), f"the node watcher (pid {pid}) outlived its ranks"
