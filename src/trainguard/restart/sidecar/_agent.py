@@ -55,6 +55,7 @@ class AgentSidecar:
         self.address = address
         self.sock: socket.socket | None = None
         self.error: str | None = None
+        self.watcher_pid: int | None = None  # the watching process's, from its handshake
         self._lock = threading.Lock()  # one line at a time, from any thread
         self._closed = False
 
@@ -75,6 +76,7 @@ class AgentSidecar:
             reply: dict[str, Any] = {"ok": False, "error": self.error}
         else:
             reply = handshake_reply(self._read_line(timeout))
+        self.watcher_pid = reply.get("pid")
         if not reply.get("ok"):
             self.stop(0.0)
             raise CoordinationError(self.refusal(reply.get("error")))

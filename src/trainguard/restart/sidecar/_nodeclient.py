@@ -33,7 +33,6 @@ class NodeSidecar(AgentSidecar):
 
     def __init__(self, config: SidecarConfig) -> None:
         super().__init__(config, _node.address(config.keys))
-        self.watcher_pid: int | None = None
 
     def start(self) -> NodeSidecar:
         cfg = self.config
@@ -82,7 +81,6 @@ class NodeSidecar(AgentSidecar):
         reply = handshake_reply(line)
         if not reply.get("ok"):
             raise CoordinationError(f"it could not start: {reply.get('error')}")
-        self.watcher_pid = int(reply["pid"])
 
     def refusal(self, error: object) -> str:
         return (
