@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests._dist import run_ranks
-from tests.restart import _faults, _jobs
+from tests.restart import _faults
+from tests.restart.test_faults import _check_shrunk
 from trainguard.events import read_events
 
 STEPS = 10
@@ -37,14 +38,7 @@ def test_one_watcher_per_node_keeps_the_sidecar_guarantees(kind: str, within: fl
     )
     fault_time = float((tmp_path / f"fault-{victim}").read_text())
     assert results[victim].exitcode in ((-9,) if kind == "sigkill" else (-15, -9))
-    expected = _jobs.reference(STEPS, 4, switch=FAULT_STEP, after=3)
-    for new_rank, rank in enumerate(r for r in range(4) if r != victim):
-        value = results[rank].get()
-        assert value["weights"] == pytest.approx(expected, rel=1e-12, abs=1e-12)
-        worlds = [(x["round"], x["rank"], x["world"]) for x in value["rounds"]]
-        assert worlds == [(0, rank, 4), (1, new_rank, 3)]
-        latency = value["rounds"][1]["entered"] - fault_time
-        assert 0 < latency < within, f"rank {rank} re-entered {latency:.3f} s after the fault"
+    _check_shrunk(results, victim, fault_time, within=within)
     # one watcher process watched all four ranks; no sidecar process per rank
     assert not list(tmp_path.glob("sidecar-[0-9]*.log"))
     (log,) = tmp_path.glob("sidecar-node-*.log")

@@ -85,6 +85,23 @@ def locked(path: Path, timeout: float) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+def accept_own(listener: socket.socket, owner: str) -> tuple[socket.socket, int] | None:
+    """Accept a connection on the Unix socket ``listener``: the socket and the peer's pid, or
+    None when accepting failed or the peer is another user's (``SO_PEERCRED``; refused and
+    logged, ``owner`` naming whose it should be)."""
+    try:
+        sock, _ = listener.accept()
+    except OSError:
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    if uid != os.getuid():
+        logger.warning("refused a connection of pid %d: user %d is not %s", pid, uid, owner)
+        sock.close()
+        return None
+    return sock, pid
+
+
 class NodeWatcher:
     """The watcher process's server; see the module docstring.
 
@@ -128,16 +145,10 @@ class NodeWatcher:
         return True
 
     def _accept(self) -> None:
-        try:
-            sock, _ = self.listener.accept()
-        except OSError:
+        peer = accept_own(self.listener, "this user")
+        if peer is None:
             return
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid, uid, _ = struct.unpack("3i", creds)
-        if uid != os.getuid():
-            logger.warning("refused a connection of pid %d: user %d is not this user", pid, uid)
-            sock.close()
-            return
+        sock, pid = peer
         with self.cond:
             self.live += 1
             self.served += 1
