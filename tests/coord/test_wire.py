@@ -131,7 +131,8 @@ def test_a_lost_server_and_a_rejecting_server_are_clear_errors(
     assert time.monotonic() - start < 5.0
     # the server drops the connection (an add to a value that is no number): later calls fail
     wire = WireStore("127.0.0.1", server.port, timeout=5)
-    server.set("text", "abc")
+    server.set("text", "abc")  # no reply to a set: read it back, so that it is in first
+    assert wire.get("text") == b"abc"
     with pytest.raises(CoordinationError, match="closed the connection"):
         wire.add("text", 1)
     with pytest.raises(CoordinationError, match="unusable"):

@@ -26,13 +26,21 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize(("kind", "within"), [("sigkill", 2.0), ("gil", 3.0 + 1.0 + 2.0)])
-def test_one_watcher_per_node_keeps_the_sidecar_guarantees(kind: str, within: float, tmp_path):
+# the death notice needs no short timeouts (a loaded machine then kills a starved rank)
+_SLOW = {"soft_timeout": 10.0, "hard_timeout": 20.0}
+
+
+@pytest.mark.parametrize(
+    ("kind", "within", "overrides"), [("sigkill", 2.0, _SLOW), ("gil", 3.0 + 1.0 + 2.0, None)]
+)
+def test_one_watcher_per_node_keeps_the_sidecar_guarantees(
+    kind: str, within: float, overrides: dict[str, float] | None, tmp_path
+) -> None:
     victim = 2
     results = run_ranks(
         _faults.fault_job,
         4,
-        args=(STEPS, victim, FAULT_STEP, kind, str(tmp_path)),
+        args=(STEPS, victim, FAULT_STEP, kind, str(tmp_path), overrides),
         env={"TRAINGUARD_SIDECAR": "node"},
         timeout=120,
     )
@@ -60,3 +68,48 @@ def test_one_watcher_per_node_keeps_the_sidecar_guarantees(kind: str, within: fl
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _gone(pid), f"the node watcher (pid {pid}) outlived its ranks"
+
+
+# A rank that registers with the node watcher and is killed before it reads the reply: its
+# end reaches the watcher as a reset connection, not an end of stream.
+_DIES_UNREAD = r"""
+import os, signal, sys
+from trainguard.coord.keys import Keyspace
+from trainguard.restart.config import WrapperConfig
+from trainguard.restart.sidecar import NodeSidecar, SidecarConfig
+cfg = WrapperConfig(soft_timeout=20, hard_timeout=60, heartbeat_timeout=10)
+config = SidecarConfig.build(cfg, rank=1, world=2, keys=Keyspace("unread", 0, "c" * 32),
+                             addr=("127.0.0.1", int(sys.argv[1])), log_dir=sys.argv[2])
+handle = NodeSidecar(config).start()
+assert handle.sock is not None, handle.error
+print(handle.watcher_pid or "", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_rank_killed_before_it_read_the_reply_still_gets_its_notice(tmp_path) -> None:
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from trainguard.coord.keys import Keyspace
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    proc = subprocess.run(
+        [sys.executable, "-c", _DIES_UNREAD, str(store.port), str(tmp_path)],
+        capture_output=True,
+        timeout=60,
+    )
+    assert proc.returncode == -9, proc.stderr
+    keys = Keyspace("unread", 0, "c" * 32)
+    record = bytes(store.get(keys.member(0, 1)))  # waits for the notice (store timeout 30 s)
+    assert b"process died" in record, record
+    (log,) = tmp_path.glob("sidecar-node-*.log")
+    pid = int(re.findall(r"node watcher pid (\d+) ", log.read_text())[0])
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid), log.read_text()
+    assert "Traceback" not in log.read_text()

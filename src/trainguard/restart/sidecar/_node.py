@@ -191,4 +191,5 @@ class NodeWatcher:
         try:
             watch.run_piped(sock.fileno(), rest)
         finally:
+            watch.stop()  # its threads end with it, also when it failed
             watch.close()
