@@ -186,7 +186,8 @@ class NodeWatcher:
             sock.sendall(json.dumps({"ok": False, "error": why}).encode() + b"\n")
             return
         sock.settimeout(None)
-        sock.sendall(json.dumps({"ok": True, "pid": os.getpid()}).encode() + b"\n")
+        with contextlib.suppress(OSError):  # it died already: the watch writes its notice
+            sock.sendall(json.dumps({"ok": True, "pid": os.getpid()}).encode() + b"\n")
         logger.info("watching rank %d (pid %d)", cfg.rank, pid)
         try:
             watch.run_piped(sock.fileno(), rest)
