@@ -37,3 +37,10 @@ def test_unknown_variable_is_reported_once(caplog) -> None:
 
 def test_every_variable_has_the_prefix() -> None:
     assert all(name.startswith("TRAINGUARD_") for name in _env.VARIABLES)
+
+
+def test_sidecar_mode_is_process_or_node() -> None:
+    assert _env.settings({}).sidecar == "process"
+    assert _env.settings({"TRAINGUARD_SIDECAR": "node"}).sidecar == "node"
+    with pytest.raises(ConfigError, match=r"'process' .* or 'node'"):
+        _env.settings({"TRAINGUARD_SIDECAR": "per-node"})

@@ -32,6 +32,8 @@ VARIABLES: dict[str, str] = {
     "generation (0 for its first process); set by the launcher",
     "TRAINGUARD_AGENT": "socket name of the launcher's sidecar service for this worker; set by "
     "the launcher",
+    "TRAINGUARD_SIDECAR": "'process' (default: one sidecar process per rank) or 'node' (one "
+    "watcher process per node, shared by its ranks); ignored under `trainguard launch`",
 }
 
 
@@ -46,6 +48,7 @@ class Settings:
     generation: int | None = None
     incarnation: int = 0
     agent: str | None = None
+    sidecar: str = "process"
 
 
 def _parse_addr(value: str) -> tuple[str, int]:
@@ -78,6 +81,15 @@ def _count(name: str, value: str) -> int:
     return int(value)
 
 
+def _sidecar(value: str) -> str:
+    if value not in ("process", "node"):
+        raise ConfigError(
+            f"TRAINGUARD_SIDECAR={value!r} must be 'process' (a sidecar per rank) or 'node' (one "
+            "watcher per node); set one of them or unset it"
+        )
+    return value
+
+
 def settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Read the ``TRAINGUARD_*`` variables from ``environ`` (default ``os.environ``)."""
     env = os.environ if environ is None else environ
@@ -107,4 +119,5 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
         generation=_count("TRAINGUARD_GENERATION", generation) if generation else None,
         incarnation=_count("TRAINGUARD_INCARNATION", incarnation) if incarnation else 0,
         agent=get("TRAINGUARD_AGENT"),
+        sidecar=_sidecar(sidecar) if (sidecar := get("TRAINGUARD_SIDECAR")) else "process",
     )

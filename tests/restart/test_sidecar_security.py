@@ -144,3 +144,33 @@ def test_every_key_of_a_job_holds_its_secret(from_env: bool) -> None:
         assert secret == env["TRAINGUARD_JOB_SECRET"] and values[0]["handover"] is None
     else:  # handed over through a private file: the store holds only a digest
         assert len(secret) == 32 and values[0]["handover"] == values[0]["digest"] != secret
+
+
+def _rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    line = next(x for x in status.splitlines() if x.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def test_the_sidecar_runs_without_torch_and_writes_the_death_notice(store, watched) -> None:
+    config = _config(store, watched.pid, heartbeat_interval=0.1)
+    keys = config.keys
+    sidecar = _start(config)
+    try:
+        assert sidecar.proc is not None and sidecar.send({"round": 0, "roster": [0, 1, 2]})
+        maps = Path(f"/proc/{sidecar.proc.pid}/maps").read_text()
+        assert "libtorch" not in maps  # the wire client: no torch import for the store
+        assert _rss_mb(sidecar.proc.pid) < 100  # a torch import alone takes ~200 MB
+        deadline = time.monotonic() + 20
+        while not store.check([keys.heartbeat(0)]) and time.monotonic() < deadline:
+            time.sleep(0.05)  # it beats through the wire client
+        watched.kill()
+        killed = time.monotonic()
+        assert sidecar.proc.wait(30) == 0
+        assert time.monotonic() - killed < 10  # the notice waits for no heartbeat timeout
+        record = json.loads(bytes(store.get(keys.member(1, 0))))
+        assert "process died" in record["leave"], record
+        outcome = json.loads(bytes(store.get(keys.stop(0))))
+        assert outcome["type"] == "RankGone" and outcome["rank"] == 0, outcome
+    finally:
+        sidecar.stop(10)

@@ -9,9 +9,11 @@ is told apart from a store that failed. Counting protocols built on these waits 
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from typing import Any
 
+from trainguard.coord._wire import StoreTimeoutError
 from trainguard.errors import BarrierTimeoutError, CoordinationError
 
 __all__ = ["timed_out", "wait_all", "wait_forever", "wait_key"]
@@ -23,11 +25,14 @@ def timed_out(exc: BaseException) -> bool:
     """Whether ``exc``, raised by a store operation, says the operation ran out of time.
 
     torch raises ``DistStoreError`` for a store timeout; other failures (a lost connection:
-    ``DistNetworkError``) are not timeouts.
+    ``DistNetworkError``) are not timeouts. The pure-Python client (:mod:`._wire`) raises
+    :class:`~trainguard.coord._wire.StoreTimeoutError`. A process that has not imported
+    ``torch.distributed`` cannot have got torch's error, and this never imports it.
     """
-    from torch.distributed import DistStoreError
-
-    return isinstance(exc, DistStoreError)
+    if isinstance(exc, StoreTimeoutError):
+        return True
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and isinstance(exc, dist.DistStoreError)
 
 
 # the name wait_forever uses

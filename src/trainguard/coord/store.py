@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from trainguard import _subproc
+from trainguard.coord import _wire
 from trainguard.errors import ConfigError, CoordinationError
 
 __all__ = ["StoreProcess", "connect", "parse_addr"]
@@ -45,7 +46,12 @@ def parse_addr(value: str) -> tuple[str, int]:
 
 
 def connect(host: str, port: int, *, timeout: float) -> Any:
-    """A TCPStore client of ``host:port``; retries until the server is up or ``timeout``."""
+    """A TCPStore client of ``host:port``; retries until the server is up or ``timeout``.
+
+    torch's client, or in a helper process that called :func:`._wire.activate` the pure-Python
+    one (the same operations, no torch import)."""
+    if _wire.active():
+        return _wire.connect(host, port, timeout=timeout)
     import torch.distributed as dist
 
     try:

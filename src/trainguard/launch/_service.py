@@ -34,7 +34,6 @@ import os
 import secrets
 import select
 import socket
-import struct
 import threading
 import time
 from typing import Any
@@ -43,6 +42,7 @@ from trainguard import _private, _subproc
 from trainguard._timeouts import Timeout, seconds
 from trainguard.coord.store import connect
 from trainguard.restart.sidecar._config import SidecarConfig
+from trainguard.restart.sidecar._node import accept_own
 from trainguard.restart.sidecar._watch import Watch, notify
 
 logger = logging.getLogger(__name__)
@@ -237,17 +237,10 @@ class SidecarService:
 
     def _accept(self) -> None:
         assert self._listener is not None
-        try:
-            sock, _ = self._listener.accept()
-        except OSError:
+        peer = accept_own(self._listener, "this agent's")
+        if peer is None:
             return
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid, uid, _ = struct.unpack("3i", creds)
-        if uid != os.getuid():
-            logger.warning("refused a connection of pid %d: user %d is not this agent's", pid, uid)
-            sock.close()
-            return
-        conn = _Conn(sock, pid)
+        conn = _Conn(*peer)
         with self._cond:
             self._conns.append(conn)
         self._spawn(self._serve, "tg-conn", (conn,))

@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from trainguard import _progress, events
+from trainguard import _env, _progress, events
 from trainguard.errors import BarrierTimeoutError, JobEndedError, RetryLimitError, SidecarLostError
 from trainguard.restart import _launch
 from trainguard.restart._interrupt import Kick
@@ -41,6 +41,7 @@ from trainguard.restart.config import WrapperConfig
 from trainguard.restart.monitor import Monitor, MonitorHooks
 from trainguard.restart.sidecar import Sidecar, SidecarConfig
 from trainguard.restart.sidecar._agent import AgentSidecar, agent_address
+from trainguard.restart.sidecar._nodeclient import NodeSidecar
 from trainguard.restart.state import RestartInterrupt, RoundOutcome, RoundState, describe
 from trainguard.restart.watchdog import Watchdog
 from trainguard.stragglers._watch import StragglerWatch
@@ -450,8 +451,9 @@ class WrappedCall:
         return None
 
     def _start_sidecar(self, log_dir: Any) -> Sidecar | AgentSidecar:
-        """This rank's sidecar: a process of its own, or under ``trainguard launch`` the
-        agent's sidecar service (``TRAINGUARD_AGENT``)."""
+        """This rank's sidecar: a process of its own, this node's watcher
+        (``TRAINGUARD_SIDECAR=node``), or under ``trainguard launch`` the agent's sidecar
+        service (``TRAINGUARD_AGENT``)."""
         session = self.session
         assert session.coord_addr is not None
         config = SidecarConfig.build(
@@ -465,6 +467,8 @@ class WrappedCall:
         agent = agent_address()
         if agent is not None:
             return AgentSidecar(config, agent).start()
+        if _env.settings().sidecar == "node":
+            return NodeSidecar(config).start()
         return Sidecar(config).start()
 
     def _leave_fn(self) -> None:

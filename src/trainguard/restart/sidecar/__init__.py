@@ -9,6 +9,8 @@ hard timeout, and beats this rank's heartbeat in the store (declaring silent ran
 - :class:`Sidecar`: the training process's handle (start, handshake, lines, stop).
 - :class:`AgentSidecar`: the same handle when ``trainguard launch``'s agent watches this
   process instead (``TRAINGUARD_AGENT``, :mod:`._agent`; no sidecar process).
+- :class:`NodeSidecar`: the same handle when this node's ranks share one watcher process
+  (``TRAINGUARD_SIDECAR=node``, :mod:`._node`).
 - :class:`SidecarConfig`: what the sidecar is told on its command line.
 """
 
@@ -17,5 +19,6 @@ from __future__ import annotations
 from trainguard.restart.sidecar._agent import AgentSidecar
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._handle import Sidecar, log_path
+from trainguard.restart.sidecar._nodeclient import NodeSidecar
 
-__all__ = ["AgentSidecar", "Sidecar", "SidecarConfig", "log_path"]
+__all__ = ["AgentSidecar", "NodeSidecar", "Sidecar", "SidecarConfig", "log_path"]

@@ -1,6 +1,7 @@
 """The sidecar process: ``python -m trainguard.restart.sidecar``, configured on its stdin.
 
-One per rank, started by the wrapper (:class:`trainguard.restart.sidecar.Sidecar`); a fresh
+One per rank, started by the wrapper, or one per node (``"node": true`` in its configuration:
+the node watcher, :mod:`._node`), started by the node's first rank (:class:`trainguard.restart.sidecar.Sidecar`); a fresh
 interpreter that shares nothing with a crashing training process. This module is its entry
 point only: nothing imports it, so ``python -m`` runs it without importing it twice.
 
@@ -14,6 +15,10 @@ point only: nothing imports it, so ``python -m`` runs it without importing it tw
 The watch itself (threads, hard timeout, heartbeats, notices) is
 :class:`~trainguard.restart.sidecar._watch.Watch`, shared with the launcher's agent.
 
+It never imports torch (~200 MB of memory and a second or two of CPU per process): it talks to
+the store with the pure-Python client (:mod:`trainguard.coord._wire`). Policies the user pickled
+into its configuration may import what they need.
+
 It logs to :func:`~trainguard.restart.sidecar.log_path` (opened without following links) and
 records ``rank_gone`` and ``hard_timeout`` events in the events directory.
 """
@@ -26,17 +31,20 @@ import os
 import sys
 
 from trainguard import _private, _subproc, events
+from trainguard.coord import _wire
 from trainguard.restart.sidecar._config import SidecarConfig
-from trainguard.restart.sidecar._handle import log_path, private_log
+from trainguard.restart.sidecar._handle import log_path, node_log_path, private_log
+from trainguard.restart.sidecar._node import NodeWatcher
 from trainguard.restart.sidecar._watch import Watch
 
 logger = logging.getLogger("trainguard.restart.sidecar")
 
 
-def _log_to(cfg: SidecarConfig) -> logging.Handler:
+def _log_to(cfg: SidecarConfig, node: bool) -> logging.Handler:
     """A handler on the first log file that opens (:func:`log_path`, then this user's private
-    directory), never through a link; stderr when none does."""
-    for place in (log_path, private_log):
+    directory; :func:`node_log_path` for a node watcher), never through a link; stderr when
+    none does."""
+    for place in (node_log_path,) if node else (log_path, private_log):
         try:
             path = place(cfg)
             if cfg.log_dir:
@@ -48,30 +56,39 @@ def _log_to(cfg: SidecarConfig) -> logging.Handler:
 
 
 def main() -> int:
+    _wire.activate()  # before any store connection: this process never imports torch
     try:
         raw, buf = _subproc.read_config()
+        node = bool(raw.pop("node", False))
         cfg = SidecarConfig.from_json(raw)
     except Exception as exc:
         print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
         return 1
+    who = "node watcher" if node else f"sidecar rank {cfg.rank}"
+    thread = "%(threadName)s " if node else ""
     logging.basicConfig(
-        handlers=[_log_to(cfg)],
+        handlers=[_log_to(cfg, node)],
         level=logging.INFO,
-        format=f"%(asctime)s sidecar rank {cfg.rank} pid %(process)d %(levelname)s %(message)s",
+        format=f"%(asctime)s {who} pid %(process)d {thread}%(levelname)s %(message)s",
     )
     try:
-        watch = Watch(cfg)
+        watcher: Watch | NodeWatcher = NodeWatcher(cfg.keys) if node else Watch(cfg)
     except Exception as exc:
         logger.exception("could not start")
         print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
         return 1
+    if node and os.fork():  # no thread runs yet: the watcher goes on in a child that outlives
+        os._exit(0)  # the rank that started it, which reaps this process at once
     if cfg.log_dir:  # the events directory: the sidecar's detections are events too
         events.configure(cfg.log_dir, rank=cfg.rank)
-    logger.info("watching pid %d", cfg.parent)
+    logger.info("watching %s", "this node's ranks" if node else f"pid {cfg.parent}")
     print(json.dumps({"ok": True, "pid": os.getpid()}), flush=True)
     sys.stdout.close()
     try:
-        return watch.run_piped(sys.stdin.buffer.fileno(), buf)
+        if isinstance(watcher, NodeWatcher):
+            logger.info("the last of %d ranks left", watcher.serve())
+            return 0
+        return watcher.run_piped(sys.stdin.buffer.fileno(), buf)
     except Exception:
         logger.exception("the sidecar failed")
         return 1

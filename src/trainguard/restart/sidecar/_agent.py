@@ -55,6 +55,7 @@ class AgentSidecar:
         self.address = address
         self.sock: socket.socket | None = None
         self.error: str | None = None
+        self.watcher_pid: int | None = None  # the watching process's, from its handshake
         self._lock = threading.Lock()  # one line at a time, from any thread
         self._closed = False
 
@@ -75,13 +76,18 @@ class AgentSidecar:
             reply: dict[str, Any] = {"ok": False, "error": self.error}
         else:
             reply = handshake_reply(self._read_line(timeout))
+        self.watcher_pid = reply.get("pid")
         if not reply.get("ok"):
             self.stop(0.0)
-            raise CoordinationError(
-                f"the launcher's agent does not watch this process: {reply.get('error')}; "
-                "start it with `trainguard launch` (or unset TRAINGUARD_AGENT to run it with a "
-                "sidecar process of its own)"
-            )
+            raise CoordinationError(self.refusal(reply.get("error")))
+
+    def refusal(self, error: object) -> str:
+        """The message of the error :meth:`handshake` raises when it is not watched."""
+        return (
+            f"the launcher's agent does not watch this process: {error}; start it with "
+            "`trainguard launch` (or unset TRAINGUARD_AGENT to run it with a sidecar process of "
+            "its own)"
+        )
 
     def _read_line(self, timeout: float) -> bytes:
         assert self.sock is not None

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import select
+import socket
 import subprocess
 from pathlib import Path
 from typing import IO, Any
@@ -38,6 +39,14 @@ def log_path(config: SidecarConfig) -> Path:
 def private_log(config: SidecarConfig) -> Path:
     """The log's place in this user's private directory."""
     return _private.private_dir() / f"sidecar-{config.job}-{config.call}-{config.rank}.log"
+
+
+def node_log_path(config: SidecarConfig) -> Path:
+    """The node watcher's log (``TRAINGUARD_SIDECAR=node``): ``sidecar-node-<host>.log`` in
+    the events directory, else ``sidecar-node-<job>-<call>.log`` in the private directory."""
+    if config.log_dir:
+        return Path(config.log_dir) / f"sidecar-node-{socket.gethostname()}.log"
+    return _private.private_dir() / f"sidecar-node-{config.job}-{config.call}.log"
 
 
 def handshake_reply(line: bytes) -> dict[str, Any]:

@@ -324,6 +324,8 @@ class Watch:
                     chunk = os.read(fd, 65536)
                 except BlockingIOError:
                     break
+                except ConnectionResetError:  # a socket (node watcher): the peer died unread
+                    chunk = b""
                 eof = not chunk
                 if self.feed(chunk):
                     return None

@@ -1,0 +1,196 @@
+"""The node watcher: one sidecar process for every rank of a wrapped call on this host.
+
+With ``TRAINGUARD_SIDECAR=node`` the ranks of one host share one watcher process instead of one
+sidecar each (:class:`~trainguard.restart.sidecar._nodeclient.NodeSidecar` is their handle).
+It does for each rank what a sidecar does (:class:`~trainguard.restart.sidecar._watch.Watch`,
+one per rank, each with its own store connection and heartbeat thread): the death notice as
+soon as the rank's process dies (its pidfd wakes), the hard timeout, the rank's heartbeats and
+judging the ranks it observes. It never imports torch (:mod:`trainguard.coord._wire`).
+
+Protocol:
+
+1. Its address, a Unix socket in Linux's abstract namespace, is :func:`address` of the call's
+   keyspace (it holds a digest of the job secret: unguessable) and this user's id. Who starts
+   it, and when it may exit, is decided under a lock file in this user's private directory
+   (:func:`lock_path`): a rank takes the lock, connects (or starts the watcher, detached in a
+   session of its own so that it outlives that rank, and connects), sends its configuration,
+   and releases the lock.
+2. Each connection: the peer must be this user's (``SO_PEERCRED``) and its configuration must
+   name the peer's pid; the watcher connects the rank's watch to the store and replies
+   ``{"ok": true, "pid": ...}``; then the rank's lines (round, hb, bye) follow, as on a
+   sidecar's stdin. The watcher closes the connection when the rank said goodbye or died.
+3. When its last rank has left, it takes the lock, accepts a connection that came meanwhile if
+   there is one (and goes on), else closes its socket and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from trainguard import _private
+from trainguard.coord.keys import Keyspace
+from trainguard.restart.sidecar._config import SidecarConfig
+from trainguard.restart.sidecar._watch import Watch
+
+logger = logging.getLogger("trainguard.restart.sidecar")
+
+_HANDSHAKE_S = 30.0  # seconds a connection has to send its configuration
+_FIRST_S = 60.0  # seconds the watcher waits for its first rank before it gives up
+_LOOK_S = 0.1  # seconds between two looks at whether the last rank has left
+
+
+def _name(keys: Keyspace) -> str:
+    digest = hashlib.sha256(f"{keys.job}\0{keys.call}\0{keys.secret}".encode()).hexdigest()
+    return f"{os.getuid()}-{digest[:32]}"
+
+
+def address(keys: Keyspace) -> str:
+    """The watcher's abstract socket name (without the leading NUL) for this call and user."""
+    return f"trainguard-node-{_name(keys)}"
+
+
+def lock_path(keys: Keyspace) -> Path:
+    """The lock file that orders starting, joining and leaving the watcher."""
+    return _private.private_dir() / f"node-{_name(keys)}.lock"
+
+
+@contextlib.contextmanager
+def locked(path: Path, timeout: float) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created 0600, never through a link)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{path} stayed locked for {timeout:g} s") from None
+                time.sleep(0.005)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def accept_own(listener: socket.socket, owner: str) -> tuple[socket.socket, int] | None:
+    """Accept a connection on the Unix socket ``listener``: the socket and the peer's pid, or
+    None when accepting failed or the peer is another user's (``SO_PEERCRED``; refused and
+    logged, ``owner`` naming whose it should be)."""
+    try:
+        sock, _ = listener.accept()
+    except OSError:
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    if uid != os.getuid():
+        logger.warning("refused a connection of pid %d: user %d is not %s", pid, uid, owner)
+        sock.close()
+        return None
+    return sock, pid
+
+
+class NodeWatcher:
+    """The watcher process's server; see the module docstring.
+
+    Args:
+        keys: the wrapped call's keyspace (its address and lock file).
+    """
+
+    def __init__(self, keys: Keyspace) -> None:
+        self.keys = keys
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.listener.bind("\0" + address(keys))
+        self.listener.listen(128)
+        self.cond = threading.Condition()
+        self.live = 0  # connections being served
+        self.served = 0
+        self.threads: list[threading.Thread] = []
+
+    def serve(self) -> int:
+        """Accept ranks until the last has left; the number of ranks served."""
+        started = time.monotonic()
+        while True:
+            ready, _, _ = select.select([self.listener], [], [], _LOOK_S)
+            if ready:
+                self._accept()
+                continue
+            with self.cond:
+                idle = self.live == 0
+            if idle and (self.served or time.monotonic() - started > _FIRST_S) and self._leave():
+                break
+        for thread in self.threads:
+            thread.join()
+        return self.served
+
+    def _leave(self) -> bool:
+        """Under the lock file: close the socket unless a rank is connecting (True: closed)."""
+        with locked(lock_path(self.keys), _HANDSHAKE_S):
+            ready, _, _ = select.select([self.listener], [], [], 0)
+            if ready:
+                return False
+            self.listener.close()
+        return True
+
+    def _accept(self) -> None:
+        peer = accept_own(self.listener, "this user")
+        if peer is None:
+            return
+        sock, pid = peer
+        with self.cond:
+            self.live += 1
+            self.served += 1
+        thread = threading.Thread(target=self._serve, args=(sock, pid), name="tg-rank")
+        self.threads = [t for t in self.threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def _serve(self, sock: socket.socket, pid: int) -> None:
+        try:
+            self._watch(sock, pid)
+        except Exception:
+            logger.exception("the watch of pid %d failed", pid)
+        finally:
+            sock.close()
+            with self.cond:
+                self.live -= 1
+                self.cond.notify_all()
+
+    def _watch(self, sock: socket.socket, pid: int) -> None:
+        sock.settimeout(_HANDSHAKE_S)
+        data = b""
+        while b"\n" not in data and (chunk := sock.recv(65536)):
+            data += chunk
+        line, _, rest = data.partition(b"\n")
+        try:
+            cfg = SidecarConfig.from_json(json.loads(line))
+            if cfg.parent != pid:
+                raise ValueError(f"its configuration names pid {cfg.parent}, not its own")
+            if cfg.keys.prefix != self.keys.prefix:
+                raise ValueError("its configuration is of another wrapped call")
+            watch = Watch(cfg)
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            logger.warning("refused pid %d: %s", pid, why)
+            sock.sendall(json.dumps({"ok": False, "error": why}).encode() + b"\n")
+            return
+        sock.settimeout(None)
+        with contextlib.suppress(OSError):  # it died already: the watch writes its notice
+            sock.sendall(json.dumps({"ok": True, "pid": os.getpid()}).encode() + b"\n")
+        logger.info("watching rank %d (pid %d)", cfg.rank, pid)
+        try:
+            watch.run_piped(sock.fileno(), rest)
+        finally:
+            watch.stop()  # its threads end with it, also when it failed
+            watch.close()

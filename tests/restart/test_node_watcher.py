@@ -1,0 +1,115 @@
+"""One watcher process per node (``TRAINGUARD_SIDECAR=node``), 4 real ranks on this host: it
+watches every rank (one process, no torch), writes a dead rank's notice at once, kills a rank
+hung holding the GIL at the hard timeout, and exits when its last rank has left."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from tests._dist import run_ranks
+from tests.restart import _faults
+from tests.restart.test_faults import _check_shrunk
+from trainguard.events import read_events
+
+STEPS = 10
+FAULT_STEP = 4
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+# the death notice needs no short timeouts (a loaded machine then kills a starved rank)
+_SLOW = {"soft_timeout": 10.0, "hard_timeout": 20.0}
+
+
+@pytest.mark.parametrize(
+    ("kind", "within", "overrides"), [("sigkill", 2.0, _SLOW), ("gil", 3.0 + 1.0 + 2.0, None)]
+)
+def test_one_watcher_per_node_keeps_the_sidecar_guarantees(
+    kind: str, within: float, overrides: dict[str, float] | None, tmp_path
+) -> None:
+    victim = 2
+    results = run_ranks(
+        _faults.fault_job,
+        4,
+        args=(STEPS, victim, FAULT_STEP, kind, str(tmp_path), overrides),
+        env={"TRAINGUARD_SIDECAR": "node"},
+        timeout=120,
+    )
+    fault_time = float((tmp_path / f"fault-{victim}").read_text())
+    assert results[victim].exitcode in ((-9,) if kind == "sigkill" else (-15, -9))
+    _check_shrunk(results, victim, fault_time, within=within)
+    # one watcher process watched all four ranks; no sidecar process per rank
+    assert not list(tmp_path.glob("sidecar-[0-9]*.log"))
+    (log,) = tmp_path.glob("sidecar-node-*.log")
+    text = log.read_text()
+    watched = re.findall(r"node watcher pid (\d+) .* watching rank (\d+) ", text)
+    assert sorted(int(r) for _, r in watched) == [0, 1, 2, 3], text
+    assert len({pid for pid, _ in watched}) == 1, text
+    pid = int(watched[0][0])
+    if kind == "sigkill":
+        assert "notice written" in text, text
+        gone = [e for e in read_events(tmp_path) if e["kind"] == "rank_gone"]
+        assert [(e["gone_rank"], e["counted"]) for e in gone] == [(victim, True)]
+    else:
+        assert "hard timeout" in text, text
+        kills = [e for e in read_events(tmp_path) if e["kind"] == "hard_timeout"]
+        assert [e["killed_rank"] for e in kills] == [victim]
+    # the last rank has left: the watcher exits by itself
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid), f"the node watcher (pid {pid}) outlived its ranks"
+
+
+# A rank that registers with the node watcher and is killed before it reads the reply: its
+# end reaches the watcher as a reset connection, not an end of stream.
+_DIES_UNREAD = r"""
+import os, signal, sys
+from trainguard.coord.keys import Keyspace
+from trainguard.restart.config import WrapperConfig
+from trainguard.restart.sidecar import NodeSidecar, SidecarConfig
+cfg = WrapperConfig(soft_timeout=20, hard_timeout=60, heartbeat_timeout=10)
+config = SidecarConfig.build(cfg, rank=1, world=2, keys=Keyspace("unread", 0, "c" * 32),
+                             addr=("127.0.0.1", int(sys.argv[1])), log_dir=sys.argv[2])
+handle = NodeSidecar(config).start()
+assert handle.sock is not None, handle.error
+print(handle.watcher_pid or "", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_rank_killed_before_it_read_the_reply_still_gets_its_notice(tmp_path) -> None:
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from trainguard.coord.keys import Keyspace
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    proc = subprocess.run(
+        [sys.executable, "-c", _DIES_UNREAD, str(store.port), str(tmp_path)],
+        capture_output=True,
+        timeout=60,
+    )
+    assert proc.returncode == -9, proc.stderr
+    keys = Keyspace("unread", 0, "c" * 32)
+    record = bytes(store.get(keys.member(0, 1)))  # waits for the notice (store timeout 30 s)
+    assert b"process died" in record, record
+    (log,) = tmp_path.glob("sidecar-node-*.log")
+    pid = int(re.findall(r"node watcher pid (\d+) ", log.read_text())[0])
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid), log.read_text()
+    assert "Traceback" not in log.read_text()
