@@ -144,10 +144,13 @@ def test_fifty_mixed_faulted_rounds_stay_flat() -> None:
         rounds = value["rounds"][3:]
         for name in ("sockets", "os_threads", "handlers"):
             values = [x[name] for x in rounds]
-            # a leak grows with every round; a connection mid-close may count for one sample
+            # a leak grows with every round; a connection mid-close may count for one sample,
+            # and so may the next round's store client, connected ahead by a thread (a round
+            # may sample before or while it connects)
+            slack = 1 if name == "sockets" else 0
             half = len(values) // 2
-            assert max(values[half:]) <= max(values[:half]), (name, values)
-            assert max(values) - min(values) <= 1, (name, values)
+            assert max(values[half:]) <= max(values[:half]) + slack, (name, values)
+            assert max(values) - min(values) <= 1 + slack, (name, values)
         fds = [x["fds"] for x in rounds]
         assert max(fds) - min(fds) <= 2, fds
         assert len({tuple(x["children"]) for x in value["rounds"]}) == 1  # the same sidecar

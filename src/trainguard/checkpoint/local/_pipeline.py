@@ -92,6 +92,7 @@ class SavePipeline:
         inventory: _inventory.Inventory,
         channel: Channel | None,
         link: StoreLink | None,
+        caller_store: Store | None = None,
         recv_buffers: dict[int, StagingBuffer] | None = None,
     ) -> None:
         self.place = place
@@ -101,7 +102,11 @@ class SavePipeline:
         self._channel = channel
         self._link = link
         self._bg_store = link.client() if link is not None else None  # this thread's
-        self._fg_store = link.client() if link is not None else None  # the caller's
+        # the caller's (``caller_store``: one the caller's thread uses for its own waits too;
+        # each client is one more connect, name lookups included, when a round begins)
+        if link is not None and caller_store is None:
+            caller_store = link.client()
+        self._fg_store = caller_store if link is not None else None
         # receive buffers (per peer): the manager's, kept across rounds when it passes them
         self._recv_buffers: dict[int, StagingBuffer] = {} if recv_buffers is None else recv_buffers
         self.last: StagedSave | None = None

@@ -182,7 +182,8 @@ class LocalCheckpointManager(Closing):
                 store, key_prefix=self._key_prefix, world_size=self.world_size
             )
         self._link = link
-        self._store = link.client() if link is not None else None  # for gathers
+        # for gathers, and the pipeline's waits in this thread
+        self._store = link.client() if link is not None else None
         # the replication group is built on first need (a save that replicates, a transfer)
         self._replicates = link is not None and self.replication.replicates(self.world_size)
         # per round: a rank interrupted before a save the others made is not behind for good
@@ -196,6 +197,7 @@ class LocalCheckpointManager(Closing):
             inventory=self._inventory,
             channel=None,
             link=link,
+            caller_store=self._store,
             recv_buffers=self._res.recv_buffers,
         )
         _link.setup_done("local", started, self.rank, self.world_size)
