@@ -221,7 +221,10 @@ def run_rows(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 ckpts[mib] = _recovery_job.write_state(tmp / f"state-{mib}.pt", nbytes)
             job = summarize(_recovery_job.job_restart(ranks, args.baseline_repeats, ckpts[mib]))
             results["job_restart_s"][f"{model.name}_{ranks}"] = job
-    results["torchrun_max_restarts_1_s"] = summarize(torchrun_baseline(tmp, args.torchrun_repeats))
+    if args.torchrun_repeats > 0:
+        results["torchrun_max_restarts_1_s"] = summarize(
+            torchrun_baseline(tmp, args.torchrun_repeats)
+        )
     return results
 
 
@@ -279,8 +282,8 @@ def show(results: dict[str, Any]) -> None:
         [f"job restart {k}", v["p50"] * 1e3, v["max"] * 1e3]
         for k, v in results["job_restart_s"].items()
     ]
-    t = results["torchrun_max_restarts_1_s"]
-    base_rows.append(["torchrun --max-restarts=1", t["p50"] * 1e3, t["max"] * 1e3])
+    if (t := results.get("torchrun_max_restarts_1_s")) is not None:
+        base_rows.append(["torchrun --max-restarts=1", t["p50"] * 1e3, t["max"] * 1e3])
     print_table("baselines (ms)", ["baseline", "p50", "max"], base_rows)
 
 
