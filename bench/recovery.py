@@ -149,7 +149,8 @@ def measure(kind: str, count: int, ranks: int, model: Model, tmp: Path) -> dict[
         out = tmp / f"{kind}-{ranks}-{model.mib}-{len(runs)}"
         runs.append(demo_run(kind, n, ranks, model, out))
         left -= n
-    found = [f for run in runs for f in run["faults"]]
+    everything = [f for run in runs for f in run["faults"]]
+    found = [f for f in everything if f["kind"] == kind]  # not restarts nobody injected
     cut = model.soft_timeout if kind == "hang" else 0.0
     again = [f["training_again"] - cut for f in found]
     parts = {
@@ -164,6 +165,7 @@ def measure(kind: str, count: int, ranks: int, model: Model, tmp: Path) -> dict[
         "model_mib": model.mib,
         "soft_timeout": model.soft_timeout,
         "runs": len(runs),
+        "other_restarts": [f["kind"] for f in everything if f["kind"] != kind],
         "training_again_s": summarize(again),
         "reinit_p50_s": parts,
         "first_step_p50_s": summarize([f["first_step"] for f in found])["p50"],
@@ -254,7 +256,16 @@ def show(results: dict[str, Any]) -> None:
         speedup = job / s["p50"] if s["p50"] > 0 else float("nan")
         _, text, met = verdict(kind, s["p50"], transfer)
         rows.append(
-            [kind, name, row["ranks"], s["n"], s["p50"] * 1e3, s["p95"] * 1e3, s["max"] * 1e3]
+            [
+                kind,
+                name,
+                row["ranks"],
+                s["n"],
+                len(row["other_restarts"]),
+                s["p50"] * 1e3,
+                s["p95"] * 1e3,
+                s["max"] * 1e3,
+            ]
             + [p[k] * 1e3 for k in ("process_group", "checkpointer", "checkpoint_load")]
             + [row["first_step_p50_s"] * 1e3, "+".join(row["sources"]) or "-", speedup]
             + [text, met]
@@ -264,7 +275,7 @@ def show(results: dict[str, Any]) -> None:
             exc.append(
                 f"{name}/{row['ranks']}: {speedup:.0f}x ({'met' if speedup >= 20 else 'not met'})"
             )
-    headers = ["fault", "model", "ranks", "n", "p50", "p95", "max", "pg p50", "ckpt setup"]
+    headers = ["fault", "model", "ranks", "n", "other", "p50", "p95", "max", "pg p50", "ckpt setup"]
     headers += ["load", "1st step", "source", "x vs job restart", "target p50", "met"]
     print_table("fault -> training again (ms; hang: beyond soft_timeout)", headers, rows)
     print(f"exception vs job restart, target >= {SPEEDUP:.0f}x: " + "; ".join(exc))

@@ -11,7 +11,7 @@ MLP trained with cross-entropy on the teacher's argmax labels, so the loss falls
 
 ``TaskConfig.pad_mib`` (``trainguard demo --model-mib N``) makes the checkpointed state about
 ``N`` MiB per rank, to measure checkpoints and recovery at a realistic size: the student then
-carries a fixed buffer ``pad`` (a deterministic pattern, part of ``state_dict``, so it is saved,
+carries a fixed buffer ``pad`` (zeros, part of ``state_dict``, so it is saved,
 restored and covered by the bit-identical check) while the trained part stays as small as above.
 """
 
@@ -86,11 +86,13 @@ def make_model(cfg: TaskConfig) -> nn.Module:
 
 def padding(cfg: TaskConfig, net: nn.Module) -> torch.Tensor:
     """The ``pad`` buffer that makes ``net``'s checkpointed state about ``cfg.pad_mib`` MiB: the
-    requested size less the parameters and AdamW's two moments of each (int32, a pattern
-    that is the same on every rank and in every run; empty when those alone are larger)."""
+    requested size less the parameters and AdamW's two moments of each (int32 zeros, empty
+    when those alone are larger). Zeros cost no time to build (the pages are mapped when first
+    written, as a restore does), so a round's set-up stays the small model's; saving, copying,
+    hashing and sending them cost what any bytes do."""
     trained = sum(p.numel() * p.element_size() for p in net.parameters())
     words = max(0, (cfg.pad_mib << 20) - 3 * trained) // 4
-    return torch.arange(words, dtype=torch.int32)
+    return torch.zeros(words, dtype=torch.int32)
 
 
 def make_optimizer(model: nn.Module, cfg: TaskConfig) -> torch.optim.Optimizer:
