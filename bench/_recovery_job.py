@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests._dist import free_port
+from tests._dist import free_port, live_processes
 
 BASELINE = """
 import os, sys, torch, torch.distributed as dist
@@ -39,22 +39,18 @@ def write_state(path: Path, nbytes: int) -> Path:
 def job_restart(world: int, repeats: int, ckpt: Path) -> list[float]:
     """Seconds from starting ``world`` fresh processes to all of them done (import torch, init
     gloo, load ``ckpt``, one all_reduce), ``repeats`` times."""
-    out = []
-    for _ in range(repeats):
-        env = {"PATH": "/usr/bin:/bin", "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"}
-        env["MASTER_PORT"] = str(free_port())
-        start = time.monotonic()
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-c", BASELINE, str(ckpt)], env={**env, "RANK": str(r)}
-            )
-            for r in range(world)
-        ]
-        codes = [p.wait(timeout=300) for p in procs]
-        if any(codes):
-            raise RuntimeError(f"job-restart baseline processes failed: {codes}")
-        out.append(time.monotonic() - start)
-    return out
+    return [_fresh_job(world, ckpt) for _ in range(repeats)]
+
+
+def _fresh_job(world: int, ckpt: Path) -> float:
+    common = {"PATH": "/usr/bin:/bin", "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"}
+    common["MASTER_PORT"] = str(free_port())
+    cmd = [sys.executable, "-c", BASELINE, str(ckpt)]
+    start = time.monotonic()
+    procs = [subprocess.Popen(cmd, env={**common, "RANK": str(r)}) for r in range(world)]
+    if codes := [c for c in (p.wait(timeout=300) for p in procs) if c]:
+        raise RuntimeError(f"job-restart baseline processes failed: {codes}")
+    return time.monotonic() - start
 
 
 def send_part(nbytes: int, repeats: int) -> list[float]:
@@ -83,15 +79,8 @@ def send_part(nbytes: int, repeats: int) -> list[float]:
 
 def _children() -> dict[int, list[int]]:
     tree: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        tree.setdefault(ppid, []).append(int(name))
+    for pid, fields in live_processes().items():
+        tree.setdefault(int(fields[1]), []).append(pid)
     return tree
 
 
