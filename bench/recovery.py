@@ -32,7 +32,7 @@ The memory table gives each (model, ranks)'s peak: the summed RSS of the demo's 
 (staging memory shared with the writer processes counts twice) and the drop of the machine's
 MemAvailable (other processes' use included).
 Run: ``.venv/bin/python bench/recovery.py [--ranks 4 8] [--models 0 256] [--faults 10]
-[--quick]`` (``--quick``: 4 ranks, the demo model, each kind once).
+[--quick]`` (``--quick``: 4 ranks, the demo model, each kind once, no torchrun baseline).
 """
 
 from __future__ import annotations
@@ -313,11 +313,13 @@ def main() -> int:
     parser.add_argument("--big-kills", type=int, default=2, help="kills per run, --models N>0")
     parser.add_argument("--baseline-repeats", type=int, default=3)
     parser.add_argument("--torchrun-repeats", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="4 ranks, demo model, 1 fault each")
+    parser.add_argument(
+        "--quick", action="store_true", help="4 ranks, demo model, 1 fault each, no torchrun"
+    )
     args = parser.parse_args()
     if args.quick:
         args.ranks, args.models, args.faults = [4], [0], 1
-        args.baseline_repeats = args.torchrun_repeats = 1
+        args.baseline_repeats, args.torchrun_repeats = 1, 0
     with tempfile.TemporaryDirectory(prefix="tg-recovery-") as name:
         results = run_rows(args, Path(name))
     show(results)
