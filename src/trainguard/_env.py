@@ -34,6 +34,8 @@ VARIABLES: dict[str, str] = {
     "the launcher",
     "TRAINGUARD_SIDECAR": "'process' (default: one sidecar process per rank) or 'node' (one "
     "watcher process per node, shared by its ranks); ignored under `trainguard launch`",
+    "TRAINGUARD_DEMO_MODEL_MIB": "`trainguard demo` only: pad the demo model's checkpointed state "
+    "to about this many MiB per rank (0: no padding); set by `trainguard demo --model-mib`",
 }
 
 
@@ -49,6 +51,7 @@ class Settings:
     incarnation: int = 0
     agent: str | None = None
     sidecar: str = "process"
+    demo_model_mib: int = 0
 
 
 def _parse_addr(value: str) -> tuple[str, int]:
@@ -73,10 +76,10 @@ def _check_secret(value: str) -> str:
     return value
 
 
-def _count(name: str, value: str) -> int:
+def _count(name: str, value: str, setter: str = "the launcher") -> int:
     if not (value.isascii() and value.isdigit()):
         raise ConfigError(
-            f"{name}={value!r} must be a whole number >= 0 (the launcher sets it); unset it"
+            f"{name}={value!r} must be a whole number >= 0 ({setter} sets it); unset it"
         )
     return int(value)
 
@@ -111,6 +114,7 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
     addr = get("TRAINGUARD_STORE_ADDR")
     generation = get("TRAINGUARD_GENERATION")
     incarnation = get("TRAINGUARD_INCARNATION")
+    mib = get("TRAINGUARD_DEMO_MODEL_MIB")
     return Settings(
         events_dir=get("TRAINGUARD_EVENTS_DIR"),
         store_addr=_parse_addr(addr) if addr else None,
@@ -120,4 +124,7 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
         incarnation=_count("TRAINGUARD_INCARNATION", incarnation) if incarnation else 0,
         agent=get("TRAINGUARD_AGENT"),
         sidecar=_sidecar(sidecar) if (sidecar := get("TRAINGUARD_SIDECAR")) else "process",
+        demo_model_mib=_count("TRAINGUARD_DEMO_MODEL_MIB", mib, "trainguard demo --model-mib")
+        if mib
+        else 0,
     )

@@ -133,6 +133,7 @@ def test_a_perturbed_restore_fails_the_check(tmp_path: Path) -> None:
         (["--ranks", "1"], "at least 2 ranks"),
         (["--launch", "--ranks", "4"], "drop --ranks/--spares"),
         (["--launch", "--step-time", "-1"], "--step-time must be 0 or more"),
+        (["--model-mib", "-5"], "--model-mib must be 0"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_starts(

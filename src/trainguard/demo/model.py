@@ -8,6 +8,11 @@ restored from a checkpoint.
 The teacher maps ``x`` to class scores through a small random MLP; the student is a wider
 MLP trained with cross-entropy on the teacher's argmax labels, so the loss falls steadily from
 ``ln(classes)`` over a few hundred steps.
+
+``TaskConfig.pad_mib`` (``trainguard demo --model-mib N``) makes the checkpointed state about
+``N`` MiB per rank, to measure checkpoints and recovery at a realistic size: the student then
+carries a fixed buffer ``pad`` (zeros, part of ``state_dict``, so it is saved,
+restored and covered by the bit-identical check) while the trained part stays as small as above.
 """
 
 from __future__ import annotations
@@ -22,10 +27,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainguard import _env
+from trainguard.errors import ConfigError
+
+
+def _pad_from_env() -> int:
+    return _env.settings().demo_model_mib
+
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-    """Shape of the demo task. Small enough for a few hundred steps on 2 CPU cores."""
+    """Shape of the demo task. Small enough for a few hundred steps on 2 CPU cores.
+
+    ``pad_mib``: pad the checkpointed state (model, optimizer, step, RNG) to about this many
+    MiB per rank (0: no padding); defaults to ``TRAINGUARD_DEMO_MODEL_MIB``, which
+    ``trainguard demo --model-mib`` sets for the processes it starts.
+    """
 
     seed: int = 1234
     inputs: int = 32
@@ -33,6 +50,13 @@ class TaskConfig:
     hidden: int = 128
     batch: int = 64  # per rank
     lr: float = 3e-3
+    pad_mib: int = dataclasses.field(default_factory=_pad_from_env)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pad_mib, bool) or not isinstance(self.pad_mib, int):
+            raise ConfigError(f"pad_mib={self.pad_mib!r} must be a whole number of MiB")
+        if self.pad_mib < 0:
+            raise ConfigError(f"pad_mib={self.pad_mib}: give 0 (no padding) or more MiB")
 
 
 def make_teacher(cfg: TaskConfig) -> nn.Module:
@@ -48,13 +72,27 @@ def make_teacher(cfg: TaskConfig) -> nn.Module:
 def make_model(cfg: TaskConfig) -> nn.Module:
     """The student, initialized from the seed (identical on every rank)."""
     torch.manual_seed(cfg.seed + 1)
-    return nn.Sequential(
+    net = nn.Sequential(
         nn.Linear(cfg.inputs, cfg.hidden),
         nn.GELU(),
         nn.Linear(cfg.hidden, cfg.hidden),
         nn.GELU(),
         nn.Linear(cfg.hidden, cfg.classes),
     )
+    if cfg.pad_mib > 0:
+        net.register_buffer("pad", padding(cfg, net))
+    return net
+
+
+def padding(cfg: TaskConfig, net: nn.Module) -> torch.Tensor:
+    """The ``pad`` buffer that makes ``net``'s checkpointed state about ``cfg.pad_mib`` MiB: the
+    requested size less the parameters and AdamW's two moments of each (int32 zeros, empty
+    when those alone are larger). Zeros cost no time to build (the pages are mapped when first
+    written, as a restore does), so a round's set-up stays the small model's; saving, copying,
+    hashing and sending them cost what any bytes do."""
+    trained = sum(p.numel() * p.element_size() for p in net.parameters())
+    words = max(0, (cfg.pad_mib << 20) - 3 * trained) // 4
+    return torch.zeros(words, dtype=torch.int32)
 
 
 def make_optimizer(model: nn.Module, cfg: TaskConfig) -> torch.optim.Optimizer:

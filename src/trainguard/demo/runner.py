@@ -9,9 +9,11 @@ on every rank, 1 when they do not, 2 when the run failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +87,14 @@ def add_parser(sub: Any) -> None:
         help="a rank that stays much slower than the others (a `slow` fault) leaves the job "
         "and a spare takes its number (default: stragglers are only reported)",
     )
+    p.add_argument(
+        "--model-mib",
+        type=int,
+        help="pad the model's checkpointed state to about this many MiB per rank, to see "
+        "checkpoints and recovery at a realistic size (default 0, or TRAINGUARD_DEMO_MODEL_MIB: "
+        "the small model alone; memory: about 3-4x this per rank, for the model, staging and "
+        "restore buffers)",
+    )
     p.add_argument("--perturb", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=command)
 
@@ -127,6 +137,12 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         raise ConfigError("--soft-timeout must be positive seconds")
     if step_time < 0:
         raise ConfigError("--step-time must be 0 or more seconds")
+    if args.model_mib is None:
+        from trainguard import _env
+
+        args.model_mib = _env.settings().demo_model_mib
+    if args.model_mib < 0:
+        raise ConfigError("--model-mib must be 0 (no padding) or more MiB")
     default = "" if args.launch else _faults.DEFAULT_SCHEDULE
     schedule = "" if args.no_faults else (default if args.faults is None else args.faults)
     found = _faults.parse(schedule, ranks=args.ranks, spares=args.spares, steps=args.steps)
@@ -157,14 +173,32 @@ def command(args: argparse.Namespace) -> int:
         print(f"trainguard demo: {exc}", file=sys.stderr)
         return 2
     where = " under trainguard launch (2 nodes x 2 workers)" if args.launch else ""
+    size = f", model state ~{args.model_mib} MiB per rank" if args.model_mib else ""
     print(
-        f"trainguard demo{where}: {cfg.ranks} ranks + {cfg.spares} spare(s), {cfg.steps} steps, "
-        f"local checkpoint every {cfg.local_every} steps (replicated), disk every "
+        f"trainguard demo{where}: {cfg.ranks} ranks + {cfg.spares} spare(s), {cfg.steps} steps"
+        f"{size}, local checkpoint every {cfg.local_every} steps (replicated), disk every "
         f"{cfg.disk_every}; faults: {', '.join(f.label for f in cfg.faults) or 'none'}"
     )
     print(f"run directory: {cfg.out}", flush=True)
-    if args.launch:
-        from trainguard.demo._launch import LaunchRun
+    with _model_size(args.model_mib):  # every process the run starts inherits it
+        if args.launch:
+            from trainguard.demo._launch import LaunchRun
 
-        return LaunchRun(cfg, sys.stdout, args.timeout, inject=not args.no_faults).run()
-    return _Run(cfg, sys.stdout, args.timeout).run()
+            return LaunchRun(cfg, sys.stdout, args.timeout, inject=not args.no_faults).run()
+        return _Run(cfg, sys.stdout, args.timeout).run()
+
+
+@contextlib.contextmanager
+def _model_size(mib: int) -> Iterator[None]:
+    """``TRAINGUARD_DEMO_MODEL_MIB`` = ``mib`` while the run starts its processes (they read it
+    through :class:`trainguard.demo.model.TaskConfig`); restored afterwards."""
+    name = "TRAINGUARD_DEMO_MODEL_MIB"
+    before = os.environ.get(name)
+    os.environ[name] = str(mib)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
