@@ -54,6 +54,7 @@ __all__ = [
     "RestartError",
     "RetryLimitError",
     "SidecarLostError",
+    "StoreTimeoutError",
     "StragglerError",
     "TrainguardError",
     "WriterDied",
@@ -106,6 +107,12 @@ class CoordinationError(TrainguardError):
 
 class RestartError(TrainguardError):
     """In-process restart cannot go on (for example too few ranks are left)."""
+
+
+class StoreTimeoutError(CoordinationError):
+    """A store wait (or a ``get`` of a key never set) ran out of time through trainguard's own
+    store client (the torch-free one of helper processes); the connection stays usable.
+    :func:`trainguard.coord.timed_out` is True for it, as for torch's ``DistStoreError``."""
 
 
 class BarrierTimeoutError(CoordinationError):

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from trainguard.coord import _wire, timed_out, wait_all
-from trainguard.coord._wire import StoreTimeoutError, WireStore
-from trainguard.errors import CoordinationError
+from trainguard.coord._wire import WireStore
+from trainguard.errors import CoordinationError, StoreTimeoutError
 
 
 @pytest.fixture(params=[True, False], ids=["libuv", "classic"])

@@ -34,9 +34,9 @@ import time
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
 
-from trainguard.errors import CoordinationError
+from trainguard.errors import CoordinationError, StoreTimeoutError
 
-__all__ = ["StoreTimeoutError", "WireStore", "activate", "active", "connect"]
+__all__ = ["WireStore", "activate", "active", "connect"]
 
 MAGIC = 0x3C85F7CE  # the validation number of torch's TCPStore protocol
 _PREFIX = b"/"  # torch's TCPStore client puts this before every key
@@ -63,11 +63,6 @@ class _Query(enum.IntEnum):
     MULTI_SET = 11
     CANCEL_WAIT = 12
     PING = 13
-
-
-class StoreTimeoutError(CoordinationError):
-    """A wait (or ``get`` of a key never set) ran out of time; the connection stays usable.
-    :func:`trainguard.coord.timed_out` is True for it, as for torch's ``DistStoreError``."""
 
 
 _active = False

@@ -13,8 +13,7 @@ import sys
 from datetime import timedelta
 from typing import Any
 
-from trainguard.coord._wire import StoreTimeoutError
-from trainguard.errors import BarrierTimeoutError, CoordinationError
+from trainguard.errors import BarrierTimeoutError, CoordinationError, StoreTimeoutError
 
 __all__ = ["timed_out", "wait_all", "wait_forever", "wait_key"]
 
@@ -26,7 +25,7 @@ def timed_out(exc: BaseException) -> bool:
 
     torch raises ``DistStoreError`` for a store timeout; other failures (a lost connection:
     ``DistNetworkError``) are not timeouts. The pure-Python client (:mod:`._wire`) raises
-    :class:`~trainguard.coord._wire.StoreTimeoutError`. A process that has not imported
+    :class:`~trainguard.errors.StoreTimeoutError`. A process that has not imported
     ``torch.distributed`` cannot have got torch's error, and this never imports it.
     """
     if isinstance(exc, StoreTimeoutError):
