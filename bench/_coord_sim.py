@@ -165,7 +165,9 @@ class Sim:
         return [conn.recv() for conn, _ in self.workers]
 
     def sidecar_config(self, rank: int) -> Any:
-        return _sidecar_config(self.port, self.n, rank, _config(self.n, self.interval, self.timeout))
+        return _sidecar_config(
+            self.port, self.n, rank, _config(self.n, self.interval, self.timeout)
+        )
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -316,7 +318,9 @@ class _Worker:
 
         def held() -> int:
             socks = _sockets.tcp_sockets(set(_sockets.socket_fds()))
-            return sum(1 for s in socks if s.remote_port == port and s.state == _sockets.ESTABLISHED)
+            return sum(
+                1 for s in socks if s.remote_port == port and s.state == _sockets.ESTABLISHED
+            )
 
         before = held()
         watches = []
@@ -367,7 +371,7 @@ class _Worker:
         start = params["start"]
         rng = random.Random(params["seed"] + (watches[0].rank if watches else 0))
         heap = []
-        for i, watch in enumerate(watches):
+        for i in range(len(watches)):
             beat_at = start + rng.uniform(0.0, interval)
             heap.append((beat_at, i, beat_at))
         heapq.heapify(heap)
@@ -495,7 +499,7 @@ class _Collect:
             w = conns.index(conn)  # type: ignore[arg-type]
             msg = conn.recv()  # type: ignore[union-attr]
             if msg[0] == "round":
-                _, k, t, seen, got, assigned, ops = msg
+                _, k, _, seen, got, assigned, ops = msg
                 self.reports.setdefault(k, []).append((seen, got, ops))
                 while len(self.assigned) <= k:
                     self.assigned.append({})
