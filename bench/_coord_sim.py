@@ -337,7 +337,7 @@ class _Worker:
         for i, watch in enumerate(watches):
             watch.beat_store = Counting(watch.beat_store, counters[i % k])
         out: dict[str, Any] = {"conns": conns, "ranks": len(watches), "last": {}, "declared": {}}
-        out["window"] = [[0, 0, 0] for _ in range(k)]
+        out["window"] = [[0.0, 0.0, 0.0] for _ in range(k)]
         drivers = [
             threading.Thread(
                 target=self._drive, args=(watches[t::k], counters[t], out["window"][t], params, out)
@@ -360,7 +360,7 @@ class _Worker:
         self,
         watches: list[Any],
         counter: list[int],
-        window: list[int],
+        window: list[float],
         params: dict[str, Any],
         out: dict[str, Any],
     ) -> None:
@@ -386,9 +386,12 @@ class _Worker:
                 time.sleep(wake - now)
                 now = time.monotonic()
             if not counted and now >= count_from:
-                counted, snapshot = True, list(counter)
+                counted, snapshot, began = True, list(counter), now
             if counted and count_to and now >= count_to:
-                window[:] = [c - s for c, s in zip(counter, snapshot, strict=True)]
+                # per heartbeat interval of this driver's own clock (a late driver's window
+                # is longer than asked for)
+                per = interval / (now - began)
+                window[:] = [(c - s) * per for c, s in zip(counter, snapshot, strict=True)]
                 count_to = 0.0
             watch = watches[i]
             if watch.rank in silent and now >= params["quiet_at"] and now >= next_beat:
@@ -570,7 +573,7 @@ def liveness(
     sim.send(("run", {"start": start, "count": count, "quiet_at": quiet_at, "until": until}))
     outs = [msg[1] for msg in sim.recv_all()]
     ranks = sum(o["ranks"] for o in outs)
-    ops, nbytes, nkeys = (sum(w[i] for o in outs for w in o["window"]) / measure for i in range(3))
+    ops, nbytes, nkeys = (sum(w[i] for o in outs for w in o["window"]) for i in range(3))
     last = {int(r): t for o in outs for r, t in o["last"].items()}
     declared: dict[int, float] = {}
     for o in outs:
