@@ -28,7 +28,11 @@ class Session:
     """Store side of one wrapped call on one rank (built and closed by the Wrapper).
 
     The barrier records live in a :class:`RoundBook` (:attr:`book`, made by :meth:`open`) that
-    this rank keeps on its coordination connection (:attr:`coord`).
+    this rank keeps on its coordination connection (:attr:`coord`). Two connections in all:
+    :attr:`coord` never blocks for long (the watchdog's and the pre-connect's threads share
+    it), and :attr:`watch_store` takes the long waits: the monitor's wait for a round's
+    outcome during the round, the wait for the next round's layout between rounds (when the
+    monitor watches nothing).
     """
 
     def __init__(self, launch: Launch, call: int, cfg: WrapperConfig) -> None:
@@ -160,9 +164,12 @@ class Session:
         book = self.book
         assert book is not None
         last = raw is not None
-        if raw is None:
+        if raw is None:  # on the monitor's connection, idle between rounds (see open)
             raw = barrier.wait_key(
-                book.store, self.keys.ready(n), self.cfg.barrier_timeout, what=f"round {n} barrier"
+                self.watch_store or book.store,
+                self.keys.ready(n),
+                self.cfg.barrier_timeout,
+                what=f"round {n} barrier",
             )
         waited = time.monotonic() - start
         ready = _records.layout(raw)
