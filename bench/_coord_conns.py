@@ -14,6 +14,7 @@ import os
 import time
 from typing import Any
 
+from bench._soak_inject import cmdline, find_sidecar
 from trainguard.coord import _sockets
 
 
@@ -28,29 +29,13 @@ def _inodes(pid: int) -> set[int]:
     return out
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
-            out.extend(int(c) for c in f.read().split())
-    return out
-
-
 def _store_ports(coord_port: int) -> set[int]:
     """The ports the store process listening on ``coord_port`` listens on."""
     listening = {
         s.inode: s.local_port for s in _sockets.tcp_sockets() if s.state == _sockets.LISTEN
     }
     for name in os.listdir("/proc"):
-        if not name.isdigit() or "trainguard.coord._server" not in _cmdline(int(name)):
+        if not name.isdigit() or "trainguard.coord._server" not in cmdline(int(name)):
             continue
         ports = {listening[i] for i in _inodes(int(name)) if i in listening}
         if coord_port in ports:
@@ -80,10 +65,10 @@ def count_connections(settle_s: float) -> dict[str, Any]:
         time.sleep(settle_s)  # the next round's client is made ahead meanwhile
         dist.barrier()
         ports = _store_ports(coord_port)
-        sidecars = [c for c in _children(os.getpid()) if "restart.sidecar" in _cmdline(c)]
+        sidecar = find_sidecar()
         out = {
             "process": _held(os.getpid(), ports),
-            "sidecar": sum(_held(c, ports) for c in sidecars),
+            "sidecar": 0 if sidecar is None else _held(sidecar, ports),
             "store_ports": len(ports),
         }
         dist.barrier()
