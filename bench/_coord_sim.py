@@ -330,6 +330,12 @@ class _Worker:
             watch.round, watch.roster = params["round"], roster
             watches.append(watch)
         conns = held() - before
+
+        def warm(watch: Any) -> None:  # each sidecar makes its observed counters once, at start
+            watch.ensure(watch.observed(params["round"], roster))
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(warm, watches))
         self.send(("built",))
         params.update(self.conn_recv()[1])
         k = self.spec["threads"]
@@ -337,6 +343,7 @@ class _Worker:
         for i, watch in enumerate(watches):
             watch.beat_store = Counting(watch.beat_store, counters[i % k])
         out: dict[str, Any] = {"conns": conns, "ranks": len(watches), "last": {}, "declared": {}}
+        out["lag"] = 0.0  # the latest a watch was stepped after it asked, seconds
         out["window"] = [[0.0, 0.0, 0.0] for _ in range(k)]
         drivers = [
             threading.Thread(
@@ -385,6 +392,7 @@ class _Worker:
             if wake > now:
                 time.sleep(wake - now)
                 now = time.monotonic()
+            out["lag"] = max(out["lag"], now - wake)
             if not counted and now >= count_from:
                 counted, snapshot, began = True, list(counter), now
             if counted and count_to and now >= count_to:
@@ -591,6 +599,7 @@ def liveness(
         "detect_group_s": max(found.values()) if len(found) == len(silent) else None,
         "detect_s": sorted(found.values()),
         "declared_all": len(found) == len(silent),
+        "driver_lag_s": max(o["lag"] for o in outs),
         "false": sorted(r for r in declared if r not in silent),
     }
 
