@@ -1,101 +1,71 @@
 """Many simulated ranks against one real store process, driven through the library's own code.
 
-Used by ``bench/coord_scale.py`` and by ``tests/coord/test_scale_sim.py``. One process, one
-thread per simulated rank (each with its own TCPStore client, as a rank has), against the store
-process that the initial rank 0 starts (:class:`trainguard.coord.store.StoreProcess`: libuv
-TCPStore, round stores opened as rounds go). What is exercised is the library's code itself:
+Used by ``bench/coord_scale.py`` and by ``tests/coord/test_scale_sim.py``.
 
-- rounds: :meth:`trainguard.restart._session.Session.barrier` (records, arrival counter, the
-  last arriver's layout, every rank reading its assignment), the round outcome with
-  :meth:`Session.stop` and the monitor's wait (:func:`trainguard.coord.barrier.wait_forever`);
+What is real: the store process that the initial rank 0 starts
+(:class:`trainguard.coord.store.StoreProcess`: libuv TCPStore, round stores opened as rounds
+go), one TCPStore client (one connection) per simulated rank, and every store operation a rank
+makes, made by the library's own code on that rank's client:
+
+- rounds: the monitor's wait for the round's outcome (:func:`trainguard.coord.barrier.
+  wait_forever`, :meth:`RoundOutcome.decode`), then :meth:`Session.arrive` and
+  :meth:`Session.take` (the two halves of :meth:`Session.barrier`: record, arrival counter,
+  the last arriver's layout, every rank reading and following its assignment);
 - death notices: :func:`trainguard.restart.sidecar._notice.write_notice`;
-- liveness: :class:`trainguard.restart.sidecar._watch.Watch` objects (one per simulated rank,
-  with its real store connections) whose :meth:`Watch.beat` a few driver threads call every
-  interval; a silent group is a run of consecutive ranks whose beats stop.
+- liveness: one :class:`trainguard.restart.sidecar._watch.Watch` per simulated rank (its own
+  connection, as a sidecar's), stepped by :meth:`Watch.step` at the moments
+  :meth:`Watch.wake` asks for, each rank's beats at a random phase of the interval (as ranks
+  started at unrelated moments beat); a silent node is a run of consecutive ranks whose
+  beats stop, declared and noticed by the real code.
+
+What is simulated: ranks are not processes. A few worker processes (``procs``) each run a few
+threads (``threads``), and each thread drives its share of the ranks in turn: every rank's
+wait for the outcome (the first blocks until it is set, the others find it set), then every
+rank's arrival, then every rank's wait for and reading of its assignment. So a rank's
+operation waits for the thread's other ranks' operations before it: the times measured are
+an upper bound of what ranks on their own hosts would see (the store server's own work, which
+is what grows with N, is all there). No training, no process groups, no abort.
 
 Store traffic is counted by a proxy around each client (one operation per store call, bytes of
-the keys and values sent and received).
+the keys and values sent and received). All times are ``time.monotonic()``, one clock for
+every process of the machine.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
+import multiprocessing
 import threading
 import time
-from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from trainguard.coord import _sockets
-from trainguard.coord.barrier import wait_forever
-from trainguard.coord.keys import Keyspace
-from trainguard.coord.store import StoreProcess, connect
-from trainguard.restart import _records
-from trainguard.restart._book import RoundBook
-from trainguard.restart._launch import Launch
-from trainguard.restart._session import Session
-from trainguard.restart.config import WrapperConfig
-from trainguard.restart.sidecar._config import SidecarConfig
-from trainguard.restart.sidecar._notice import write_notice
-from trainguard.restart.sidecar._watch import Watch
-from trainguard.restart.state import RoundOutcome
-
-JOB = "sim"
-LOCAL = 8  # simulated ranks per node
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _size(value: Any) -> int:
-    if isinstance(value, bytes | bytearray | str):
-        return len(value)
-    if isinstance(value, list | tuple):
-        return sum(_size(v) for v in value)
-    return 8
-
-
-class Counting:
-    """A store client that counts its calls (operations) and the bytes of keys and values."""
-
-    def __init__(self, store: Any, counter: list[int]) -> None:
-        self._store = store
-        self._counter = counter  # [operations, bytes, keys]
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._store, name)
-        if not callable(attr) or name == "clone":
-            return attr
-
-        def counted(*args: Any) -> Any:
-            out = attr(*args)
-            self._counter[0] += 1
-            self._counter[2] += len(args[0]) if args and isinstance(args[0], list) else 1
-            self._counter[1] += _size(args) + (_size(out) if name != "wait" else 0)
-            return out
-
-        return counted
+from bench._coord_worker import JOB, Counting, _config, _sidecar_config, free_port, worker_main
 
 
 class Sim:
-    """One store process and the configuration shared by the simulated ranks."""
+    """One store process, its simulated ranks spread over worker processes.
 
-    def __init__(self, n: int, *, heartbeat_interval: float, heartbeat_timeout: float) -> None:
+    ``procs`` = 0 runs the one worker as a thread of this process (no start-up cost: tests).
+    """
+
+    def __init__(
+        self,
+        n: int,
+        *,
+        heartbeat_interval: float,
+        heartbeat_timeout: float,
+        procs: int | None = None,
+        threads: int = 4,
+    ) -> None:
+        from trainguard.coord.keys import Keyspace
+        from trainguard.coord.store import StoreProcess, connect
+
         self.n = n
         self.port = free_port()
         self.keys = Keyspace(JOB, 0)
-        self.cfg = WrapperConfig(
-            heartbeat_interval=heartbeat_interval,
-            heartbeat_timeout=heartbeat_timeout,
-            soft_timeout=max(60.0, 3 * heartbeat_timeout),
-            hard_timeout=max(120.0, 6 * heartbeat_timeout),
-            barrier_timeout=300.0,
-            store_timeout=300.0,
-        )
+        self.interval, self.timeout = heartbeat_interval, heartbeat_timeout
+        self.threads = threads
         self.server = StoreProcess(
             job=JOB,
             call=0,
@@ -106,63 +76,57 @@ class Sim:
             world_size=n,
             timeout=300.0,
         ).start()
-        self.main = connect("127.0.0.1", self.port, timeout=60.0)
+        self.main: Any = connect("127.0.0.1", self.port, timeout=60.0)
+        self.procs = max(1, min(4, n // 512)) if procs is None else procs
+        parts = max(1, self.procs)
+        bounds = [n * i // parts for i in range(parts + 1)]
+        self.workers: list[tuple[Connection, Any]] = []
+        for i in range(parts):
+            spec = {
+                "port": self.port,
+                "n": n,
+                "ranks": list(range(bounds[i], bounds[i + 1])),
+                "interval": heartbeat_interval,
+                "timeout": heartbeat_timeout,
+                "threads": threads,
+            }
+            ours, theirs = multiprocessing.Pipe()
+            if self.procs:
+                proc: Any = multiprocessing.get_context("spawn").Process(
+                    target=worker_main, args=(theirs, spec), daemon=True
+                )
+            else:
+                proc = threading.Thread(target=worker_main, args=(theirs, spec), daemon=True)
+            proc.start()
+            self.workers.append((ours, proc))
+        for conn, _ in self.workers:
+            assert conn.recv() == "up"
 
-    def client(self) -> Any:
-        return self.main.clone()
+    def send(self, msg: Any) -> None:
+        for conn, _ in self.workers:
+            conn.send(msg)
 
-    def sidecar_config(self, rank: int) -> SidecarConfig:
-        return SidecarConfig.build(
-            self.cfg,
-            rank=rank,
-            world=self.n,
-            keys=self.keys,
-            addr=("127.0.0.1", self.port),
-            log_dir=None,
-        )
+    def recv_all(self) -> list[Any]:
+        return [conn.recv() for conn, _ in self.workers]
 
-    def session(self, rank: int, store: Any) -> Session:
-        launch = Launch(
-            rank=rank,
-            world_size=self.n,
-            local_rank=rank % LOCAL,
-            master_addr="127.0.0.1",
-            master_port=self.port,
-            agent_store=False,
-            job=JOB,
-        )
-        session = Session(launch, 0, self.cfg)
-        session.host = f"node{rank // LOCAL}"
-        session.book = RoundBook(
-            store,
-            self.keys,
-            self.n,
-            self.cfg.policies,
-            store_timeout=self.cfg.store_timeout,
-            writer=rank,
-        )
-        return session
-
-    def connections(self) -> int:
-        """TCP connections from this process to the coordination store."""
-        mine = _sockets.tcp_sockets(set(_sockets.socket_fds()))
-        return sum(
-            1 for s in mine if s.remote_port == self.port and s.state == _sockets.ESTABLISHED
+    def sidecar_config(self, rank: int) -> Any:
+        return _sidecar_config(
+            self.port, self.n, rank, _config(self.n, self.interval, self.timeout)
         )
 
     def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.send(("exit",))
+        for conn, proc in self.workers:
+            proc.join(30.0)
+            conn.close()
         with contextlib.suppress(Exception):
             self.main.set(self.keys.exit, b"done")
         self.main = None
         self.server.close(timeout=30.0)
 
 
-def _spawn(target: Callable[..., None], args: tuple[Any, ...]) -> threading.Thread:
-    thread = threading.Thread(target=target, args=args, daemon=True)
-    thread.start()
-    return thread
-
-
+# the driver's side ---------------------------------------------------------------------------
 def rounds(sim: Sim, reps: int, *, budget: float = 600.0) -> dict[str, Any]:
     """Up to ``reps`` restart rounds after a fault, then up to ``reps`` after a death notice
     (each kind stops repeating once it took ``budget`` seconds; at least one of each).
@@ -171,45 +135,23 @@ def rounds(sim: Sim, reps: int, *, budget: float = 600.0) -> dict[str, Any]:
     assignment; the layout's bytes; store operations per rank per round; and whether every
     rank's assignment was consistent (the same layout, its own rank where the layout puts it).
     """
+    from trainguard.restart.sidecar._notice import write_notice
+    from trainguard.restart.state import RoundOutcome
+
     n = sim.n
-    total = 2 * reps + 1
-    seen = [[0.0] * n for _ in range(total)]
-    got = [[0.0] * n for _ in range(total)]
-    assigned: list[dict[int, tuple[int, int, int]]] = [{} for _ in range(total)]
-    counters = [[0, 0, 0] for _ in range(n)]
-    errors: list[str] = []
-
-    def rank(i: int) -> None:
-        store = Counting(sim.client(), counters[i])
-        session = sim.session(i, store)
-        try:
-            for k in range(total):
-                if k > 0:
-                    outcome = RoundOutcome.decode(wait_forever(store, sim.keys.stop(k - 1)))
-                    seen[k][i] = time.monotonic()
-                    if outcome.why == "end" or (outcome.type == "RankGone" and outcome.rank == i):
-                        return  # the simulation is over, or this rank "died" (its notice)
-                ready = session.barrier(k, leaving=None, fault=None, progress=True)
-                got[k][i] = time.monotonic()
-                assert ready is not None
-                active = ready["active"]
-                position = active.index(i) if i in active else -1
-                assigned[k][i] = (position, len(active), hash(tuple(active)))
-        except Exception as exc:  # reported, never left waiting
-            errors.append(f"rank {i}: {type(exc).__name__}: {exc}")
-
-    threads = [_spawn(rank, (i,)) for i in range(n)]
+    threads = {(w, t) for w in range(len(sim.workers)) for t in range(sim.threads)}
+    state = _Collect(sim, threads)
+    sim.send(("rounds",))
     out: dict[str, list[float]] = {"fault": [], "fault_aware": [], "notice": [], "notice_aware": []}
     ops_per_rank: list[float] = []
     layout_bytes: list[int] = []
     live = list(range(n))
-    _wait_round(got[0], live, errors)  # round 0: the start, not timed
+    state.round(0)  # round 0: the start, not timed
     k, spent = 1, {"fault": 0.0, "notice": 0.0}
     for kind in ("fault", "notice"):
         for rep in range(reps):
             if rep and spent[kind] > budget:
                 break
-            before = sum(c[0] for c in counters)
             t0 = time.monotonic()
             if kind == "fault":
                 fault = RoundOutcome.fault(0, "simulated", "Sim")
@@ -217,37 +159,81 @@ def rounds(sim: Sim, reps: int, *, budget: float = 600.0) -> dict[str, Any]:
             else:
                 victim = live[-1 - 8 * rep % len(live)]
                 config = sim.sidecar_config(victim)
-                write_notice(sim.client(), config, victim, k - 1, tuple(live), "dead")
+                write_notice(sim.main.clone(), config, victim, k - 1, tuple(live), "dead")
                 live.remove(victim)
-            _wait_round(got[k], live, errors)
-            out[kind + "_aware"].append(max(seen[k][i] for i in live) - t0)
-            out[kind].append(max(got[k][i] for i in live) - t0)
+            seen, got, ops = state.round(k)
+            out[kind + "_aware"].append(seen - t0)
+            out[kind].append(got - t0)
             spent[kind] += time.monotonic() - t0
             layout_bytes.append(len(bytes(sim.main.get(sim.keys.latest))))
-            ops_per_rank.append((sum(c[0] for c in counters) - before) / len(live))
+            ops_per_rank.append(ops / len(live))
             k += 1
     sim.main.compare_set(sim.keys.stop(k - 1), "", RoundOutcome.end("over").encode())
-    for thread in threads:
-        thread.join(60.0)
+    state.finish()
     return {
         **out,
         "ops_per_rank": ops_per_rank,
         "layout_bytes": layout_bytes,
-        "consistent": _consistent(assigned[:k]) and not errors,
+        "consistent": _consistent(state.assigned[:k]) and not state.errors,
         "roster": live,
         "last_round": k - 1,
-        "errors": errors[:5],
+        "errors": state.errors[:5],
     }
 
 
-def _wait_round(got: list[float], ranks: Any, errors: list[str]) -> None:
-    deadline = time.monotonic() + 600.0
-    while not all(got[i] for i in ranks):
-        if errors:
-            raise RuntimeError(f"simulated ranks failed: {errors[:3]}")
-        if time.monotonic() > deadline:
+class _Collect:
+    """The workers' reports of each round, gathered."""
+
+    def __init__(self, sim: Sim, threads: set[tuple[int, int]]) -> None:
+        self.sim = sim
+        self.expect = set(threads)
+        self.reports: dict[int, list[tuple[float, float, int]]] = {}
+        self.assigned: list[dict[int, tuple[int, int, int]]] = []
+        self.errors: list[str] = []
+        self.done: set[tuple[int, int]] = set()
+
+    def _pump(self, deadline: float) -> None:
+        conns = [c for c, _ in self.sim.workers]
+        ready = wait(conns, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
             raise RuntimeError("simulated round did not complete in 600 s")
-        time.sleep(0.002)
+        for conn in ready:
+            w = conns.index(conn)  # type: ignore[arg-type]
+            msg = conn.recv()  # type: ignore[union-attr]
+            if msg[0] == "round":
+                _, k, _, seen, got, assigned, ops = msg
+                self.reports.setdefault(k, []).append((seen, got, ops))
+                while len(self.assigned) <= k:
+                    self.assigned.append({})
+                self.assigned[k].update(assigned)
+            elif msg[0] == "error":
+                self.errors.append(msg[1])
+            elif msg[0] == "thread-done":
+                self.expect.discard((w, msg[1]))
+                self.done.add((w, msg[1]))
+
+    def round(self, k: int) -> tuple[float, float, int]:
+        deadline = time.monotonic() + 600.0
+        while len(self.reports.get(k, [])) < len(self.expect):
+            if self.errors:
+                raise RuntimeError(f"simulated ranks failed: {self.errors[:3]}")
+            self._pump(deadline)
+        got = self.reports[k]
+        return max(s for s, _, _ in got), max(g for _, g, _ in got), sum(o for _, _, o in got)
+
+    def finish(self) -> None:
+        deadline = time.monotonic() + 120.0
+        pending = len(self.sim.workers)
+        while pending:
+            conns = [c for c, _ in self.sim.workers]
+            for conn in wait(conns, timeout=max(0.0, deadline - time.monotonic())):
+                msg = conn.recv()  # type: ignore[union-attr]
+                if msg[0] == "rounds-done":
+                    pending -= 1
+                elif msg[0] == "error":
+                    self.errors.append(msg[1])
+            if time.monotonic() > deadline:
+                raise RuntimeError("simulated ranks did not finish")
 
 
 def _consistent(assigned: list[dict[int, tuple[int, int, int]]]) -> bool:
@@ -267,88 +253,46 @@ def liveness(
     round_: int,
     *,
     silent: range,
-    sweeps: int,
-    drivers: int = 4,
-    sample: int = 0,
+    measure: float = 2.0,
+    seed: int = 0,
 ) -> dict[str, Any]:
-    """Heartbeats of every simulated rank (``Watch.beat`` each interval); the ranks of
-    ``silent`` stop beating after the first sweeps. Returns the store operations and bytes of
-    one interval (in total and per rank), the time one sweep of every beat took, the
-    connections per rank, and the seconds from each silent rank's last beat to the first
-    observer that declared it (minus heartbeat_timeout).
-
-    ``sample`` > 0: only that many observers beat (traffic measured and scaled to N; no
-    detection): for a protocol too costly to run whole at this N.
-    """
-    n = len(roster)
-    count = sample or n
-    counter = [0, 0, 0]
-    before = sim.connections()
-    watches = []
-    for i in roster[:count]:
-        watch = Watch(sim.sidecar_config(i), pid=os.getpid(), heartbeats=True)
-        watch.round, watch.roster = round_, tuple(roster)
-        watches.append(watch)
-    held = (sim.connections() - before) / count
-    for watch in watches:
-        watch.beat_store = Counting(watch.beat_store, counter)
-    interval = sim.cfg.heartbeat_interval
-    last_beat: dict[int, float] = {}
-    declared_at: dict[int, float] = {}
-    sweep_times: list[float] = []
-    per_sweep: list[tuple[int, ...]] = []
-    lock = threading.Lock()
-
-    def drive(part: list[Watch], quiet: bool) -> None:
-        for watch in part:
-            if quiet and watch.rank in silent:
-                continue
-            had = len(watch.declared)
-            watch.beat()
-            now = time.monotonic()
-            if watch.rank in silent:
-                last_beat[watch.rank] = now
-            if len(watch.declared) != had:
-                with lock:
-                    for r in watch.declared:
-                        declared_at.setdefault(r, now)
-
-    parts = [watches[d::drivers] for d in range(drivers)]
-    quiet_from = 3
-    for s in range(sweeps):
-        start = time.monotonic()
-        ops_before = tuple(counter)
-        workers = [_spawn(drive, (part, s >= quiet_from)) for part in parts]
-        for worker in workers:
-            worker.join()
-        took = time.monotonic() - start
-        sweep_times.append(took)
-        per_sweep.append(tuple(c - b for c, b in zip(counter, ops_before, strict=True)))
-        if (sample and s >= 1) or (not sample and all(r in declared_at for r in silent)):
-            break  # (sampled: the second sweep is the one measured, the first made the keys)
-        time.sleep(max(0.0, interval - took))
-    for watch in watches:
-        watch.done.set()
-        for thread in watch.notices:
-            thread.join(60.0)
-        watch.close()
-    ops, nbytes, nkeys = per_sweep[min(1, len(per_sweep) - 1)]  # a sweep with everyone alive
-    timeout = sim.cfg.heartbeat_timeout
-    found = {r: declared_at[r] - last_beat[r] - timeout for r in silent if r in declared_at}
+    """Heartbeats of every simulated rank of ``roster`` (a :class:`Watch` each, with its own
+    connection); after a warm-up and ``measure`` intervals of everyone alive (the traffic is
+    counted then), the ranks of ``silent`` stop beating. Returns the store operations and
+    bytes of one interval (in total and per rank), the connections per rank, and the seconds
+    from each silent rank's last beat to the first observer that declared it, minus
+    heartbeat_timeout."""
+    interval, timeout = sim.interval, sim.timeout
+    sim.send(("live", {"roster": roster, "round": round_, "silent": list(silent), "seed": seed}))
+    assert all(msg == ("built",) for msg in sim.recv_all())
+    start = time.monotonic() + 0.2
+    count = (start + 2 * interval, start + (2 + measure) * interval)
+    quiet_at = count[1]
+    until = quiet_at + timeout + 4 * interval + 1.0
+    sim.send(("run", {"start": start, "count": count, "quiet_at": quiet_at, "until": until}))
+    outs = [msg[1] for msg in sim.recv_all()]
+    ranks = sum(o["ranks"] for o in outs)
+    ops, nbytes, nkeys = (sum(w[i] for o in outs for w in o["window"]) for i in range(3))
+    last = {int(r): t for o in outs for r, t in o["last"].items()}
+    declared: dict[int, float] = {}
+    for o in outs:
+        for r, t in o["declared"].items():
+            declared[int(r)] = min(t, declared.get(int(r), t))
+    found = {r: declared[r] - last[r] - timeout for r in silent if r in declared and r in last}
     return {
-        "ops_per_interval": ops * n / count,
-        "bytes_per_interval": nbytes * n / count,
-        "ops_per_rank": ops / count,
-        "keys_per_interval": nkeys * n / count,
-        "bytes_per_rank": nbytes / count,
-        "sweep_s": sweep_times[min(1, len(sweep_times) - 1)] * n / count,
-        "sidecar_connections_per_rank": held,
-        "detect_rank_s": found.get(silent[0]) if not sample else None,
+        "ops_per_interval": ops,
+        "bytes_per_interval": nbytes,
+        "ops_per_rank": ops / ranks,
+        "keys_per_interval": nkeys,
+        "bytes_per_rank": nbytes / ranks,
+        "sidecar_connections_per_rank": sum(o["conns"] for o in outs) / ranks,
+        "detect_rank_s": found.get(silent[0]),
         "detect_group_s": max(found.values()) if len(found) == len(silent) else None,
+        "detect_s": sorted(found.values()),
         "declared_all": len(found) == len(silent),
-        "sampled": bool(sample),
+        "driver_lag_s": max(o["lag"] for o in outs),
+        "false": sorted(r for r in declared if r not in silent),
     }
 
 
-def assignment_of(raw: bytes) -> dict[str, Any]:
-    return _records.layout(raw)
+__all__ = ["Counting", "Sim", "free_port", "liveness", "rounds", "worker_main"]

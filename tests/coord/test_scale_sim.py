@@ -1,9 +1,9 @@
 """256 simulated ranks on one real store process (bench/_coord_sim.py): the restart protocol
 and the heartbeats at a size no multi-process test reaches.
 
-Each simulated rank is a thread with its own store client running the library's own code
-(``Session.barrier``, the monitor's wait, ``write_notice``, ``Watch.beat``); a silent node is
-eight consecutive ranks whose heartbeats stop.
+Each simulated rank has its own store client and runs the library's own code (the monitor's
+wait, ``Session.arrive``/``Session.take``, ``write_notice``, ``Watch.step``), driven in turn by
+a few threads of this process; a silent node is eight consecutive ranks whose heartbeats stop.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ SILENT = range(40, 48)
 
 def test_256_ranks_agree_on_every_layout_and_a_silent_node_is_declared() -> None:
     threads_before = threading.active_count()
-    start = time.monotonic()
-    sim = _coord_sim.Sim(N, heartbeat_interval=INTERVAL, heartbeat_timeout=TIMEOUT)
+    sim = _coord_sim.Sim(N, heartbeat_interval=INTERVAL, heartbeat_timeout=TIMEOUT, procs=0)
     try:
         rounds = _coord_sim.rounds(sim, 1)  # a fault, then a death notice
         assert rounds["errors"] == []
@@ -31,23 +30,23 @@ def test_256_ranks_agree_on_every_layout_and_a_silent_node_is_declared() -> None
         assert len(rounds["roster"]) == N - 1  # the notice's rank is gone
         # compact layouts: a round in order with a rank gone is a few runs, not 256 ranks
         assert max(rounds["layout_bytes"]) < 400, rounds["layout_bytes"]
-        live = _coord_sim.liveness(
-            sim,
-            rounds["roster"],
-            rounds["last_round"],
-            silent=SILENT,
-            sweeps=int(TIMEOUT / INTERVAL) + 20,
-        )
+        # O(1) per rank per round: outcome (wait, read), record, count, layout (wait, read),
+        # its old record deleted
+        assert max(rounds["ops_per_rank"]) < 7.5, rounds["ops_per_rank"]
+        live = _coord_sim.liveness(sim, rounds["roster"], rounds["last_round"], silent=SILENT)
     finally:
         sim.close()
     assert live["declared_all"], live  # every rank of the silent node was declared gone
-    # declared within heartbeat_timeout plus a few intervals of judging on a loaded machine
-    assert 0.0 <= live["detect_group_s"] < 5 * INTERVAL + 1.0, live
-    # O(N) liveness: two operations per rank per interval, WINDOW counters read by each
-    assert live["ops_per_interval"] <= 2 * N, live
-    assert live["keys_per_interval"] <= (WINDOW + 1) * N, live
+    assert live["false"] == [], live  # and no rank that kept beating
+    # declared at heartbeat_timeout after the first observer saw its last beat (observers look
+    # at the deadline, not at their next beat): well under an interval late, plus the load
+    assert 0.0 <= live["detect_group_s"] < INTERVAL + 0.5, live
+    # O(N) liveness: two operations per rank per interval, WINDOW counters read by each (plus
+    # a look at a deadline when a loaded machine steps a watch late; every rank reading every
+    # other rank's counter would be N * N keys)
+    assert live["ops_per_interval"] <= 3 * N, live
+    assert live["keys_per_interval"] <= 2 * (WINDOW + 1) * N, live
     assert live["sidecar_connections_per_rank"] == 1, live
-    assert time.monotonic() - start < 60.0
     deadline = time.monotonic() + 10.0
     while threading.active_count() > threads_before and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -50,6 +50,19 @@ def wait_all(store: Any, keys: list[str], timeout: float, *, what: str = "") -> 
         raise CoordinationError(f"store failed while waiting for {what or keys[0]}: {exc}") from exc
 
 
+_ABSENT = "\x00absent"  # compare_set's expected value for a key that no value equals
+
+
+def read_set(store: Any, key: str) -> bytes | None:
+    """The value of ``key``, which a wait just found set; None if it was deleted since.
+
+    One store round trip: ``compare_set`` with an expected value that no value equals
+    returns the value and changes nothing. (``get`` would first wait for the key again: a
+    second round trip, for every rank at every barrier.)"""
+    value = bytes(store.compare_set(key, _ABSENT, _ABSENT))
+    return None if value == _ABSENT.encode() else value
+
+
 def wait_key(store: Any, key: str, timeout: float, *, what: str = "") -> bytes:
     """Block until ``key`` is set (woken by the store, no polling) and return its value.
 
@@ -61,9 +74,12 @@ def wait_key(store: Any, key: str, timeout: float, *, what: str = "") -> bytes:
             "gone: raise the timeout or look at the other ranks' logs"
         )
     try:
-        return bytes(store.get(key))
+        value = read_set(store, key)
     except Exception as exc:
         raise CoordinationError(f"store failed while reading {what or key}: {exc}") from exc
+    if value is None:
+        raise CoordinationError(f"{what or key} was deleted from the store as it was read")
+    return value
 
 
 def wait_forever(store: Any, key: str) -> bytes:
@@ -71,7 +87,9 @@ def wait_forever(store: Any, key: str) -> bytes:
     while True:
         try:
             store.wait([key], _LONG)
-            return bytes(store.get(key))
+            value = read_set(store, key)
+            if value is not None:
+                return value
         except Exception as exc:
             if not _is_timeout(exc):
                 raise

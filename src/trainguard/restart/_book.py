@@ -42,8 +42,6 @@ from trainguard.restart._repeat import Repeats
 from trainguard.restart.policy._round import RoundPolicies
 from trainguard.restart.policy.layout import Layout
 
-_ABSENT = "\x00absent"  # compare_set's expected value for a key that no value equals
-
 
 def peek(store: Any, key: str) -> bytes | None:
     """The value of ``key``, None when it is not set; never waits (unlike ``get``) and never
@@ -54,8 +52,7 @@ def peek(store: Any, key: str) -> bytes | None:
     value that is not there (a monitor waiting for its round's outcome read an empty one)."""
     if not store.check([key]):
         return None
-    value = bytes(store.compare_set(key, _ABSENT, _ABSENT))
-    return None if value == _ABSENT.encode() else value
+    return barrier.read_set(store, key)
 
 
 @dataclasses.dataclass(eq=False)

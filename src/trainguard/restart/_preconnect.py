@@ -114,7 +114,8 @@ class Preconnect:
     """Clients of the next rounds' stores, connected by a worker thread; see the module docstring.
 
     Args:
-        coord: a coordination store connection of its own (used by the worker thread only).
+        coord: a coordination store connection (the wrapper shares its own: the worker thread
+            only reads, never waits on it).
         keys: the call's keyspace.
         timeout: the connect timeout in seconds.
     """

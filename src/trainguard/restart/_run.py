@@ -132,9 +132,9 @@ class WrappedCall:
         )
         if self.sidecar is not None:
             self.sidecar.handshake(cfg.store_timeout)
-        hang_store = self.session.coord.clone()
+        hang_store = self.session.coord  # never blocked for long: see Session
         self.preconnect = Preconnect(
-            self.session.coord.clone(), self.session.keys, timeout=cfg.store_timeout
+            self.session.coord, self.session.keys, timeout=cfg.store_timeout
         )
         self.watchdog = Watchdog(
             thread_id=threading.get_ident(),

@@ -28,7 +28,11 @@ class Session:
     """Store side of one wrapped call on one rank (built and closed by the Wrapper).
 
     The barrier records live in a :class:`RoundBook` (:attr:`book`, made by :meth:`open`) that
-    this rank keeps on its coordination connection (:attr:`coord`).
+    this rank keeps on its coordination connection (:attr:`coord`). Two connections in all:
+    :attr:`coord` never blocks for long (the watchdog's and the pre-connect's threads share
+    it), and :attr:`watch_store` takes the long waits: the monitor's wait for a round's
+    outcome during the round, the wait for the next round's layout between rounds (when the
+    monitor watches nothing).
     """
 
     def __init__(self, launch: Launch, call: int, cfg: WrapperConfig) -> None:
@@ -134,20 +138,38 @@ class Session:
         """Round ``n``'s barrier (see :mod:`._book`); returns the published round (None for a
         leaving rank). ``fault``: this rank's fault that ended round ``n-1``, if it was the
         first; ``progress``: this rank made progress in round ``n-1``."""
+        start = time.monotonic()
+        raw = self.arrive(n, leaving=leaving, fault=fault, progress=progress)
+        if leaving is not None:
+            return None
+        return self.take(n, raw, start)
+
+    def arrive(
+        self, n: int, *, leaving: str | None, fault: str | None, progress: bool = False
+    ) -> bytes | None:
+        """The first half of :meth:`barrier`: this rank's record and its count. Returns the
+        published round when this call found or made it (it was the last arriver), else None
+        (:meth:`take` waits for it)."""
         book = self.book
         assert book is not None
         record = self._record(leaving, fault, progress)
         found = book.record(n, self.irank, record)
         if found is not None:  # another process declared this rank gone meanwhile
             self._declared_gone(n, found.get("leave"))
-        start = time.monotonic()
-        raw = book.arrive(n)
+        return book.arrive(n)
+
+    def take(self, n: int, raw: bytes | None, start: float) -> dict[str, Any]:
+        """The second half of :meth:`barrier`: wait for round ``n``'s layout unless ``raw``
+        is it, read it, follow it (``start``: when this rank arrived, for the event)."""
+        book = self.book
+        assert book is not None
         last = raw is not None
-        if leaving is not None:
-            return None
-        if raw is None:
+        if raw is None:  # on the monitor's connection, idle between rounds (see open)
             raw = barrier.wait_key(
-                book.store, self.keys.ready(n), self.cfg.barrier_timeout, what=f"round {n} barrier"
+                self.watch_store or book.store,
+                self.keys.ready(n),
+                self.cfg.barrier_timeout,
+                what=f"round {n} barrier",
             )
         waited = time.monotonic() - start
         ready = _records.layout(raw)

@@ -36,12 +36,16 @@ its own on it, leaving out the ranks it declared gone or that said goodbye (so i
 on past them). Each rank is thus observed by the ``WINDOW`` ranks before it: losing any few
 observers blinds nobody, and a node (consecutive initial ranks, as torchrun hands them out) of
 up to ``WINDOW - 1`` ranks lost at once still has live observers of each of its ranks that
-started their clocks before it went silent, so all of them are declared within
-``heartbeat_timeout`` (plus one interval of judging). A longer silent run is declared a window
-at a time (one more ``heartbeat_timeout`` per ``WINDOW`` ranks). Every observer that finds a
-rank silent writes its notice: the notice is idempotent, the first one counts the rank out.
-Per interval each sidecar makes two store operations (``set``, ``multi_get`` of ``WINDOW``
-keys).
+started their clocks before it went silent, so all of them are declared. An observer looks
+again at the moment an observed rank's clock runs out (:meth:`Watch.wake`), not at its next
+beat: a rank is declared ``heartbeat_timeout`` after the first of its observers saw its last
+beat (each observer sees it up to one interval late, the observers' beats fall at unrelated
+moments, so with ``WINDOW`` of them the first is usually a small fraction of an interval
+late). A longer silent run is declared a window at a time (one more ``heartbeat_timeout`` per
+``WINDOW`` ranks). Every observer that finds a rank silent writes its notice: the notice is
+idempotent, the first one counts the rank out. Per interval each sidecar makes two store
+operations (``set``, ``multi_get`` of ``WINDOW`` keys), plus one ``multi_get`` at the moment
+an observed rank falls silent.
 
 The sidecar holds one store connection (beats, its goodbye, its own rank's death notice: a
 TCPStore client serializes its operations), plus one per notice about another rank while it
@@ -82,6 +86,10 @@ class Watch:
         group_kill: at the hard timeout, SIGCONT first and signal the process group the
             training process leads (the agent does: its workers lead their own groups).
         killer: who kills, for the cause of the death notice ("its sidecar", "the launcher").
+        store: the store client to use (default: a new connection to ``cfg``'s store). Any
+            object with TCPStore's ``set``, ``compare_set``, ``multi_get``, ``check``,
+            ``add``, ``get``, ``wait``, ``delete_key`` and ``clone`` will do; the watch
+            drops its reference in :meth:`close`.
     """
 
     def __init__(
@@ -92,6 +100,7 @@ class Watch:
         heartbeats: bool = True,
         group_kill: bool = False,
         killer: str = "its sidecar",
+        store: Any = None,
     ) -> None:
         self.cfg = cfg
         self.rank = cfg.rank
@@ -101,7 +110,9 @@ class Watch:
         self.heartbeats = heartbeats
         self.group_kill = group_kill
         self.killer = killer
-        self.coord: Any = connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
+        if store is None:
+            store = connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
+        self.coord: Any = store
         self.beat_store: Any = self.coord if heartbeats else None  # one connection for both
         self.pidfd = os.pidfd_open(self.parent)
         self.lock = threading.Lock()  # guards the fields below, shared by the threads
@@ -121,6 +132,7 @@ class Watch:
         self.declared: set[int] = set()
         self.last_beat = time.monotonic()
         self.sent = 0  # this rank's heartbeat counter
+        self.due: float | None = None  # when an observed rank is late unless it moves
         # the observed ranks for (round, how many declared), and the counters known to exist
         self.window: tuple[tuple[int, int], list[int]] = ((-2, 0), [])
         self.ensured: set[int] = set()
@@ -221,14 +233,32 @@ class Watch:
 
     # tg-beats: heartbeats and verdicts (sidecar only) -------------------------------------
     def beats(self) -> None:
-        interval = self.cfg.heartbeat_interval
         next_beat = time.monotonic()
-        while not self.done.wait(max(0.0, next_beat - time.monotonic())):
-            next_beat = max(next_beat + interval, time.monotonic())
-            try:
+        while not self.done.wait(max(0.0, self.wake(next_beat) - time.monotonic())):
+            next_beat = self.step(next_beat)
+
+    def wake(self, next_beat: float) -> float:
+        """When the beats thread has something to do: the next beat, or before it the deadline
+        of an observed rank (see :meth:`judge`), so that a silent rank is declared at its
+        deadline, not up to an interval later at the next beat."""
+        return next_beat if self.due is None else min(next_beat, self.due)
+
+    def step(self, next_beat: float) -> float:
+        """What is due now: this rank's beat once ``next_beat`` is reached (then a look at
+        the others), else a look at the others once a deadline is. Returns the next beat's
+        time. A failed store operation is logged, and no deadline is looked at again before
+        the next beat."""
+        now = time.monotonic()
+        try:
+            if now >= next_beat:
+                next_beat = max(next_beat + self.cfg.heartbeat_interval, now)
                 self.beat()
-            except Exception as exc:
-                logger.warning("heartbeat failed: %s", exc)
+            elif self.due is not None and now >= self.due:
+                self.judge()
+        except Exception as exc:
+            self.due = None
+            logger.warning("heartbeat failed: %s", exc)
+        return next_beat
 
     def ensure(self, ranks: list[int]) -> None:
         """Make the counters of ``ranks`` exist, so that reading them never blocks on a missing
@@ -251,10 +281,17 @@ class Watch:
         return window
 
     def beat(self) -> None:
+        """This rank's beat, then a look at the ranks it observes: two store operations."""
+        self.sent += 1  # set, not add: whatever another writer left there is overwritten
+        self.beat_store.set(self.keys.heartbeat(self.rank), str(self.sent))
+        self.judge()
+
+    def judge(self) -> None:
+        """Read the counters of the observed ranks (one ``multi_get``) and declare those whose
+        counter did not move for ``heartbeat_timeout`` by this process's clock. Sets
+        :attr:`due`: the earliest moment one of them would be late, if it does not move."""
         store = self.beat_store
         asked = time.monotonic()
-        self.sent += 1  # set, not add: whatever another writer left there is overwritten
-        store.set(self.keys.heartbeat(self.rank), str(self.sent))
         n, roster = self.position()
         if n < 0:  # judged once every rank passed the first barrier
             return
@@ -284,9 +321,13 @@ class Watch:
                 self.seen[r] = (counter, now)
             elif now - previous[1] >= timeout:
                 self.declared.add(r)
+                del self.seen[r]
                 cause = f"silent: no heartbeat for {now - previous[1]:.1f} s (heartbeat_timeout)"
                 logger.warning("rank %d is %s", r, cause)
                 self.notices.append(self.notice_thread(r, n, roster, cause))
+        self.due = min((t for _, t in self.seen.values()), default=None)
+        if self.due is not None:
+            self.due += timeout
 
     # notices -----------------------------------------------------------------------------
     def notice_thread(

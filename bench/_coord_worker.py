@@ -1,0 +1,326 @@
+"""The worker side of bench/_coord_sim.py: simulated ranks taking turns on a few threads.
+
+A worker (a process of its own, or a thread for ``procs=0``) gets its share of the ranks and
+commands from :class:`bench._coord_sim.Sim` on a pipe: ``rounds`` (each rank's client runs
+the library's round code, see :meth:`_Worker.rounds`), ``live`` then ``run`` (a
+:class:`~trainguard.restart.sidecar._watch.Watch` per rank, stepped when it asks), ``exit``.
+Also what both sides share: the job token, the configuration, the counting proxy.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import random
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+JOB = "sim"
+LOCAL = 8  # simulated ranks per node
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _size(value: Any) -> int:
+    if isinstance(value, bytes | bytearray | str):
+        return len(value)
+    if isinstance(value, list | tuple):
+        return sum(_size(v) for v in value)
+    return 8
+
+
+class Counting:
+    """A store client that counts its calls (operations) and the bytes of keys and values."""
+
+    def __init__(self, store: Any, counter: list[int]) -> None:
+        self._store = store
+        self._counter = counter  # [operations, bytes, keys]
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if not callable(attr) or name == "clone":
+            return attr
+
+        def counted(*args: Any) -> Any:
+            out = attr(*args)
+            self._counter[0] += 1
+            self._counter[2] += len(args[0]) if args and isinstance(args[0], list) else 1
+            self._counter[1] += _size(args) + (_size(out) if name != "wait" else 0)
+            return out
+
+        return counted
+
+
+def _config(n: int, interval: float, timeout: float) -> Any:
+    from trainguard.restart.config import WrapperConfig
+
+    return WrapperConfig(
+        heartbeat_interval=interval,
+        heartbeat_timeout=timeout,
+        soft_timeout=max(60.0, 3 * timeout),
+        hard_timeout=max(120.0, 6 * timeout),
+        barrier_timeout=300.0,
+        store_timeout=300.0,
+    )
+
+
+def _sidecar_config(port: int, n: int, rank: int, cfg: Any) -> Any:
+    from trainguard.coord.keys import Keyspace
+    from trainguard.restart.sidecar._config import SidecarConfig
+
+    return SidecarConfig.build(
+        cfg, rank=rank, world=n, keys=Keyspace(JOB, 0), addr=("127.0.0.1", port), log_dir=None
+    )
+
+
+# the worker (a process, or a thread for procs=0) ------------------------------------------
+class _Worker:
+    def __init__(self, conn: Connection, spec: dict[str, Any]) -> None:
+        from trainguard.coord.keys import Keyspace
+
+        self.conn = conn
+        self.spec = spec
+        self.n = spec["n"]
+        self.ranks: list[int] = spec["ranks"]
+        self.cfg = _config(self.n, spec["interval"], spec["timeout"])
+        self.keys = Keyspace(JOB, 0)
+        self.send_lock = threading.Lock()
+
+    def send(self, msg: Any) -> None:
+        with self.send_lock:
+            self.conn.send(msg)
+
+    def conn_recv(self) -> Any:
+        return self.conn.recv()
+
+    def session(self, rank: int, store: Any) -> Any:
+        from trainguard.restart._book import RoundBook
+        from trainguard.restart._launch import Launch
+        from trainguard.restart._session import Session
+
+        launch = Launch(
+            rank=rank,
+            world_size=self.n,
+            local_rank=rank % LOCAL,
+            master_addr="127.0.0.1",
+            master_port=self.spec["port"],
+            agent_store=False,
+            job=JOB,
+        )
+        session = Session(launch, 0, self.cfg)
+        session.host = f"node{rank // LOCAL}"
+        session.book = RoundBook(
+            store,
+            self.keys,
+            self.n,
+            self.cfg.policies,
+            store_timeout=self.cfg.store_timeout,
+            writer=rank,
+        )
+        return session
+
+    def clients(self, count: int) -> list[Any]:
+        """``count`` new store clients, connected by 64 threads at once (a connect can wait
+        on a reverse name lookup; that wait is this machine's resolver, not the store's)."""
+        from trainguard.coord.store import connect
+
+        def one(_: int) -> Any:
+            return connect("127.0.0.1", self.spec["port"], timeout=300.0)
+
+        with ThreadPoolExecutor(64) as pool:
+            return list(pool.map(one, range(count)))
+
+    # rounds -------------------------------------------------------------------------------
+    def rounds(self) -> None:
+        clients = self.clients(len(self.ranks))
+        k = self.spec["threads"]
+        counters = [[0, 0, 0] for _ in range(k)]
+        members = [
+            (r, self.session(r, Counting(c, counters[i % k])))
+            for i, (r, c) in enumerate(zip(self.ranks, clients, strict=True))
+        ]
+        threads = [
+            threading.Thread(target=self._rounds_thread, args=(members[t::k], counters[t], t))
+            for t in range(k)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self.send(("rounds-done",))
+
+    def _rounds_thread(self, members: list[Any], counter: list[int], t: int) -> None:
+        from trainguard.coord.barrier import wait_forever
+        from trainguard.restart.state import RoundOutcome
+
+        k = 0
+        try:
+            while members:
+                seen, before = 0.0, counter[0]
+                if k > 0:
+                    alive = []
+                    for r, session in members:
+                        raw = wait_forever(session.book.store, self.keys.stop(k - 1))
+                        outcome = RoundOutcome.decode(raw)
+                        seen = time.monotonic()
+                        if outcome.why == "end":
+                            continue
+                        if outcome.type == "RankGone" and outcome.rank == r:
+                            continue  # this rank "died" (the notice)
+                        alive.append((r, session))
+                    if not alive:
+                        break
+                    members = alive
+                raws = []
+                for _, session in members:
+                    start = time.monotonic()
+                    raws.append((start, session.arrive(k, leaving=None, fault=None, progress=True)))
+                assigned = {}
+                for (r, session), (start, raw) in zip(members, raws, strict=True):
+                    ready = session.take(k, raw, start)
+                    active = ready["active"]
+                    position = active.index(r) if r in active else -1
+                    assigned[r] = (position, len(active), hash(tuple(active)))
+                got = time.monotonic()
+                self.send(("round", k, t, seen, got, assigned, counter[0] - before))
+                k += 1
+        except Exception as exc:  # reported, never left waiting
+            self.send(("error", f"{type(exc).__name__}: {exc}"))
+        self.send(("thread-done", t, [r for r, _ in members]))
+
+    # liveness -----------------------------------------------------------------------------
+    def liveness(self, params: dict[str, Any]) -> None:
+        """Build a watch per rank of the roster, say so, run them from the time the next
+        message gives."""
+        from trainguard.coord import _sockets
+        from trainguard.restart.sidecar._watch import Watch
+
+        roster = tuple(params["roster"])
+        mine = [r for r in self.ranks if r in roster]
+        port = self.spec["port"]
+
+        def held() -> int:
+            socks = _sockets.tcp_sockets(set(_sockets.socket_fds()))
+            return sum(
+                1 for s in socks if s.remote_port == port and s.state == _sockets.ESTABLISHED
+            )
+
+        before = held()
+        watches = []
+        for r, client in zip(mine, self.clients(len(mine)), strict=True):
+            config = _sidecar_config(port, self.n, r, self.cfg)
+            watch = Watch(config, pid=os.getpid(), store=client)
+            watch.round, watch.roster = params["round"], roster
+            watches.append(watch)
+        conns = held() - before
+
+        def warm(watch: Any) -> None:  # each sidecar makes its observed counters once, at start
+            watch.ensure(watch.observed(params["round"], roster))
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(warm, watches))
+        self.send(("built",))
+        params.update(self.conn_recv()[1])
+        k = self.spec["threads"]
+        counters = [[0, 0, 0] for _ in range(k)]
+        for i, watch in enumerate(watches):
+            watch.beat_store = Counting(watch.beat_store, counters[i % k])
+        out: dict[str, Any] = {"conns": conns, "ranks": len(watches), "last": {}, "declared": {}}
+        out["lag"] = 0.0  # the latest a watch was stepped after it asked, seconds
+        out["window"] = [[0.0, 0.0, 0.0] for _ in range(k)]
+        drivers = [
+            threading.Thread(
+                target=self._drive, args=(watches[t::k], counters[t], out["window"][t], params, out)
+            )
+            for t in range(k)
+        ]
+        for driver in drivers:
+            driver.start()
+        for driver in drivers:
+            driver.join()
+        for watch in watches:
+            watch.done.set()
+        for watch in watches:
+            for thread in watch.notices:
+                thread.join(60.0)
+            watch.close()
+        self.send(("live", out))
+
+    def _drive(
+        self,
+        watches: list[Any],
+        counter: list[int],
+        window: list[float],
+        params: dict[str, Any],
+        out: dict[str, Any],
+    ) -> None:
+        """Step each watch when it asks (:meth:`Watch.wake`), each beating at its own phase;
+        the silent ranks stop at ``quiet_at``. Counts the operations of ``count``."""
+        silent = set(params["silent"])
+        interval = self.cfg.heartbeat_interval
+        start = params["start"]
+        rng = random.Random(params["seed"] + (watches[0].rank if watches else 0))
+        heap = []
+        for i in range(len(watches)):
+            beat_at = start + rng.uniform(0.0, interval)
+            heap.append((beat_at, i, beat_at))
+        heapq.heapify(heap)
+        count_from, count_to = params["count"]
+        counted = False
+        while heap:
+            wake, i, next_beat = heapq.heappop(heap)
+            now = time.monotonic()
+            if wake > params["until"]:
+                break
+            if wake > now:
+                time.sleep(wake - now)
+                now = time.monotonic()
+            out["lag"] = max(out["lag"], now - wake)
+            if not counted and now >= count_from:
+                counted, snapshot, began = True, list(counter), now
+            if counted and count_to and now >= count_to:
+                # per heartbeat interval of this driver's own clock (a late driver's window
+                # is longer than asked for)
+                per = interval / (now - began)
+                window[:] = [(c - s) * per for c, s in zip(counter, snapshot, strict=True)]
+                count_to = 0.0
+            watch = watches[i]
+            if watch.rank in silent and now >= params["quiet_at"] and now >= next_beat:
+                continue  # this rank is silent from now on
+            had = len(watch.declared)
+            beats = now >= next_beat
+            next_beat = watch.step(next_beat)
+            done = time.monotonic()
+            if beats and watch.rank in silent:
+                out["last"][watch.rank] = done
+            if len(watch.declared) != had:
+                for r in watch.declared:
+                    out["declared"].setdefault(r, done)
+            heapq.heappush(heap, (watch.wake(next_beat), i, next_beat))
+
+
+def worker_main(conn: Connection, spec: dict[str, Any]) -> None:
+    """A worker's life: commands from :class:`Sim` until ``exit``."""
+    import logging
+
+    logging.getLogger("trainguard").setLevel(logging.ERROR)
+    threading.stack_size(512 * 1024)
+    worker = _Worker(conn, spec)
+    conn.send("up")
+    while True:
+        msg = conn.recv()
+        if msg[0] == "exit":
+            break
+        if msg[0] == "rounds":
+            threading.Thread(target=worker.rounds, daemon=True).start()
+        elif msg[0] == "live":
+            worker.liveness(msg[1])
+    conn.close()
