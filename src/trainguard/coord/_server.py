@@ -31,7 +31,7 @@ from datetime import timedelta
 from typing import Any
 
 from trainguard import _subproc
-from trainguard.coord import _bind, _sockets
+from trainguard.coord import _bind, _sockets, _wire
 from trainguard.coord.barrier import timed_out, wait_forever
 from trainguard.coord.keys import Keyspace
 
@@ -95,7 +95,11 @@ class _Host:
             self.coord.delete_key(self.keys.pg_addr(n))
 
     def follow_rounds(self) -> None:
-        watcher = self.coord.clone()
+        # Our own client, not torch's: its waits time out every _CATCH_UP, and torch's client
+        # logs two warnings for each (ten lines a second on stderr in a job without faults).
+        watcher = _wire.connect(
+            self.cfg["coord_host"], self.coord.port, timeout=self.timeout.total_seconds()
+        )
         n = 0
         while True:
             n = self.published(watcher, n)
