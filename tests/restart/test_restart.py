@@ -69,10 +69,13 @@ def test_twenty_faulted_rounds_leak_nothing() -> None:
         assert max(keys) - min(keys) <= 3, keys  # a round's own keys come and go
         for name in ("sockets", "os_threads", "handlers"):
             values = [x[name] for x in per_round[2:]]
-            # a leak grows with every round; a connection mid-close may count for one sample
+            # a leak grows with every round; a connection mid-close may count for one sample,
+            # and so may the next round's store client, connected ahead by a thread (a round
+            # may sample before or while it connects)
+            slack = 1 if name == "sockets" else 0
             half = len(values) // 2
-            assert max(values[half:]) <= max(values[:half]), (name, values)
-            assert max(values) - min(values) <= 1, (name, values)
+            assert max(values[half:]) <= max(values[:half]) + slack, (name, values)
+            assert max(values) - min(values) <= 1 + slack, (name, values)
         assert all(x["old_store_refused"] for x in per_round[2:])
         assert len({tuple(x["children"]) for x in per_round}) == 1
         before, after = value["before"], value["after"]
