@@ -287,6 +287,26 @@ def interrupt_job() -> str:
     return result
 
 
+def grad_mode_job() -> list[bool]:
+    """Round 0 ends with autograd switched off in the training thread (as an abort that lands
+    inside an optimizer step's no-grad section leaves it); each round reports the mode it
+    starts with and round 1 trains."""
+    seen: list[bool] = []
+
+    @tr.Wrapper(barrier_timeout=60, completion_timeout=60)
+    def train(call: tr.CallWrapper) -> list[bool]:
+        seen.append(torch.is_grad_enabled())
+        if call.round == 0:
+            torch.set_grad_enabled(False)
+            raise ValueError("round 0 unwinds with autograd off")
+        w = torch.ones(3, requires_grad=True)
+        (w * 2).sum().backward()  # fails with gradients off
+        return seen
+
+    result: list[bool] = train()
+    return result
+
+
 def swallow_job() -> dict[str, Any]:
     """Rank 1 faults in round 0; rank 0 catches the restart interrupt and returns."""
     import logging

@@ -109,6 +109,11 @@ def test_keyboard_interrupt_ends_the_job_everywhere() -> None:
         assert "rank 2" in (r.error or "") and "KeyboardInterrupt" in (r.error or "")
 
 
+def test_each_round_starts_with_autograd_as_the_first_did() -> None:
+    for r in run_ranks(_jobs.grad_mode_job, 2, timeout=90):
+        assert r.get() == [True, True], r.traceback
+
+
 def test_swallowed_interrupt_is_reported_with_its_place() -> None:
     results = run_ranks(_jobs.swallow_job, 2, timeout=90)
     values = [r.get() for r in results]

@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import socket
+import sys
 from collections.abc import Iterator, Mapping
 
 from trainguard import _env
@@ -121,8 +122,16 @@ def is_local_address(host: str) -> bool:
 
 @contextlib.contextmanager
 def round_environment(values: Mapping[str, str]) -> Iterator[None]:
-    """Set the round's variables in ``os.environ``; restore the previous values after."""
+    """Set the round's variables in ``os.environ``; restore the previous values after, and
+    this thread's autograd mode as it was before the round.
+
+    The abort unwinds the training function with an exception raised at any bytecode: one that
+    lands between a ``torch.no_grad()`` (or an optimizer step's own grad-mode switch) and the
+    ``try`` that would undo it leaves gradients off in this thread for good, and every later
+    round fails the same way in ``backward()``."""
     saved = {name: os.environ.get(name) for name in values}
+    torch = sys.modules.get("torch")
+    grad = torch.is_grad_enabled() if torch is not None else None
     os.environ.update(values)
     try:
         yield
@@ -132,6 +141,10 @@ def round_environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.is_grad_enabled() != (grad is not False):
+            logger.warning("the round left autograd %s; restored", "off" if grad else "on")
+            torch.set_grad_enabled(grad is not False)
 
 
 def escalate(exc: BaseException) -> None:
