@@ -311,16 +311,24 @@ def worker_main(conn: Connection, spec: dict[str, Any]) -> None:
     """A worker's life: commands from :class:`Sim` until ``exit``."""
     import logging
 
-    logging.getLogger("trainguard").setLevel(logging.ERROR)
-    threading.stack_size(512 * 1024)
-    worker = _Worker(conn, spec)
-    conn.send("up")
-    while True:
-        msg = conn.recv()
-        if msg[0] == "exit":
-            break
-        if msg[0] == "rounds":
-            threading.Thread(target=worker.rounds, daemon=True).start()
-        elif msg[0] == "live":
-            worker.liveness(msg[1])
-    conn.close()
+    # Quiet and small-stacked while it runs; restored after, since a test runs a worker inside
+    # its own process (a trainguard logger left at ERROR hid later tests' log lines).
+    lib = logging.getLogger("trainguard")
+    level = lib.level
+    lib.setLevel(logging.ERROR)
+    stack = threading.stack_size(512 * 1024)
+    try:
+        worker = _Worker(conn, spec)
+        conn.send("up")
+        while True:
+            msg = conn.recv()
+            if msg[0] == "exit":
+                break
+            if msg[0] == "rounds":
+                threading.Thread(target=worker.rounds, daemon=True).start()
+            elif msg[0] == "live":
+                worker.liveness(msg[1])
+        conn.close()
+    finally:
+        lib.setLevel(level)
+        threading.stack_size(stack)
