@@ -142,9 +142,10 @@ def round_environment(values: Mapping[str, str]) -> Iterator[None]:
             else:
                 os.environ[name] = value
         torch = sys.modules.get("torch")
-        if torch is not None and torch.is_grad_enabled() != (grad is not False):
-            logger.warning("the round left autograd %s; restored", "off" if grad else "on")
-            torch.set_grad_enabled(grad is not False)
+        wanted = grad is not False  # torch's default where it was not imported yet
+        if torch is not None and torch.is_grad_enabled() != wanted:
+            logger.warning("the round left autograd %s; restored", "on" if not wanted else "off")
+            torch.set_grad_enabled(wanted)
 
 
 def escalate(exc: BaseException) -> None:
