@@ -39,7 +39,7 @@ def _params(port: int, run_id: str, *, host: bool) -> RendezvousParameters:
         last_call_timeout=1,
         close_timeout=5,
         keep_alive_interval=1,
-        keep_alive_max_attempt=5,
+        keep_alive_max_attempt=30,  # a connect here can stall 5 s (reverse DNS): not a dead node
         read_timeout=20,
     )
 
