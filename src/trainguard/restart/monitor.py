@@ -83,8 +83,10 @@ class Monitor:
         abort_timeout: how long the main thread may take to leave the function after the
             abort before :attr:`MonitorHooks.stuck` is called.
         settle_s: how long the abort waits for an interrupted main thread to leave the
-            function before it shuts the group's sockets down (a thread blocked in a
-            collective cannot leave: this is the delay it adds to such an abort).
+            function before it shuts the group's sockets down.
+        collective_grace_s: the same wait for a main thread blocked in a collective (it
+            leaves only when its peers' connections close: this is the delay it adds to the
+            abort of a collective that waits on a hung rank).
     """
 
     def __init__(
@@ -96,9 +98,11 @@ class Monitor:
         hooks: MonitorHooks | None = None,
         abort_timeout: float = 5.0,
         settle_s: float = 0.02,
+        collective_grace_s: float = 0.02,
     ) -> None:
         self._hooks = hooks or MonitorHooks()
         self.settle_s = settle_s
+        self.collective_grace_s = collective_grace_s
         self._store = store
         self._keys = keys
         self._tid = thread_id
@@ -259,10 +263,15 @@ class Monitor:
         thread still in ``work.wait()``), and the interrupt cannot land in that C++ wait.
         Raised first, the interrupt lands before the collective starts. A main thread that
         is already blocked in a collective (its innermost frame is torch.distributed's, see
-        :func:`~trainguard.restart._interrupt.in_torch_distributed`) is not waited for: the
-        shutdown that follows releases it at once. Otherwise the wait ends as soon as the main
-        thread has left the function (an event), :attr:`settle_s` at most (a main thread busy in
-        a long C++ call, e.g. a backward pass that starts its own collectives).
+        :func:`~trainguard.restart._interrupt.in_torch_distributed`) is not kicked, but it is
+        waited for too: when a rank raised, its peers' collectives usually fail on their own a
+        moment later (the faulted rank's connections close). Shutting down the group's sockets
+        on every rank at once instead races gloo: a send that gloo writes after the peer's
+        socket was reset is queued and never woken when the pair fails, and the collective then
+        blocks until the group's timeout (seen about once in 100 aborted rounds). The wait ends
+        as soon as the main thread has left the function (an event), :attr:`settle_s` at most
+        (a long C++ call such as a backward pass), :attr:`collective_grace_s` for a collective
+        (one that waits on a hung peer leaves only after the shutdown).
         """
         if self._in_fn:  # never inside an import (a module half-imported stays broken)
             wait_out_of_imports(self._tid, self._abort_timeout)
@@ -272,13 +281,14 @@ class Monitor:
             self._injected = raise_in(self._tid)
             if not self._injected:
                 return
+        wait = self.settle_s
         if in_torch_distributed(self._tid):
-            return  # blocked in a collective: only the shutdown that follows releases it
-        if self._hooks.kick is not None:
+            wait = self.collective_grace_s  # a kick cannot reach a thread waiting in C++
+        elif self._hooks.kick is not None:
             with contextlib.suppress(Exception):
                 self._hooks.kick(self._tid)
         with self._cond:
-            self._cond.wait_for(lambda: not self._in_fn, self.settle_s)
+            self._cond.wait_for(lambda: not self._in_fn, wait)
 
     def _abort_round(self, n: int, outcome: RoundOutcome, seen: float) -> None:
         with self._lock:
