@@ -49,13 +49,17 @@ class Counting:
         if not callable(attr) or name == "clone":
             return attr
 
+        counter = self._counter
+        waits = name == "wait"
+
         def counted(*args: Any) -> Any:
             out = attr(*args)
-            self._counter[0] += 1
-            self._counter[2] += len(args[0]) if args and isinstance(args[0], list) else 1
-            self._counter[1] += _size(args) + (_size(out) if name != "wait" else 0)
+            counter[0] += 1
+            counter[2] += len(args[0]) if args and isinstance(args[0], list) else 1
+            counter[1] += _size(args) + (0 if waits else _size(out))
             return out
 
+        setattr(self, name, counted)  # made once per client and name, not once per call
         return counted
 
 
@@ -79,6 +83,36 @@ def _sidecar_config(port: int, n: int, rank: int, cfg: Any) -> Any:
     return SidecarConfig.build(
         cfg, rank=rank, world=n, keys=Keyspace(JOB, 0), addr=("127.0.0.1", port), log_dir=None
     )
+
+
+class _Assignments:
+    """Each simulated rank's assignment as read from its own copy of the layout, for the
+    consistency check of :func:`bench._coord_sim._consistent`, at O(1) per rank after the
+    first (the simulator's own bookkeeping must not grow with N per rank: no real rank does
+    it). The first layout a thread reads is indexed in full; every later rank's copy must
+    put that rank where the index says (``active[position] == r``), have the same length,
+    ends, store address and departures; one rank in 16 compares its whole copy."""
+
+    def __init__(self) -> None:
+        self.first: list[int] | None = None
+        self.where: dict[int, int] = {}
+        self.shape: tuple[Any, ...] = ()
+        self.digest = 0
+        self.count = 0
+
+    def of(self, r: int, ready: dict[str, Any]) -> tuple[int, int, int]:
+        active = ready["active"]
+        shape = (len(active), active[:1], active[-1:], ready["pg"], sorted(ready["gone"]))
+        if self.first is None:
+            self.first, self.shape = active, shape
+            self.where = {a: i for i, a in enumerate(active)}
+            self.digest = hash(tuple(active))
+        self.count += 1
+        same = shape == self.shape and (self.count % 16 or active == self.first)
+        position = self.where.get(r, -1)
+        if position >= 0 and active[position] != r:
+            same = False
+        return position, len(active), self.digest if same else -1
 
 
 # the worker (a process, or a thread for procs=0) ------------------------------------------
@@ -184,11 +218,10 @@ class _Worker:
                     start = time.monotonic()
                     raws.append((start, session.arrive(k, leaving=None, fault=None, progress=True)))
                 assigned = {}
+                check = _Assignments()
                 for (r, session), (start, raw) in zip(members, raws, strict=True):
                     ready = session.take(k, raw, start)
-                    active = ready["active"]
-                    position = active.index(r) if r in active else -1
-                    assigned[r] = (position, len(active), hash(tuple(active)))
+                    assigned[r] = check.of(r, ready)
                 got = time.monotonic()
                 self.send(("round", k, t, seen, got, assigned, counter[0] - before))
                 k += 1

@@ -76,10 +76,6 @@ def _expand(value: object) -> list[int] | None:
     return out if len(out) <= _MAX_RANKS else None
 
 
-def _ranks(value: object) -> bool:
-    return _expand(value) is not None
-
-
 def _why_by_rank(value: object) -> bool:
     return isinstance(value, dict) and all(
         k.isdigit() and isinstance(v, str) for k, v in value.items()
@@ -108,10 +104,9 @@ def _is_rank(value: object) -> bool:
 
 
 _Check = Callable[[object], bool]
+_RANK_LISTS = ("active", "spare")  # run lists (see :func:`runs`), checked by expanding them
 _LAYOUT: dict[str, _Check] = {
     "round": _is_int,
-    "active": _ranks,
-    "spare": _ranks,
     "gone": _why_by_rank,
     "faults": _why_by_rank,
     "pg": _pg,
@@ -123,10 +118,13 @@ def layout(raw: bytes | str) -> dict[str, Any]:
     """A round layout as :class:`~trainguard.restart._book.RoundBook` publishes it."""
     doc = _load(raw)
     if isinstance(doc, dict):
+        # every rank reads the layout each round: expand each rank list once (the check is
+        # the expansion itself)
+        expanded = {name: _expand(doc.get(name)) for name in _RANK_LISTS}
         bad = [name for name, ok in _LAYOUT.items() if not ok(doc.get(name))]
+        bad[:0] = [name for name, ranks in expanded.items() if ranks is None]
         if not bad:
-            doc["active"] = _expand(doc["active"])
-            doc["spare"] = _expand(doc["spare"])
+            doc.update(expanded)
             return doc
         problem = "bad " + ", ".join(bad)
     else:
