@@ -170,20 +170,26 @@ class LocalCheckpointManager(Closing):
         self._release_when_collected(abandoned, self._res)
 
     def _bind(self, store: Store | None, *, explicit: bool, started: float) -> None:
-        """Bind to this round: store, rank, world size, replication group, pipeline."""
-        self._watch = _link.RoundWatch(_link.default_group(), explicit=explicit)
+        """Bind to this round: store, rank, world size, replication group, pipeline.
+
+        The round is noted last: an interrupt landing in here leaves the manager to bind again
+        at its next operation."""
+        watch = _link.RoundWatch(_link.default_group(), explicit=explicit)
         store, self.rank, self.world_size = _link.resolve(store, *dist_ranks())
         if self.world_size > 1 and store is None:
             raise ConfigError("several ranks need a store; initialize torch.distributed first")
-        self.clique = clique_of(self.replication, self.rank, self.world_size, self._watch)
+        self.clique = clique_of(self.replication, self.rank, self.world_size, watch)
         link = None
         if store is not None and self.world_size > 1:
             link = _link.StoreLink.join(
                 store, key_prefix=self._key_prefix, world_size=self.world_size
             )
         self._link = link
-        # for gathers, and the pipeline's waits in this thread
-        self._store = link.client() if link is not None else None
+        # for gathers, and the pipeline's waits in this thread: the default group's store
+        # itself (its client is connected already, ahead of the round where the wrapper runs;
+        # torch uses it from this thread too), a client of its own for a store given
+        # explicitly (other threads of the caller may wait on that one)
+        self._store = None if link is None else link.client() if explicit else link.origin
         # the replication group is built on first need (a save that replicates, a transfer)
         self._replicates = link is not None and self.replication.replicates(self.world_size)
         # per round: a rank interrupted before a save the others made is not behind for good
@@ -200,6 +206,7 @@ class LocalCheckpointManager(Closing):
             caller_store=self._store,
             recv_buffers=self._res.recv_buffers,
         )
+        self._watch = watch
         _link.setup_done("local", started, self.rank, self.world_size)
 
     def bind(self, store: Store | None = None) -> None:
