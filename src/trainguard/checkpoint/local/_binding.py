@@ -145,6 +145,19 @@ def check_arguments(
         raise ConfigError("writer_nice must be between 0 and 19")
 
 
+def check_iteration(iteration: object, largest: int) -> None:
+    """Raise :class:`ConfigError` for an iteration number that ``save`` cannot store."""
+    if (
+        isinstance(iteration, bool)
+        or not isinstance(iteration, int)
+        or not 0 <= iteration <= largest
+    ):
+        raise ConfigError(
+            f"iteration={iteration!r}: use an integer from 0 to 2**63 - 1 ({largest}); a larger "
+            "count can be scaled down or kept in the state"
+        )
+
+
 def clique_of(
     replication: CliqueReplication, rank: int, world_size: int, watch: RoundWatch
 ) -> list[int]:
