@@ -141,16 +141,8 @@ class MemoryRound:
         """The state and ``last_load``; emits the ``local_ckpt_load`` event (``exchanges=0``)."""
         assert remembered is not None  # only a save changes it, and applies() saw none since
         state = remembered.restore(into, allow_pickle=allow_pickle)
-        events.emit(
-            "local_ckpt_load",
-            duration=time.monotonic() - started,
-            iteration=self.iteration,
-            requested=self.iteration,
-            bytes=remembered.nbytes,
-            source="memory",
-            copy="memory",
-            transfers=0,
-            attempts=1,
-            exchanges=0,
-        )
+        it, nbytes = self.iteration, remembered.nbytes
+        fields = {"iteration": it, "requested": it, "bytes": nbytes, "source": "memory"}
+        fields.update(copy="memory", transfers=0, attempts=1, exchanges=0)
+        events.emit("local_ckpt_load", duration=time.monotonic() - started, **fields)
         return state, {"iteration": self.iteration, "source": "memory", "bytes": remembered.nbytes}
