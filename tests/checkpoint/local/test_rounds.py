@@ -54,6 +54,9 @@ def test_persistent_checkpointers_survive_twenty_faulted_rounds(tmp_path: Path) 
     loads = [e for e in events if e["kind"] == "local_ckpt_load"]
     assert {e["source"] for e in loads} <= {"memory", "file", "peer"}
     assert sum(e["source"] == "memory" for e in loads) >= WORLD * ROUNDS // 2
+    # where every rank restores from memory, load() follows find_latest() with no exchange
+    fast = [e for e in loads if e.get("exchanges") == 0]
+    assert len(fast) >= WORLD * ROUNDS // 2 and all(e["source"] == "memory" for e in fast)
 
 
 def test_spare_takes_over_with_its_part_prefetched(tmp_path: Path) -> None:

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -15,6 +19,8 @@ from tests.checkpoint.conftest import assert_same, sample_state
 from trainguard.checkpoint import CliqueReplication, LocalCheckpointManager
 from trainguard.checkpoint.local import _inventory
 from trainguard.errors import CheckpointNotFoundError, CheckpointWriteError, ConfigError
+from trainguard.restart._interrupt import Kick, raise_in
+from trainguard.restart.state import RestartInterrupt
 
 
 def test_clique_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -168,3 +174,54 @@ def test_silently_corrupted_own_copy_is_caught_at_load(tmp_path: Path) -> None:
         mgr._remembered = None  # as once the buffer holds another state: the file is read
         back = mgr.load(2)
         assert back["it"] == 1 and torch.equal(back["w"], torch.full((1 << 16,), 1.0))
+
+
+def _later(delay: float, action: Callable[[], None]) -> threading.Timer:
+    timer = threading.Timer(delay, action)
+    timer.start()
+    return timer
+
+
+def test_an_interrupted_rebind_leaves_the_ended_round_to_the_next(tmp_path: Path) -> None:
+    """A restart interrupt that lands in bind() while the ended round's thread still waits for
+    the writer (here: stopped) leaves that thread to the next bind(), which finishes it before
+    the new round's thread starts: two threads never read one writer's answers (they would
+    take each other's, and every later save would fail)."""
+    main = threading.main_thread().ident
+    assert main == threading.get_ident()
+    kick = Kick.install()
+    assert kick is not None
+    state = sample_state(2)
+    mgr = LocalCheckpointManager(tmp_path / "root", timeout=30)
+    writer = mgr._writer.pid
+    assert writer is not None
+    try:
+        os.kill(writer, signal.SIGSTOP)
+        mgr.save(sample_state(1), 1)  # its thread now waits for the stopped writer
+
+        def interrupt() -> None:
+            raise_in(main)
+            Kick.send(main)
+
+        timer = _later(0.3, interrupt)
+        with pytest.raises(RestartInterrupt):
+            mgr.bind()  # the interrupt lands while it waits for the ended round's thread
+        timer.join()
+        timer = _later(0.5, lambda: os.kill(writer, signal.SIGCONT))
+        mgr.bind()
+        # running: interrupting a join() marks the thread joined stopped (bpo-45274's
+        # handling in threading), so is_alive() cannot tell
+        running = sys._current_frames()
+        alive = [
+            t for t in threading.enumerate() if t.name == "trainguard-local" and t.ident in running
+        ]
+        timer.join()
+        assert len(alive) == 1, alive  # the new round's only
+        mgr.save(state, 2)
+        mgr.wait()
+        assert mgr.find_latest() == 2
+        assert_same(mgr.load(2), state)
+    finally:
+        os.kill(writer, signal.SIGCONT)
+        kick.restore()
+        mgr.close()

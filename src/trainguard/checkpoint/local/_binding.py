@@ -60,18 +60,27 @@ class Resources:
 
     def end_round(self) -> None:
         """Finish the round's queued saves (after a fault they fail at once: the wrapper shut
-        the round's connections down), log their errors, free the round's group."""
-        pipeline, self.pipeline = self.pipeline, None
+        the round's connections down), log their errors, free the round's group.
+
+        The ended round's outcomes are not read from its store and retention waits for the next
+        save: the next round decides what is complete (``find_latest``), and this runs on the
+        way to its first step. The pipeline and group stay referenced until they are closed: a
+        restart interrupt landing here (a hang detected while the thread finishes a save) leaves
+        them for the next call to close, so that a new pipeline never runs beside the old
+        thread (two threads reading one writer's answers would take each other's)."""
+        pipeline = self.pipeline
         if pipeline is not None:
-            pipeline.close()
+            pipeline.close(settle=False)
+            self.pipeline = None
             try:
                 pipeline.raise_errors()
             except CheckpointWriteError as exc:
                 logger.warning("a save of the previous round did not complete: %s", exc)
             pipeline.release(buffers=False)
-        channel, self.channel = self.channel, None
+        channel = self.channel
         if channel is not None:
             channel.close()
+            self.channel = None
 
     def free(self, *, pipeline_closed: bool) -> None:
         """Stop the writer and the threads, free the buffers and the group. ``pipeline_closed``:
@@ -134,6 +143,19 @@ def check_arguments(
         raise ConfigError("staging_threads must be >= 1 (or None for the default)")
     if not 0 <= nice <= 19:
         raise ConfigError("writer_nice must be between 0 and 19")
+
+
+def check_iteration(iteration: object, largest: int) -> None:
+    """Raise :class:`ConfigError` for an iteration number that ``save`` cannot store."""
+    if (
+        isinstance(iteration, bool)
+        or not isinstance(iteration, int)
+        or not 0 <= iteration <= largest
+    ):
+        raise ConfigError(
+            f"iteration={iteration!r}: use an integer from 0 to 2**63 - 1 ({largest}); a larger "
+            "count can be scaled down or kept in the state"
+        )
 
 
 def clique_of(

@@ -101,9 +101,11 @@ class SavePipeline:
         self._inventory = inventory
         self._channel = channel
         self._link = link
-        self._bg_store = link.client() if link is not None else None  # this thread's
-        # the caller's (``caller_store``: one the caller's thread uses for its own waits too;
-        # each client is one more connect, name lookups included, when a round begins)
+        # the background thread's client, connected here: a thread connecting for itself could
+        # wait out the whole connect timeout on a store whose round ended meanwhile, and
+        # close() (the next round's re-bind) waits for that thread
+        self._bg_store: Store | None = link.client() if link is not None else None
+        # the caller's (``caller_store``: one the caller's thread uses for its own waits too)
         if link is not None and caller_store is None:
             caller_store = link.client()
         self._fg_store = caller_store if link is not None else None
@@ -118,6 +120,7 @@ class SavePipeline:
         self._lock = threading.Lock()
         self._prune_lock = threading.Lock()
         self._jobs: queue.SimpleQueue[StagedSave | None] = queue.SimpleQueue()
+        self._stopped = threading.Event()  # set as the thread ends
         self._thread = threading.Thread(target=self._run, name="trainguard-local", daemon=True)
         self._thread.start()
 
@@ -185,13 +188,20 @@ class SavePipeline:
                 self._complete.difference_update(removed)
         return removed
 
-    def close(self) -> None:
-        """Finish the saves queued so far, stop the thread, settle what can be settled."""
+    def close(self, *, settle: bool = True) -> None:
+        """Finish the saves queued so far, stop the thread; ``settle``: then settle what can be
+        settled and apply retention (store round trips and a scan of the root). May be called
+        again after an interrupted call."""
         self._jobs.put(None)
+        # an event, not join() alone: a join() that an exception interrupted marks the thread
+        # stopped while it still runs (bpo-45274's handling in threading), so a second join()
+        # would return at once
+        self._stopped.wait()
         self._thread.join()
-        with contextlib.suppress(Exception):
-            self._confirm(self._fg_store)
-            self._prune()
+        if settle:
+            with contextlib.suppress(Exception):
+                self._confirm(self._fg_store)
+                self._prune()
 
     def release(self, *, buffers: bool = True) -> None:
         """Free the receive buffers (after the writer has stopped; ``buffers=False`` keeps
@@ -207,7 +217,10 @@ class SavePipeline:
     # ------------------------------------------------------------------ background thread
 
     def _run(self) -> None:
-        serve(self._jobs, self._one)
+        try:
+            serve(self._jobs, self._one)
+        finally:
+            self._stopped.set()
 
     def _one(self, job: StagedSave) -> None:
         try:
@@ -373,13 +386,14 @@ class SavePipeline:
     def _report(self, job: StagedSave) -> None:
         with self._lock:
             self._unconfirmed.append((job.seq, job.iteration))
-        if self._bg_store is not None:
+        store = self._bg_store
+        if store is not None:
             try:
-                self._round(self._bg_store, job.seq).report(job.error)
+                self._round(store, job.seq).report(job.error)
             except Exception as exc:
                 logger.warning("reporting iteration %d to the store failed: %s", job.iteration, exc)
         try:
-            self._confirm(self._bg_store)
+            self._confirm(store)
             self._prune()
         except Exception as exc:  # retried by the next save, wait() and close()
             logger.debug("retention after iteration %d: %s", job.iteration, exc)

@@ -21,10 +21,12 @@ import dataclasses
 import json
 import mmap
 import sys
+import time
 from typing import Any
 
 import torch
 
+from trainguard import events
 from trainguard.checkpoint.layout import unflatten
 from trainguard.checkpoint.local._pipeline import StagedSave
 
@@ -95,3 +97,52 @@ class RestoreBuffer:
         if mm is not None:
             with contextlib.suppress(BufferError):  # tensors still use it: freed with them
                 mm.close()
+
+
+def in_memory(remembered: Remembered | None, held: list[Any], rank: int) -> int | None:
+    """The iteration this rank can restore from memory, for ``find_latest`` to report: its own
+    part written from the staging buffer, and its file among the parts it holds (``held``:
+    :class:`~._inventory.Part`)."""
+    if remembered is None or not remembered.usable(remembered.iteration, rank):
+        return None
+    mine = any(p.iteration == remembered.iteration and p.owner == rank for p in held)
+    return remembered.iteration if mine else None
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryRound:
+    """``find_latest`` found ``iteration``, which every rank reported it can restore from
+    memory, at the manager's ``calls``-th exchange and ``seq``-th save of the round.
+
+    A :meth:`~.manager.LocalCheckpointManager.load` of that iteration called next (no exchange
+    and no save in between: the same on every rank, since they call the same methods in the
+    same order) restores from memory with no exchange at all: no rank reads a file or needs a
+    transfer, so no copy can fail its checksum and there is nothing to agree on."""
+
+    iteration: int
+    calls: int
+    seq: int
+
+    @classmethod
+    def of(
+        cls, values: dict[int, Any], found: int | None, world_size: int, calls: int, seq: int
+    ) -> MemoryRound | None:
+        """From the ``find`` exchange's ``values`` (rank -> ``[in_memory, parts]``)."""
+        if found is None or any(values[r][0] != found for r in range(world_size)):
+            return None
+        return cls(found, calls, seq)
+
+    def applies(self, iteration: int, calls: int, seq: int) -> bool:
+        return (self.iteration, self.calls, self.seq) == (iteration, calls, seq)
+
+    def restore(
+        self, remembered: Remembered | None, into: RestoreBuffer, allow_pickle: bool, started: float
+    ) -> tuple[Any, dict[str, Any]]:
+        """The state and ``last_load``; emits the ``local_ckpt_load`` event (``exchanges=0``)."""
+        assert remembered is not None  # only a save changes it, and applies() saw none since
+        state = remembered.restore(into, allow_pickle=allow_pickle)
+        it, nbytes = self.iteration, remembered.nbytes
+        fields = {"iteration": it, "requested": it, "bytes": nbytes, "source": "memory"}
+        fields.update(copy="memory", transfers=0, attempts=1, exchanges=0)
+        events.emit("local_ckpt_load", duration=time.monotonic() - started, **fields)
+        return state, {"iteration": self.iteration, "source": "memory", "bytes": remembered.nbytes}

@@ -30,11 +30,12 @@ from trainguard.checkpoint.local._binding import (
     Resources,
     abandoned,
     check_arguments,
+    check_iteration,
     clique_of,
     dist_ranks,
 )
 from trainguard.checkpoint.local._pipeline import Place, SavePipeline, StagedSave
-from trainguard.checkpoint.local._remembered import Remembered
+from trainguard.checkpoint.local._remembered import MemoryRound, Remembered, in_memory
 from trainguard.checkpoint.local._spare import SparePrefetch
 from trainguard.checkpoint.local.replication import CliqueReplication, no_replication
 from trainguard.checkpoint.staging import Stager
@@ -153,6 +154,7 @@ class LocalCheckpointManager(Closing):
         #: ``chunks`` and ``parts``.
         self.last_load: dict[str, Any] | None = None
         self._remembered: Remembered | None = None  # what the staging buffer holds
+        self._memory_round: MemoryRound | None = None
         stager = Stager(threads=staging_threads or min(4, os.cpu_count() or 1), pin=pin_memory)
         self._res = Resources(WriterProcess(nice=writer_nice), stager)
         self._writer, self._stager = self._res.writer, stager
@@ -170,20 +172,24 @@ class LocalCheckpointManager(Closing):
         self._release_when_collected(abandoned, self._res)
 
     def _bind(self, store: Store | None, *, explicit: bool, started: float) -> None:
-        """Bind to this round: store, rank, world size, replication group, pipeline."""
-        self._watch = _link.RoundWatch(_link.default_group(), explicit=explicit)
+        """Bind to this round: store, rank, world size, replication group, pipeline.
+
+        The round is noted last: an interrupt landing in here leaves the manager to bind again
+        at its next operation."""
+        watch = _link.RoundWatch(_link.default_group(), explicit=explicit)
         store, self.rank, self.world_size = _link.resolve(store, *dist_ranks())
         if self.world_size > 1 and store is None:
             raise ConfigError("several ranks need a store; initialize torch.distributed first")
-        self.clique = clique_of(self.replication, self.rank, self.world_size, self._watch)
+        self.clique = clique_of(self.replication, self.rank, self.world_size, watch)
         link = None
         if store is not None and self.world_size > 1:
             link = _link.StoreLink.join(
                 store, key_prefix=self._key_prefix, world_size=self.world_size
             )
         self._link = link
-        # for gathers, and the pipeline's waits in this thread
-        self._store = link.client() if link is not None else None
+        # for gathers, and the pipeline's waits in this thread: the default group's store (torch
+        # uses it from this thread too; connected already), or a client of a store given
+        self._store = None if link is None else link.client() if explicit else link.origin
         # the replication group is built on first need (a save that replicates, a transfer)
         self._replicates = link is not None and self.replication.replicates(self.world_size)
         # per round: a rank interrupted before a save the others made is not behind for good
@@ -200,6 +206,7 @@ class LocalCheckpointManager(Closing):
             caller_store=self._store,
             recv_buffers=self._res.recv_buffers,
         )
+        self._watch = watch
         _link.setup_done("local", started, self.rank, self.world_size)
 
     def bind(self, store: Store | None = None) -> None:
@@ -236,16 +243,7 @@ class LocalCheckpointManager(Closing):
         background work (the buffers are reused). Raises the error of an earlier failed save.
         """
         self._ensure_bound()
-        if (
-            isinstance(iteration, bool)
-            or not isinstance(iteration, int)
-            or not 0 <= iteration <= _inventory.MAX_ITERATION
-        ):
-            raise ConfigError(
-                f"iteration={iteration!r}: use an integer from 0 to 2**63 - 1 "
-                f"({_inventory.MAX_ITERATION}); a larger count can be scaled down or kept "
-                "in the state"
-            )
+        check_iteration(iteration, _inventory.MAX_ITERATION)
         requested = time.monotonic()
         self._pipeline.drain()
         self._pipeline.raise_errors()
@@ -290,18 +288,21 @@ class LocalCheckpointManager(Closing):
         removed: missing parts might still be brought back by hand). Iterations newer than the
         answer are incomplete and can never be completed: they are removed, so that a later
         save of the same number meets no stale copy (``load`` does the same for the iteration
-        it loads). Raises
-        :class:`CheckpointReplicationMismatchError` when that iteration was saved with another
-        replication setting (unless ``allow_replication_change``).
+        it loads). Raises :class:`CheckpointReplicationMismatchError` when that iteration was
+        saved with another replication setting (unless ``allow_replication_change``). Each
+        rank also reports the iteration it could restore from memory (see :class:`MemoryRound`).
         """
         self._ensure_bound()
         started = time.monotonic()
         self._pipeline.drain()
         parts = self._inventory.scan()
-        merged = self._gather("find", parts)
+        memory = in_memory(self._remembered, parts, self.rank)
+        values = self._gather_values("find", [memory, [p.report() for p in parts]])
+        merged = _inventory.holdings({r: v[1] for r, v in values.items()})
         candidates = _inventory.complete(merged, self.world_size)
         self._pipeline.note_complete(candidates)
         found = candidates[0] if candidates else None
+        self._memory_round = MemoryRound.of(values, found, self.world_size, self._calls, self._seq)
         if found is not None:
             self._accept(_inventory.choice(merged, found))
             self._drop_newer(found)
@@ -343,6 +344,12 @@ class LocalCheckpointManager(Closing):
 
     def _load_part(self, iteration: int, *, allow_pickle: bool, started: float) -> Any:
         """:meth:`load` without ``into``: this rank's whole part."""
+        fast, self._memory_round = self._memory_round, None
+        if fast is not None and fast.applies(iteration, self._calls, self._seq):
+            state, self.last_load = fast.restore(
+                self._remembered, self._res.restore, allow_pickle, started
+            )
+            return state
         for attempt in range(_ATTEMPTS):
             parts = self._inventory.scan()  # hashes only files changed since last verified
             merged = self._gather("load", parts)
@@ -356,7 +363,9 @@ class LocalCheckpointManager(Closing):
             # this rank's own copy is hashed again while the transfers run (unless the staging
             # buffer it was written from still holds it: then no file is read)
             check = Background(verify_path, own.path) if own is not None and not memory else None
-            received = self._transfer(chosen, transfers, mine)
+            paths = {owner: part.path for owner, part in mine.items()}
+            plan = (chosen.iteration, chosen.sizes, transfers, paths)
+            received = _transfer.move_parts(self._group(bool(transfers)), *plan, rank=self.rank)
             state, bad, kind = None, None, "file"
             if received is not None:
                 source, raw = received
@@ -487,13 +496,3 @@ class LocalCheckpointManager(Closing):
             what="what they hold",
             hint="every rank must call the same LocalCheckpointManager method together",
         )
-
-    def _transfer(
-        self,
-        chosen: _inventory.Choice,
-        transfers: list[tuple[int, int, int]],
-        mine: dict[int, _inventory.Part],
-    ) -> tuple[int, Any] | None:
-        paths = {owner: part.path for owner, part in mine.items()}
-        group, it = self._group(bool(transfers)), chosen.iteration
-        return _transfer.move_parts(group, it, chosen.sizes, transfers, paths, rank=self.rank)
