@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from trainguard.coord import barrier
@@ -77,9 +78,9 @@ class RoundBook:
     world: int
     policies: RoundPolicies
     store_timeout: float
-    roster: tuple[int, ...] = ()
+    roster: Sequence[int] = ()
     writer: int = -1
-    previous_roster: tuple[int, ...] = dataclasses.field(init=False)
+    previous_roster: Sequence[int] = dataclasses.field(init=False)
     gone: dict[int, str] = dataclasses.field(init=False, default_factory=dict)
     repeats: Repeats = dataclasses.field(init=False, default_factory=Repeats)
 
@@ -119,7 +120,7 @@ class RoundBook:
         deletes its own (one operation each), the publisher only those of the ranks that the
         round does not hold (:meth:`_delete_round`)."""
         self.previous_roster = self.roster
-        self.roster = tuple(ready["active"]) + tuple(ready["spare"])
+        self.roster = _records.roster(ready["active"], ready["spare"])
         self.gone = {int(k): v for k, v in ready["gone"].items()}
         self.repeats = Repeats.decode(ready.get("repeats"))
         if self.writer >= 0 and ready["round"] > 0:
@@ -152,7 +153,7 @@ class RoundBook:
         layout = Layout.start(
             round=n,
             initial_world_size=self.world,
-            previous=self.roster,
+            previous=tuple(self.roster),
             present=present,
             info=info,
         )

@@ -30,7 +30,7 @@ the next round's layout.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from trainguard import events
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 _SLICE = 2.0  # seconds between two looks at whether the job ended (its keys deleted)
 
 #: ``(round, roster)``: tells the rank's sidecar the round whose next barrier it waits at.
-Notify = Callable[[int, tuple[int, ...]], None]
+Notify = Callable[[int, Sequence[int]], None]
 
 
 def _roster(ready: dict[str, Any]) -> tuple[int, ...]:

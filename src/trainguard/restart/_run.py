@@ -233,7 +233,7 @@ class WrappedCall:
             raise leaving
         sidecar = self.sidecar
 
-        def notify(n: int, roster: tuple[int, ...]) -> None:
+        def notify(n: int, roster: Sequence[int]) -> None:
             if sidecar is not None:
                 sidecar.send({"round": n, "roster": list(roster)})
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from trainguard import _env, events
@@ -60,7 +61,7 @@ class Session:
         return self.book.store
 
     @property
-    def roster(self) -> tuple[int, ...]:
+    def roster(self) -> Sequence[int]:
         """The ranks of the current round (active then spares); all before the first."""
         return self.book.roster if self.book is not None else tuple(range(self.world))
 
