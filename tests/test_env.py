@@ -40,7 +40,8 @@ def test_every_variable_has_the_prefix() -> None:
 
 
 def test_sidecar_mode_is_process_or_node() -> None:
-    assert _env.settings({}).sidecar == "process"
+    assert _env.settings({}).sidecar == "node"  # one watcher per node unless asked otherwise
+    assert _env.settings({"TRAINGUARD_SIDECAR": "process"}).sidecar == "process"
     assert _env.settings({"TRAINGUARD_SIDECAR": "node"}).sidecar == "node"
     with pytest.raises(ConfigError, match=r"'process' .* or 'node'"):
         _env.settings({"TRAINGUARD_SIDECAR": "per-node"})

@@ -32,8 +32,8 @@ VARIABLES: dict[str, str] = {
     "generation (0 for its first process); set by the launcher",
     "TRAINGUARD_AGENT": "socket name of the launcher's sidecar service for this worker; set by "
     "the launcher",
-    "TRAINGUARD_SIDECAR": "'process' (default: one sidecar process per rank) or 'node' (one "
-    "watcher process per node, shared by its ranks); ignored under `trainguard launch`",
+    "TRAINGUARD_SIDECAR": "'node' (default: one watcher process per node, shared by its ranks) "
+    "or 'process' (one sidecar process per rank); ignored under `trainguard launch`",
     "TRAINGUARD_DEMO_MODEL_MIB": "`trainguard demo` only: pad the demo model's checkpointed state "
     "to about this many MiB per rank (0: no padding); set by `trainguard demo --model-mib`",
 }
@@ -50,7 +50,7 @@ class Settings:
     generation: int | None = None
     incarnation: int = 0
     agent: str | None = None
-    sidecar: str = "process"
+    sidecar: str = "node"
     demo_model_mib: int = 0
 
 
@@ -123,7 +123,7 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
         generation=_count("TRAINGUARD_GENERATION", generation) if generation else None,
         incarnation=_count("TRAINGUARD_INCARNATION", incarnation) if incarnation else 0,
         agent=get("TRAINGUARD_AGENT"),
-        sidecar=_sidecar(sidecar) if (sidecar := get("TRAINGUARD_SIDECAR")) else "process",
+        sidecar=_sidecar(sidecar) if (sidecar := get("TRAINGUARD_SIDECAR")) else "node",
         demo_model_mib=_count("TRAINGUARD_DEMO_MODEL_MIB", mib, "trainguard demo --model-mib")
         if mib
         else 0,

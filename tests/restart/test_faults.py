@@ -11,11 +11,17 @@ STEPS = 10
 FAULT_STEP = 4
 
 
+# these tests read a rank's own sidecar log or kill its own sidecar: a sidecar process per
+# rank (tests/restart/test_node_watcher.py runs the node's watcher, the default)
+PER_RANK = {"TRAINGUARD_SIDECAR": "process"}
+
+
 def _run(victim: int, kind: str, tmp_path, overrides=None):
     results = run_ranks(
         _faults.fault_job,
         4,
         args=(STEPS, victim, FAULT_STEP, kind, str(tmp_path), overrides),
+        env=PER_RANK,
         timeout=120,
     )
     fault_time = float((tmp_path / f"fault-{victim}").read_text())
@@ -176,6 +182,7 @@ def test_hard_timeout_kills_on_time_while_the_store_is_stopped(tmp_path) -> None
         2,
         args=args,
         kwargs={"victim_overrides": {"hard_timeout": 3.0}},
+        env=PER_RANK,
         timeout=120,
     ) as group:
         group.start()

@@ -131,7 +131,7 @@ def test_every_key_of_a_job_holds_its_secret(from_env: bool) -> None:
     from tests._dist import run_ranks
     from tests.restart._secjobs import secret_job
 
-    env = {"TRAINGUARD_JOB_ID": "sj"}
+    env = {"TRAINGUARD_JOB_ID": "sj", "TRAINGUARD_SIDECAR": "process"}  # reads its sidecar
     if from_env:
         env["TRAINGUARD_JOB_SECRET"] = "given-by-the-launcher-0123"
     results = run_ranks(secret_job, 2, env=env, timeout=120)

@@ -418,7 +418,8 @@ class WrappedCall:
             return None
         return SidecarLostError(
             f"rank {self.launch.rank}: {lost}; it left the job rather than run without "
-            "protection (see its sidecar-<rank>.log in the events directory or tmp)",
+            "protection (see sidecar-node-<host>.log, or sidecar-<rank>.log with "
+            "TRAINGUARD_SIDECAR=process, in the events directory or tmp)",
             causes={self.launch.rank: lost},
         )
 

@@ -135,8 +135,10 @@ class RoundOutcome:
         if problem is not None:
             text = raw if isinstance(raw, str) else bytes(raw).decode(errors="replace")
             return cls.end(f"unreadable round outcome in the store ({problem}): {text[:200]!r}")
-        return cls(**{f.name: value.get(f.name) for f in dataclasses.fields(cls)})
+        return cls(**{name: value.get(name) for name in _OUTCOME_FIELDS})
 
+
+_OUTCOME_FIELDS = tuple(f.name for f in dataclasses.fields(RoundOutcome))  # read once per rank
 
 _OUTCOME_TYPES: dict[str, tuple[type, ...]] = {
     "rank": (int,),

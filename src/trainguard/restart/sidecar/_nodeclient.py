@@ -85,8 +85,8 @@ class NodeSidecar(AgentSidecar):
     def refusal(self, error: object) -> str:
         return (
             f"this node's watcher does not watch this process: {error}; see "
-            f"{node_log_path(self.config)} (or unset TRAINGUARD_SIDECAR to run a sidecar process "
-            "per rank)"
+            f"{node_log_path(self.config)} (or set TRAINGUARD_SIDECAR=process to run a sidecar "
+            "process per rank)"
         )
 
     def loss(self) -> str:
