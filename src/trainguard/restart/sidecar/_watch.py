@@ -72,8 +72,12 @@ from trainguard.restart.sidecar._notice import Notice, write_notice
 
 logger = logging.getLogger("trainguard.restart.sidecar")
 
-#: how many ranks each sidecar observes (the ones after it on the ring, see the module doc)
-WINDOW = 16
+#: how many ranks each sidecar observes (the ones after it on the ring, see the module doc).
+#: 32: the last rank of a silent node of 8 still has 24 live observers, so the first of them
+#: sees its last beat ~1/25 of an interval late on average (16 gave 0.25 s beyond
+#: heartbeat_timeout for a node at 4,096 simulated ranks, 32 gives 0.09 s); the same two
+#: store operations per interval, twice the keys read.
+WINDOW = 32
 
 
 class Watch:
