@@ -3,8 +3,10 @@
 Each rank runs a wrapped function on the library's real path (sidecar, monitor, watchdog,
 next round's client made ahead, ``init_process_group("gloo")`` through the round's store) and,
 once every rank is in the function, counts the established TCP connections from its own
-process and from its sidecar process to any port the store process listens on (the
-coordination store and the round stores).
+process and from the helper processes (its own sidecar, or the node watcher that every rank of
+this host shares) to any port the store process listens on (the coordination store and the
+round stores). A helper's connections are shared by the ranks it watches: each rank counts the
+helpers' connections divided by the ranks on this host.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import time
 from typing import Any
 
-from bench._soak_inject import cmdline, find_sidecar
+from bench._soak_inject import SIDECAR_MODULE, cmdline
 from trainguard.coord import _sockets
 
 
@@ -48,6 +50,16 @@ def _held(pid: int, ports: set[int]) -> int:
     return sum(1 for s in socks if s.state == _sockets.ESTABLISHED and s.remote_port in ports)
 
 
+def _helpers(ports: set[int]) -> int:
+    """The connections to ``ports`` of every sidecar process of this machine (per-rank sidecars
+    or node watchers: only this job's hold connections to its store process's ports)."""
+    total = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit() and SIDECAR_MODULE in cmdline(int(name)):
+            total += _held(int(name), ports)
+    return total
+
+
 def count_connections(settle_s: float) -> dict[str, Any]:
     """Run on each rank: its store connections and its sidecar's, inside the function."""
     import torch
@@ -65,10 +77,12 @@ def count_connections(settle_s: float) -> dict[str, Any]:
         time.sleep(settle_s)  # the next round's client is made ahead meanwhile
         dist.barrier()
         ports = _store_ports(coord_port)
-        sidecar = find_sidecar()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        helpers = _helpers(ports)
         out = {
             "process": _held(os.getpid(), ports),
-            "sidecar": 0 if sidecar is None else _held(sidecar, ports),
+            "helpers": helpers,  # every helper process of this host, all its ranks
+            "sidecar": helpers / local,
             "store_ports": len(ports),
         }
         dist.barrier()
