@@ -153,7 +153,7 @@ class RoundBook:
         layout = Layout.start(
             round=n,
             initial_world_size=self.world,
-            previous=tuple(self.roster),
+            previous=self.roster,
             present=present,
             info=info,
         )

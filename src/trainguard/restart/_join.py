@@ -51,10 +51,6 @@ _SLICE = 2.0  # seconds between two looks at whether the job ended (its keys del
 Notify = Callable[[int, Sequence[int]], None]
 
 
-def _roster(ready: dict[str, Any]) -> tuple[int, ...]:
-    return tuple(ready["active"]) + tuple(ready["spare"])
-
-
 class Newcomer:
     """One newcomer's way into the running job (see the module docstring).
 
@@ -101,7 +97,7 @@ class Newcomer:
             if ready is None:
                 return None
             if found is None:
-                if self.rank in _roster(ready):
+                if self.rank in _records.roster(ready["active"], ready["spare"]):
                     return m, ready
                 self.store.delete_key(self.keys.member(m, self.rank))  # unread: too late
             logger.info("rank %d: not admitted in round %d; trying the next", self.rank, m)
@@ -129,7 +125,7 @@ class Newcomer:
 
     def _grows(self, m: int, current: dict[str, Any]) -> bool:
         """Would the rank assignment and filter make more ranks active with this one?"""
-        roster = _roster(current)
+        roster = _records.roster(current["active"], current["spare"])
         layout = Layout.start(
             round=m,
             initial_world_size=self.book.world,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 
@@ -47,7 +47,7 @@ class Layout:
         *,
         round: int,
         initial_world_size: int,
-        previous: tuple[int, ...],
+        previous: Sequence[int],
         present: frozenset[int] | set[int],
         info: Mapping[int, Mapping[str, str]] | None = None,
     ) -> Layout:

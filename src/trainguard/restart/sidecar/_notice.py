@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from trainguard import events
@@ -58,7 +59,7 @@ def write_notice(
     cfg: SidecarConfig,
     r: int,
     n: int,
-    roster: tuple[int, ...],
+    roster: Sequence[int],
     cause: str,
     *,
     returning: bool = False,
@@ -90,7 +91,7 @@ def write_notice(
         raw = wait_key(store, keys.ready(n + 1), cfg.barrier_timeout, what="barrier")
         ready = _records.layout(raw)
         n += 1
-        roster = tuple(ready["active"]) + tuple(ready["spare"])
+        roster = _records.roster(ready["active"], ready["spare"])
         if r not in roster or ready.get("end"):
             break
     counted = book.count_out(r)
