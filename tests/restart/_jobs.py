@@ -339,3 +339,27 @@ def swallow_job() -> dict[str, Any]:
     finally:
         logger.removeHandler(handler)
     return {"result": result, "messages": messages}
+
+
+def slow_connect_at_end_job(hang_s: float) -> dict[str, Any]:
+    """A wrapped call whose next round's store client, made ahead by the pre-connect thread,
+    hangs ``hang_s`` in its connect (as torch's client retries a store that closed as the job
+    ended); the function returns at once. Returns the world size and the seconds the wrapper
+    took to return after the function did."""
+    import trainguard.restart._preconnect as pre
+
+    def hanging(host: str, port: int, *, timeout: float) -> Any:
+        time.sleep(hang_s)  # a real hang, in the thread that connects ahead, then it fails
+        raise ConnectionResetError(f"simulated: {host}:{port} closed while connecting")
+
+    pre.connect = hanging  # type: ignore[assignment]
+    returned: list[float] = []
+
+    @tr.Wrapper(soft_timeout=2.0, hard_timeout=3.0, store_timeout=30, barrier_timeout=60)
+    def train(call: tr.CallWrapper) -> int:
+        time.sleep(0.5)  # the pre-connect thread is in its connect by then
+        returned.append(time.monotonic())
+        return call.world_size
+
+    world = train()
+    return {"world": world, "after_return_s": time.monotonic() - returned[0]}

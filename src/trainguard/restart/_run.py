@@ -157,12 +157,15 @@ class WrappedCall:
         GroupSockets.uninstall()
         Preconnect.uninstall()
         self.session.leave()
-        if self.preconnect is not None:  # a connect under way must not hold the others back
-            self.preconnect.close(timeout=self.cfg.store_timeout)
-            self.preconnect = None
+        # the sidecar goes before the wait for a connect under way: the watchdog sends it no
+        # more lines, and a connect that outlasted hard_timeout (a round store that closed
+        # as the job ended: torch retries it for up to 8 s) had it kill this finished rank
         if self.sidecar is not None:
             self.sidecar.stop()
             self.sidecar = None
+        if self.preconnect is not None:  # a connect under way must not hold the others back
+            self.preconnect.close(timeout=self.cfg.store_timeout)
+            self.preconnect = None
         if kick is not None:
             kick.restore()
         barrier_timeout = self.cfg.barrier_timeout
