@@ -157,9 +157,7 @@ class WrappedCall:
         GroupSockets.uninstall()
         Preconnect.uninstall()
         self.session.leave()
-        # the sidecar goes before the wait for a connect under way: the watchdog sends it no
-        # more lines, and a connect that outlasted hard_timeout (a round store that closed
-        # as the job ended: torch retries it for up to 8 s) had it kill this finished rank
+        # before the wait below: no watchdog lines now, its hard timeout would kill this rank
         if self.sidecar is not None:
             self.sidecar.stop()
             self.sidecar = None
