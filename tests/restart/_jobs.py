@@ -352,7 +352,7 @@ def slow_connect_at_end_job(hang_s: float) -> dict[str, Any]:
         time.sleep(hang_s)  # a real hang, in the thread that connects ahead, then it fails
         raise ConnectionResetError(f"simulated: {host}:{port} closed while connecting")
 
-    pre.connect = hanging  # type: ignore[assignment]
+    pre.connect = hanging  # type: ignore[attr-defined]
     returned: list[float] = []
 
     @tr.Wrapper(soft_timeout=2.0, hard_timeout=3.0, store_timeout=30, barrier_timeout=60)
