@@ -57,6 +57,7 @@ class Sim:
         heartbeat_timeout: float,
         procs: int | None = None,
         threads: int = 4,
+        relay: bool = True,
     ) -> None:
         from trainguard.coord.keys import Keyspace
         from trainguard.coord.store import StoreProcess, connect
@@ -89,6 +90,7 @@ class Sim:
                 "interval": heartbeat_interval,
                 "timeout": heartbeat_timeout,
                 "threads": threads,
+                "relay": relay,
             }
             ours, theirs = multiprocessing.Pipe()
             if self.procs:

@@ -124,6 +124,102 @@ class _Assignments:
         return position, len(active), self.digest if same else -1
 
 
+class _NoNodes:
+    """No relays: each simulated rank waits at the store itself (``TRAINGUARD_SIDECAR=process``
+    and under ``trainguard launch``)."""
+
+    def ops(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class _Nodes:
+    """The node watchers' relays of a worker's simulated ranks (:mod:`trainguard.restart.
+    sidecar._relay`): one :class:`Relay` per node of :data:`LOCAL` ranks, with store
+    connections of its own (counted), and per rank a real socket pair: the rank's
+    :class:`RelayReader` on one end (:attr:`Session.relay`), the watcher's end read by one
+    dispatcher thread for all of the worker's nodes (the node watcher has a thread per rank),
+    which passes each ask to its node's relay."""
+
+    def __init__(self, worker: _Worker, sessions: list[Any]) -> None:
+        import json
+        import selectors
+
+        from trainguard.coord.store import connect
+        from trainguard.restart.sidecar._relay import Relay
+        from trainguard.restart.sidecar._relayclient import RelayReader
+
+        self.counters: list[list[int]] = []
+        port = worker.spec["port"]
+
+        def connect_counted() -> Any:
+            counter = [0, 0, 0]
+            self.counters.append(counter)
+            return Counting(connect("127.0.0.1", port, timeout=300.0), counter)
+
+        self.relays: dict[int, Any] = {}
+        self.selector = selectors.DefaultSelector()
+        self.socks: list[socket.socket] = []
+        for session in sessions:
+            node = session.irank // LOCAL
+            relay = self.relays.get(node)
+            if relay is None:
+                relay = self.relays[node] = Relay(worker.keys, connect_counted)
+            ours, theirs = socket.socketpair()
+            self.socks += [ours, theirs]
+            send_lock = threading.Lock()
+
+            def send(
+                msg: dict[str, Any], sock: socket.socket = ours, lock: Any = send_lock
+            ) -> bool:
+                with lock:
+                    sock.sendall(json.dumps(msg).encode() + b"\n")
+                return True
+
+            session.relay = RelayReader(ours, send)
+            self.selector.register(theirs, selectors.EVENT_READ, (relay, [b""], threading.Lock()))
+        self.stop_r, self.stop_w = socket.socketpair()
+        self.selector.register(self.stop_r, selectors.EVENT_READ, None)
+        self.thread = threading.Thread(target=self._dispatch, name="sim-watchers", daemon=True)
+        self.thread.start()
+
+    def _dispatch(self) -> None:
+        import json
+
+        while True:
+            for key, _ in self.selector.select():
+                if key.data is None:
+                    return
+                relay, buffer, lock = key.data
+                sock = key.fileobj
+                chunk = sock.recv(65536)  # type: ignore[union-attr]
+                buffer[0] += chunk
+                *lines, buffer[0] = buffer[0].split(b"\n")
+                for line in lines:
+                    msg = json.loads(line)
+
+                    def reply(data: bytes, sock: Any = sock, lock: Any = lock) -> None:
+                        with lock:
+                            sock.sendall(data)
+
+                    relay.ask(str(msg["relay"]), int(msg["n"]), reply)
+
+    def ops(self) -> int:
+        """Store operations of the relays so far."""
+        return sum(c[0] for c in list(self.counters))
+
+    def close(self) -> None:
+        self.stop_w.send(b"x")
+        self.thread.join(30.0)
+        for relay in self.relays.values():
+            relay.close()
+        self.selector.close()
+        for sock in [*self.socks, self.stop_r, self.stop_w]:
+            sock.close()
+
+
 # the worker (a process, or a thread for procs=0) ------------------------------------------
 class _Worker:
     def __init__(self, conn: Connection, spec: dict[str, Any]) -> None:
@@ -190,29 +286,32 @@ class _Worker:
             (r, self.session(r, Counting(c, counters[i % k])))
             for i, (r, c) in enumerate(zip(self.ranks, clients, strict=True))
         ]
+        nodes = _Nodes(self, [s for _, s in members]) if self.spec["relay"] else _NoNodes()
         threads = [
-            threading.Thread(target=self._rounds_thread, args=(members[t::k], counters[t], t))
+            threading.Thread(
+                target=self._rounds_thread, args=(members[t::k], counters[t], t, nodes)
+            )
             for t in range(k)
         ]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
+        nodes.close()
         self.send(("rounds-done",))
 
-    def _rounds_thread(self, members: list[Any], counter: list[int], t: int) -> None:
-        from trainguard.coord.barrier import wait_forever
+    def _rounds_thread(self, members: list[Any], counter: list[int], t: int, nodes: Any) -> None:
         from trainguard.restart.state import RoundOutcome
 
         k = 0
         try:
             while members:
                 seen, before = 0.0, counter[0]
+                relayed = nodes.ops() if t == 0 else 0
                 if k > 0:
                     alive = []
                     for r, session in members:
-                        raw = wait_forever(session.book.store, self.keys.stop(k - 1))
-                        outcome = RoundOutcome.decode(raw)
+                        outcome = RoundOutcome.decode(session.outcome(k - 1))
                         seen = time.monotonic()
                         if outcome.why == "end":
                             continue
@@ -232,7 +331,11 @@ class _Worker:
                     ready = session.take(k, raw, start)
                     assigned[r] = check.of(r, ready)
                 got = time.monotonic()
-                self.send(("round", k, t, seen, got, assigned, counter[0] - before))
+                ops = counter[0] - before + (nodes.ops() - relayed if t == 0 else 0)
+                self.send(("round", k, t, seen, got, assigned, ops))
+                for _, session in members:  # each monitor watches the round from its start
+                    if session.relay is not None:
+                        session.relay.ask("stop", k)
                 k += 1
         except Exception as exc:  # reported, never left waiting
             self.send(("error", f"{type(exc).__name__}: {exc}"))

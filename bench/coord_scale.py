@@ -38,13 +38,24 @@ from bench._common import print_table, summarize, write_results  # noqa: E402
 SILENT = range(8, 16)  # node 1: eight consecutive ranks go silent
 
 
-def measure(n: int, reps: int, interval: float, timeout: float, budget: float) -> dict[str, Any]:
-    """One size, in this process and its workers (whatever ``trainguard`` is on the path)."""
+def measure(
+    n: int,
+    reps: int,
+    interval: float,
+    timeout: float,
+    budget: float,
+    *,
+    relay: bool = True,
+    live: bool = True,
+) -> dict[str, Any]:
+    """One size, in this process and its workers (whatever ``trainguard`` is on the path).
+    ``relay``: the ranks learn outcomes and layouts through their node watcher's relay (the
+    default), else each at the store (the baseline); ``live``: measure liveness too."""
     from bench import _coord_sim
 
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the store's waits time out often
     load = os.getloadavg()[0]
-    sim = _coord_sim.Sim(n, heartbeat_interval=interval, heartbeat_timeout=timeout)
+    sim = _coord_sim.Sim(n, heartbeat_interval=interval, heartbeat_timeout=timeout, relay=relay)
     try:
         start = time.monotonic()
         rounds = _coord_sim.rounds(sim, reps, budget=budget)
@@ -63,8 +74,10 @@ def measure(n: int, reps: int, interval: float, timeout: float, budget: float) -
             "errors": rounds["errors"],
             "rounds_wall_s": time.monotonic() - start,
         }
+        out["relay"] = relay
         roster, last = rounds["roster"], rounds["last_round"]
-        out["liveness"] = _coord_sim.liveness(sim, roster, last, silent=SILENT)
+        if live:
+            out["liveness"] = _coord_sim.liveness(sim, roster, last, silent=SILENT)
         out["load_after"] = os.getloadavg()[0]
         return out
     finally:
@@ -72,7 +85,7 @@ def measure(n: int, reps: int, interval: float, timeout: float, budget: float) -
 
 
 def _row(label: str, m: dict[str, Any]) -> list[Any]:
-    live = m["liveness"]
+    live: dict[str, Any] = m.get("liveness") or dict.fromkeys(LIVE_KEYS)
     return [
         m["n"],
         label,
@@ -93,6 +106,16 @@ def _row(label: str, m: dict[str, Any]) -> list[Any]:
         f"{m.get('load_before', 0):.1f}/{m.get('load_after', 0):.1f}",
     ]
 
+
+LIVE_KEYS = [
+    "ops_per_interval",
+    "keys_per_interval",
+    "bytes_per_rank",
+    "sidecar_connections_per_rank",
+    "detect_rank_s",
+    "detect_group_s",
+    "false",
+]
 
 HEADERS = [
     "N",
@@ -132,7 +155,8 @@ def valid(m: dict[str, Any]) -> bool:
     """Whether the simulation kept up with its heartbeats at this size: every watch stepped
     within a quarter interval of when it asked (else beats come late, observers judge ranks
     whose driver lagged, and the traffic per interval is what the lag allowed)."""
-    return bool(m["liveness"].get("driver_lag_s", 0.0) <= 0.25 * m["interval_s"])
+    live = m.get("liveness") or {}
+    return bool(live.get("driver_lag_s", 0.0) <= 0.25 * m["interval_s"])
 
 
 def targets(current: list[dict[str, Any]], conns: dict[str, Any]) -> list[list[Any]]:
@@ -168,8 +192,13 @@ def targets(current: list[dict[str, Any]], conns: dict[str, Any]) -> list[list[A
     ]
 
 
-def report(current: list[dict[str, Any]], conns: dict[str, Any]) -> None:
-    rows = [_row("this", m) for m in current]
+def report(
+    current: list[dict[str, Any]], base: list[dict[str, Any]], conns: dict[str, Any]
+) -> None:
+    rows = []
+    for m in current:
+        rows.append(_row("relay", m))
+        rows += [_row("direct", b) for b in base if b["n"] == m["n"]]
     print_table(
         "Coordination at scale (simulated ranks, one store process; round = fault -> every rank "
         "has its assignment; rank/node +s = declared after heartbeat_timeout +s; load = 1-min "
@@ -179,8 +208,9 @@ def report(current: list[dict[str, Any]], conns: dict[str, Any]) -> None:
         rows,
     )
     growth = []
-    for label, ms in (("this", current),):
+    for label, ms in (("relay", current), ("direct", base)):
         for a, b in itertools.pairwise(ms):
+            la, lb = a.get("liveness"), b.get("liveness")
             growth.append(
                 [
                     f"{a['n']} -> {b['n']}",
@@ -188,7 +218,7 @@ def report(current: list[dict[str, Any]], conns: dict[str, Any]) -> None:
                     b["n"] / a["n"],
                     b["round_s"]["p50"] / a["round_s"]["p50"],
                     b["notice_aware_s"]["p50"] / a["notice_aware_s"]["p50"],
-                    b["liveness"]["ops_per_interval"] / a["liveness"]["ops_per_interval"],
+                    lb["ops_per_interval"] / la["ops_per_interval"] if la and lb else "-",
                     b["layout_bytes"] / a["layout_bytes"],
                 ]
             )
@@ -209,14 +239,25 @@ def main() -> None:
     parser.add_argument(
         "--budget", type=float, default=60.0, help="s per kind of round and size, then stop"
     )
+    parser.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip the baseline rows (each rank waits for outcomes and layouts at the store)",
+    )
     args = parser.parse_args()
-    current = []
+    current, base = [], []
     for n in args.sizes:
         m = measure(n, args.reps, args.interval, args.timeout, args.budget)
         print(f"N={n}: round p50 {m['round_s']['p50']:.3f} s ...", file=sys.stderr, flush=True)
         current.append(m)
+        if not args.no_baseline:
+            b = measure(
+                n, args.reps, args.interval, args.timeout, args.budget, relay=False, live=False
+            )
+            print(f"N={n} direct: round p50 {b['round_s']['p50']:.3f} s", file=sys.stderr)
+            base.append(b)
     conns = connections()
-    report(current, conns)
+    report(current, base, conns)
     write_results(
         "coord_scale",
         {
@@ -224,6 +265,7 @@ def main() -> None:
             "interval_s": args.interval,
             "heartbeat_timeout_s": args.timeout,
             "this": current,
+            "baseline_direct": base,
             "connections": conns,
             "targets": targets(current, conns),
         },

@@ -54,6 +54,9 @@ def test_one_watcher_per_node_keeps_the_sidecar_guarantees(
     watched = re.findall(r"node watcher pid (\d+) .* watching rank (\d+) ", text)
     assert sorted(int(r) for _, r in watched) == [0, 1, 2, 3], text
     assert len({pid for pid, _ in watched}) == 1, text
+    # the ranks learned the round's outcome and layout from it, one store read for all four
+    assert re.search(r"relayed round 0's outcome to 4 rank", text), text
+    assert re.search(r"relayed round 1's layout to \d rank", text), text
     pid = int(watched[0][0])
     if kind == "sigkill":
         assert "notice written" in text, text

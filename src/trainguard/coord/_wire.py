@@ -24,6 +24,7 @@ call raises :class:`CoordinationError`.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import select
@@ -206,6 +207,14 @@ class WireStore:
         with self._lock:
             self._broken = self._broken or "closed"
             self._sock.close()
+
+    def interrupt(self) -> None:
+        """Close the connection from another thread, without waiting for a call under way
+        (a ``wait`` holds the lock until its keys are set): that call raises
+        :class:`CoordinationError` at once, and so does every later one."""
+        self._broken = self._broken or "interrupted"
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
 
     def __del__(self) -> None:
         sock = getattr(self, "_sock", None)

@@ -15,7 +15,7 @@ from typing import Any
 
 from trainguard.errors import BarrierTimeoutError, CoordinationError, StoreTimeoutError
 
-__all__ = ["timed_out", "wait_all", "wait_forever", "wait_key"]
+__all__ = ["late", "timed_out", "wait_all", "wait_forever", "wait_key"]
 
 _LONG = timedelta(days=1)
 
@@ -63,16 +63,21 @@ def read_set(store: Any, key: str) -> bytes | None:
     return None if value == _ABSENT.encode() else value
 
 
+def late(what: str, timeout: float) -> BarrierTimeoutError:
+    """The error of a wait for ``what`` that ran out of its ``timeout`` seconds."""
+    return BarrierTimeoutError(
+        f"{what} did not complete within {timeout:g} s; a rank may be stuck or gone: raise "
+        "the timeout or look at the other ranks' logs"
+    )
+
+
 def wait_key(store: Any, key: str, timeout: float, *, what: str = "") -> bytes:
     """Block until ``key`` is set (woken by the store, no polling) and return its value.
 
     Raises :class:`BarrierTimeoutError` naming ``what`` after ``timeout`` seconds.
     """
     if not wait_all(store, [key], timeout, what=what):
-        raise BarrierTimeoutError(
-            f"{what or key} did not complete within {timeout:g} s; a rank may be stuck or "
-            "gone: raise the timeout or look at the other ranks' logs"
-        )
+        raise late(what or key, timeout)
     try:
         value = read_set(store, key)
     except Exception as exc:

@@ -118,20 +118,20 @@ class WrappedCall:
         self.session.open()
         if cfg.sidecar:
             self.sidecar = self._start_sidecar(log_dir)
+            self.sidecar.handshake(cfg.store_timeout)
         hooks = MonitorHooks(
             aborted=self._aborted,
             stuck=self._stuck,
             kick=kick.send if kick is not None else None,
         )
         self.monitor = Monitor(
-            self.session.watch_store,
+            self.session.watch(self.sidecar),
             self.session.keys,
             threading.get_ident(),
             hooks=hooks,
             abort_timeout=cfg.abort_timeout,
+            source=self.session.outcome,
         )
-        if self.sidecar is not None:
-            self.sidecar.handshake(cfg.store_timeout)
         hang_store = self.session.coord  # never blocked for long: see Session
         self.preconnect = Preconnect(
             self.session.coord, self.session.keys, timeout=cfg.store_timeout

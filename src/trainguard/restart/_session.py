@@ -18,6 +18,7 @@ from trainguard.restart._book import RoundBook, peek
 from trainguard.restart._join import Newcomer, Notify
 from trainguard.restart._launch import Launch, is_local_address
 from trainguard.restart.config import WrapperConfig
+from trainguard.restart.sidecar._relayclient import RelayReader
 from trainguard.restart.state import RoundOutcome
 
 logger = logging.getLogger(__name__)
@@ -29,11 +30,12 @@ class Session:
     """Store side of one wrapped call on one rank (built and closed by the Wrapper).
 
     The barrier records live in a :class:`RoundBook` (:attr:`book`, made by :meth:`open`) that
-    this rank keeps on its coordination connection (:attr:`coord`). Two connections in all:
-    :attr:`coord` never blocks for long (the watchdog's and the pre-connect's threads share
-    it), and :attr:`watch_store` takes the long waits: the monitor's wait for a round's
-    outcome during the round, the wait for the next round's layout between rounds (when the
-    monitor watches nothing).
+    this rank keeps on its coordination connection (:attr:`coord`), which never blocks for
+    long (the watchdog's and the pre-connect's threads share it). The long waits, the
+    monitor's for a round's outcome during the round (:meth:`outcome`) and the main thread's
+    for the next round's layout between rounds (:meth:`take`), go to the node watcher's relay
+    when this rank's helper has one (:mod:`.sidecar._relay`: one store read per node), else to
+    a second connection of this rank's own (:attr:`watch_store`); see :meth:`watch`.
     """
 
     def __init__(self, launch: Launch, call: int, cfg: WrapperConfig) -> None:
@@ -45,6 +47,7 @@ class Session:
         self.host = socket.gethostname()
         self.book: RoundBook | None = None
         self.watch_store: Any = None
+        self.relay: RelayReader | None = None
         self.server: StoreProcess | None = None
         self.left = False
         self.coord_addr: tuple[str, int] | None = None
@@ -109,7 +112,24 @@ class Session:
             store_timeout=cfg.store_timeout,
             writer=self.irank,
         )
-        self.watch_store = coord.clone()
+
+    def watch(self, helper: Any) -> Any:
+        """Where the long waits go (after :meth:`open`, before the first barrier): the relay
+        of ``helper`` (this rank's sidecar handle) when it has one, else a new connection of
+        this rank's own. Returns the store connection that the monitor may write to when it
+        closes (:attr:`watch_store`, or :attr:`coord` when relayed)."""
+        self.relay = getattr(helper, "relay", None)
+        if self.relay is None:
+            self.watch_store = self.coord.clone()
+        return self.watch_store or self.coord
+
+    def outcome(self, n: int) -> bytes:
+        """Round ``n``'s outcome, waited for as long as it takes (the monitor's thread)."""
+        if self.relay is not None:
+            value = self.relay.wait("stop", n, None)
+            assert value is not None  # no time limit
+            return value
+        return barrier.wait_forever(self.watch_store or self.coord, self.keys.stop(n))
 
     def _start_server(self, host: str, port: int, own: bool) -> StoreProcess:
         """Rank 0: the store process. The round stores live on this machine; ranks reach it by
@@ -157,7 +177,10 @@ class Session:
         found = book.record(n, self.irank, record)
         if found is not None:  # another process declared this rank gone meanwhile
             self._declared_gone(n, found.get("leave"))
-        return book.arrive(n)
+        raw = book.arrive(n)
+        if raw is None and leaving is None and self.relay is not None:
+            self.relay.ask("ready", n)  # the relay waits for the layout while this rank does
+        return raw
 
     def take(self, n: int, raw: bytes | None, start: float) -> dict[str, Any]:
         """The second half of :meth:`barrier`: wait for round ``n``'s layout unless ``raw``
@@ -165,12 +188,14 @@ class Session:
         book = self.book
         assert book is not None
         last = raw is not None
-        if raw is None:  # on the monitor's connection, idle between rounds (see open)
+        what, timeout = f"round {n} barrier", self.cfg.barrier_timeout
+        if raw is None and self.relay is not None:
+            raw = self.relay.wait("ready", n, timeout)
+            if raw is None:
+                raise barrier.late(what, timeout)
+        if raw is None:  # on the monitor's connection, idle between rounds (see watch)
             raw = barrier.wait_key(
-                self.watch_store or book.store,
-                self.keys.ready(n),
-                self.cfg.barrier_timeout,
-                what=f"round {n} barrier",
+                self.watch_store or book.store, self.keys.ready(n), timeout, what=what
             )
         waited = time.monotonic() - start
         ready = _records.layout(raw)
@@ -256,7 +281,7 @@ class Session:
         them and exits on its own when the job ends (it is not waited for, so it outlives
         this call). Otherwise it is waited for up to ``timeout`` seconds, then killed.
         """
-        self.watch_store = None
+        self.watch_store = self.relay = None
         self.book = None
         if self.secret is not None:
             if early:  # the job goes on: a newcomer may still need the secret's file

@@ -1,10 +1,12 @@
 """The monitor thread: wakes on a round's outcome, aborts, and interrupts the main thread.
 
-One monitor per wrapped call, on its own store connection (``Store.clone()``). Protocol, per
+One monitor per wrapped call, on its own store connection (``Store.clone()``) or reading the
+outcomes through the node watcher's relay (``source``). Protocol, per
 round ``n`` (driven by the main thread):
 
 1. The main thread calls :meth:`Monitor.watch` with ``n``; the monitor blocks in
-   ``wait([stop(n)])``: no polling, it wakes within one store round trip of the outcome.
+   ``wait([stop(n)])`` (or in its source): no polling, it wakes within one store round trip
+   of the outcome (plus one local message through a relay).
 2. Outcome ``complete``: nothing to do. Outcome ``fault`` or ``end``: the monitor waits for
    any :meth:`atomic` section to finish; if the main thread is inside the function, raises
    :class:`RestartInterrupt` in it (:mod:`._interrupt`) and gives it a moment (``settle_s``)
@@ -87,6 +89,10 @@ class Monitor:
         collective_grace_s: the same wait for a main thread blocked in a collective (it
             leaves only when its peers' connections close: this is the delay it adds to the
             abort of a collective that waits on a hung rank).
+        source: waits for round ``n``'s outcome and returns it (default: a wait for the
+            outcome's key on ``store``; the wrapper passes the node watcher's relay when
+            there is one, :meth:`~trainguard.restart._session.Session.outcome`). ``store``
+            then only takes the write of :meth:`close`.
     """
 
     def __init__(
@@ -99,12 +105,14 @@ class Monitor:
         abort_timeout: float = 5.0,
         settle_s: float = 0.02,
         collective_grace_s: float = 0.02,
+        source: Callable[[int], bytes] | None = None,
     ) -> None:
         self._hooks = hooks or MonitorHooks()
         self.settle_s = settle_s
         self.collective_grace_s = collective_grace_s
         self._store = store
         self._keys = keys
+        self._source = source or (lambda n: wait_forever(store, keys.stop(n)))
         self._tid = thread_id
         self._abort_timeout = abort_timeout
         self._jobs: queue.SimpleQueue[int | None] = queue.SimpleQueue()
@@ -229,7 +237,7 @@ class Monitor:
 
     def _watch_round(self, n: int) -> None:
         try:
-            outcome = RoundOutcome.decode(wait_forever(self._store, self._keys.stop(n)))
+            outcome = RoundOutcome.decode(self._source(n))
         except Exception as exc:
             outcome = RoundOutcome.end(f"store lost: {exc}")
         seen = time.monotonic()

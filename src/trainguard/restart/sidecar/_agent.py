@@ -31,6 +31,7 @@ from trainguard import _env
 from trainguard.errors import CoordinationError
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._handle import handshake_reply
+from trainguard.restart.sidecar._relayclient import RelayReader
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class AgentSidecar:
         self.sock: socket.socket | None = None
         self.error: str | None = None
         self.watcher_pid: int | None = None  # the watching process's, from its handshake
+        #: the node watcher's relay of round outcomes and layouts (None: the helper has none)
+        self.relay: RelayReader | None = None
         self._lock = threading.Lock()  # one line at a time, from any thread
         self._closed = False
 
@@ -80,6 +83,8 @@ class AgentSidecar:
         if not reply.get("ok"):
             self.stop(0.0)
             raise CoordinationError(self.refusal(reply.get("error")))
+        if reply.get("relay") and self.sock is not None:  # the node watcher's (see _relay)
+            self.relay = RelayReader(self.sock, self.send)
 
     def refusal(self, error: object) -> str:
         """The message of the error :meth:`handshake` raises when it is not watched."""
@@ -105,10 +110,14 @@ class AgentSidecar:
 
     def alive(self) -> bool:
         """The connection is open (the agent never writes after the handshake: a readable
-        socket means it closed)."""
+        socket means it closed; the node watcher writes its relay's replies, which
+        :attr:`relay` reads)."""
         sock = self.sock
         if sock is None or self._closed:
             return False
+        if self.relay is not None:
+            self._closed = not self.relay.alive()
+            return not self._closed
         try:
             ready, _, _ = select.select([sock], [], [], 0)
         except (OSError, ValueError):  # closed by stop() meanwhile
@@ -150,3 +159,5 @@ class AgentSidecar:
                     break
         sock.close()
         self._closed = True
+        if self.relay is not None:
+            self.relay.close()

@@ -17,8 +17,11 @@ Protocol:
    and releases the lock.
 2. Each connection: the peer must be this user's (``SO_PEERCRED``) and its configuration must
    name the peer's pid; the watcher connects the rank's watch to the store and replies
-   ``{"ok": true, "pid": ...}``; then the rank's lines (round, hb, bye) follow, as on a
-   sidecar's stdin. The watcher closes the connection when the rank said goodbye or died.
+   ``{"ok": true, "pid": ..., "relay": true}``; then the rank's lines (round, hb, bye) follow,
+   as on a sidecar's stdin, and its asks of the node's relay (:mod:`._relay`: each round's
+   outcome and layout, read from the store once for all the node's ranks; the replies are the
+   only lines the watcher writes after the handshake). The watcher closes the connection when
+   the rank said goodbye or died.
 3. When its last rank has left, it takes the lock, accepts a connection that came meanwhile if
    there is one (and goes on), else closes its socket and exits.
 """
@@ -36,12 +39,15 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from trainguard import _private
 from trainguard.coord.keys import Keyspace
+from trainguard.coord.store import connect
 from trainguard.restart.sidecar._config import SidecarConfig
+from trainguard.restart.sidecar._relay import Relay
 from trainguard.restart.sidecar._watch import Watch
 
 logger = logging.getLogger("trainguard.restart.sidecar")
@@ -118,6 +124,7 @@ class NodeWatcher:
         self.live = 0  # connections being served
         self.served = 0
         self.threads: list[threading.Thread] = []
+        self.relay: Relay | None = None  # made with the first rank's store address
 
     def serve(self) -> int:
         """Accept ranks until the last has left; the number of ranks served."""
@@ -133,6 +140,8 @@ class NodeWatcher:
                 break
         for thread in self.threads:
             thread.join()
+        if self.relay is not None:
+            self.relay.close()
         return self.served
 
     def _leave(self) -> bool:
@@ -167,6 +176,25 @@ class NodeWatcher:
                 self.live -= 1
                 self.cond.notify_all()
 
+    def _relay_for(
+        self, cfg: SidecarConfig, sock: socket.socket
+    ) -> Callable[[dict[str, Any]], None]:
+        """The hook that passes one rank's asks to the node's :class:`Relay` (made on the
+        first), its replies written on ``sock`` one line at a time."""
+        with self.cond:
+            if self.relay is None:
+                self.relay = Relay(
+                    self.keys, lambda: connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
+                )
+            relay = self.relay
+        lock = threading.Lock()
+
+        def send(line: bytes) -> None:
+            with lock:
+                sock.sendall(line)
+
+        return lambda msg: relay.ask(str(msg["relay"]), int(msg["n"]), send)
+
     def _watch(self, sock: socket.socket, pid: int) -> None:
         sock.settimeout(_HANDSHAKE_S)
         data = b""
@@ -186,8 +214,10 @@ class NodeWatcher:
             sock.sendall(json.dumps({"ok": False, "error": why}).encode() + b"\n")
             return
         sock.settimeout(None)
+        watch.on_relay = self._relay_for(cfg, sock)
         with contextlib.suppress(OSError):  # it died already: the watch writes its notice
-            sock.sendall(json.dumps({"ok": True, "pid": os.getpid()}).encode() + b"\n")
+            reply = {"ok": True, "pid": os.getpid(), "relay": True}
+            sock.sendall(json.dumps(reply).encode() + b"\n")
         logger.info("watching rank %d (pid %d)", cfg.rank, pid)
         try:
             watch.run_piped(sock.fileno(), rest)

@@ -63,6 +63,7 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from trainguard import events
@@ -140,6 +141,8 @@ class Watch:
         # the observed ranks for (round, how many declared), and the counters known to exist
         self.window: tuple[tuple[int, int], list[int]] = ((-2, 0), [])
         self.ensured: set[int] = set()
+        #: the node watcher's hook for the rank's asks of its relay (:mod:`._relay`)
+        self.on_relay: Callable[[dict[str, Any]], None] | None = None
         if heartbeats:
             self.ensure([self.rank])
 
@@ -177,8 +180,13 @@ class Watch:
 
     # lines --------------------------------------------------------------------------------
     def handle(self, line: bytes) -> bool:
-        """One line from the training process; True for its goodbye."""
+        """One line from the training process; True for its goodbye. An ask of the node
+        watcher's relay (``{"relay": ...}``) goes to :attr:`on_relay`."""
         msg = json.loads(line)
+        if "relay" in msg:
+            if self.on_relay is not None:
+                self.on_relay(msg)
+            return False
         with self.lock:
             self.last_line = time.monotonic()
             if "hb" in msg:

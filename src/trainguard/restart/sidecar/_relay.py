@@ -1,0 +1,193 @@
+"""The node watcher's relay: each round's outcome and layout read once per node, not per rank.
+
+A rank's monitor waits for its round's outcome and its main thread for the next round's layout.
+Each doing so at the store costs the store one wake-up and one read per rank, and each rank a
+store connection kept for those waits. Under the node watcher (``TRAINGUARD_SIDECAR=node``) the
+ranks ask their watcher instead, over the Unix socket they already hold
+(:class:`~trainguard.restart.sidecar._relayclient.RelayReader`), and the watcher's one
+:class:`Relay` reads each key once for all of them:
+
+1. A rank sends ``{"relay": "stop" | "ready", "n": n}``: it wants round ``n``'s outcome or
+   layout.
+2. The first such request for a key hands it to a reader thread of the relay, which waits for
+   it at the store on a connection of its own and reads it; the requests that come meanwhile
+   are queued. A reader that is done takes the next key; a new one (and its connection) is
+   made only when every reader is waiting: two per node in practice (the outcome of round
+   ``n`` and the layout of round ``n+1`` overlap).
+3. The value is sent to every rank that asked, one line each: ``<kind> <n> =<value>`` (the
+   value is one line of JSON, as the library writes it), or ``<kind> <n> !<why>`` when the
+   store failed. A rank asking later gets the kept value at once (the last few rounds' values
+   are kept).
+
+The relay writes nothing to the store, so the round protocol is the same as without it
+(:mod:`trainguard.restart._book`); only who reads changes. Times: a rank learns the outcome
+one store round trip plus one local message after it is set, as it did from its own wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from trainguard.coord.barrier import wait_forever
+from trainguard.coord.keys import Keyspace
+
+__all__ = ["KINDS", "Relay"]
+
+logger = logging.getLogger("trainguard.restart.sidecar")
+
+#: what a rank may ask for -> the key of round n that holds it
+KINDS: dict[str, Callable[[Keyspace, int], str]] = {
+    "stop": Keyspace.stop,
+    "ready": Keyspace.ready,
+}
+_KEEP = 4  # rounds of values kept for late askers, per kind
+_WHAT = {"stop": "outcome", "ready": "layout"}
+
+Send = Callable[[bytes], object]
+
+
+class _Entry:
+    def __init__(self) -> None:
+        self.line: bytes | None = None  # the reply, once read
+        self.waiting: list[Send] = []
+
+
+class Relay:
+    """The reads of one wrapped call's round keys for the ranks of one node.
+
+    Args:
+        keys: the call's keyspace.
+        connect: makes a new store connection (each reader thread makes its own).
+    """
+
+    def __init__(self, keys: Keyspace, connect: Callable[[], Any]) -> None:
+        self.keys = keys
+        self._connect = connect
+        self._cond = threading.Condition()
+        self._entries: dict[tuple[str, int], _Entry] = {}
+        self._queue: list[tuple[str, int, _Entry]] = []  # keys no reader waits for yet
+        self._idle = 0  # reader threads waiting for a key to wait for
+        self._readers: list[threading.Thread] = []
+        self._stores: set[Any] = set()  # the readers' connections
+        self._closed = False
+        self.reads = 0  # store reads made (one per key), for tests and benchmarks
+
+    def ask(self, kind: str, n: int, send: Send) -> None:
+        """One rank asks for round ``n``'s ``kind`` (a key of :data:`KINDS`); ``send`` gets
+        the reply line (from this call or from a reader thread). Unknown kinds and a closed
+        relay are ignored (the rank's own timeout ends its wait)."""
+        if kind not in KINDS:
+            logger.warning("a rank asked the relay for %r, which it does not relay", kind)
+            return
+        with self._cond:
+            if self._closed:
+                return
+            entry = self._entries.get((kind, n))
+            if entry is None:
+                entry = self._entries[(kind, n)] = _Entry()
+                entry.waiting.append(send)
+                self._forget_old(kind, n)
+                self._queue.append((kind, n, entry))
+                if self._idle:
+                    self._cond.notify()
+                else:  # every reader waits at the store: one more (a few per node at most)
+                    self._idle += 1
+                    thread = threading.Thread(target=self._reader, name="tg-relay", daemon=True)
+                    self._readers.append(thread)
+                    thread.start()
+                return
+            line = entry.line
+            if line is None:
+                entry.waiting.append(send)
+                return
+        send(line)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop: waits under way are interrupted (their ranks get nothing more), connections
+        closed, threads joined (up to ``timeout`` each)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            stores = list(self._stores)
+            readers = list(self._readers)
+        for store in stores:
+            _interrupt(store)
+        for thread in readers:
+            thread.join(timeout)
+
+    # the reader threads --------------------------------------------------------------------
+    def _forget_old(self, kind: str, n: int) -> None:
+        """Drop the values of ``kind`` older than the last :data:`_KEEP` rounds (lock held)."""
+        for key in [k for k in self._entries if k[0] == kind and k[1] <= n - _KEEP]:
+            if self._entries[key].line is not None:
+                del self._entries[key]
+
+    def _reader(self) -> None:
+        """Take the next key nobody waits for, wait for it and read it, pass it on; again.
+        Counted idle from its start (see :meth:`ask`)."""
+        store = None
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    self._stores.discard(store)
+                    break
+                kind, n, entry = self._queue.pop(0)
+                self._idle -= 1
+            store, line = self._read(store, kind, n)
+            with self._cond:
+                self.reads += 1
+                entry.line = line
+                waiting, entry.waiting = entry.waiting, []
+                self._idle += 1
+                closed = self._closed
+            if closed:
+                break
+            logger.info("relayed round %d's %s to %d rank(s)", n, _WHAT[kind], len(waiting))
+            for send in waiting:
+                with contextlib.suppress(Exception):  # a rank gone meanwhile: its watch ends
+                    send(line)
+        if store is not None:
+            _interrupt(store)
+
+    def _read(self, store: Any, kind: str, n: int) -> tuple[Any, bytes]:
+        """Round ``n``'s ``kind`` waited for and read on ``store`` (connected first when
+        None): the connection to keep (None after a failure) and the reply line."""
+        try:
+            if store is None:
+                store = self._connect()
+                with self._cond:
+                    self._stores.add(store)
+                    if self._closed:
+                        _interrupt(store)
+            value = wait_forever(store, KINDS[kind](self.keys, n))
+            if b"\n" in value:
+                raise ValueError("its value is not one line of JSON")
+            line = b"%s %d =%s\n" % (kind.encode(), n, value)
+        except Exception as exc:
+            with self._cond:
+                self._stores.discard(store)
+                closed = self._closed
+            if not closed:
+                logger.warning("the relay's wait for round %d's %s failed: %s", n, kind, exc)
+            if store is not None:
+                _interrupt(store)
+            store = None
+            why = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+            line = b"%s %d !%s\n" % (kind.encode(), n, why.encode())
+        return store, line
+
+
+def _interrupt(store: Any) -> None:
+    """Wake a wait under way on ``store`` and close it (the pure-Python client's
+    :meth:`~trainguard.coord._wire.WireStore.interrupt`; torch's client has no such call and
+    is dropped)."""
+    interrupt = getattr(store, "interrupt", None)
+    if interrupt is not None:
+        with contextlib.suppress(Exception):
+            interrupt()

@@ -1,0 +1,186 @@
+"""The node watcher's relay (:mod:`trainguard.restart.sidecar._relay`) and a rank's reader of
+it (:mod:`._relayclient`): each round key read once per node at a real TCPStore, passed to every
+rank that asked over a real socket, errors and the watcher's loss reaching every waiting rank."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from trainguard.coord import _wire
+from trainguard.coord.keys import Keyspace
+from trainguard.errors import CoordinationError
+from trainguard.restart.sidecar._relay import Relay
+from trainguard.restart.sidecar._relayclient import RelayReader
+
+KEYS = Keyspace("relay-test", 0)
+
+
+@pytest.fixture()
+def server() -> Iterator[Any]:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    yield store
+    del store
+
+
+class _Node:
+    """A relay and ``k`` ranks' readers, each over a socket pair; the watcher's ends are read
+    by one thread that passes each ask to the relay (the node watcher's threads do)."""
+
+    def __init__(self, relay: Relay, k: int) -> None:
+        self.relay = relay
+        self.pairs = [socket.socketpair() for _ in range(k)]
+        self.readers = [RelayReader(ours, self._sender(ours)) for ours, _ in self.pairs]
+        self.asks: list[tuple[str, int]] = []
+
+    def _sender(self, sock: socket.socket) -> Any:
+        lock = threading.Lock()
+
+        def send(msg: dict[str, Any]) -> bool:
+            self.asks.append((msg["relay"], msg["n"]))
+            theirs = next(t for o, t in self.pairs if o is sock)
+
+            def reply(line: bytes) -> None:
+                with lock:
+                    theirs.sendall(line)
+
+            self.relay.ask(msg["relay"], msg["n"], reply)
+            return True
+
+        return send
+
+    def close(self) -> None:
+        for ours, theirs in self.pairs:
+            ours.close()
+            theirs.close()
+
+
+def _wire_connect(server: Any) -> Any:
+    return lambda: _wire.connect("127.0.0.1", server.port, timeout=30.0)
+
+
+def test_each_key_is_read_once_for_every_rank_of_the_node(server: Any) -> None:
+    relay = Relay(KEYS, _wire_connect(server))
+    node = _Node(relay, 8)
+    got: dict[int, bytes | None] = {}
+
+    def rank(i: int) -> None:
+        got[i] = node.readers[i].wait("stop", 0, 30.0)
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 10
+    while len(node.asks) < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert got == {}  # nobody got anything before the outcome was set
+    server.set(KEYS.stop(0), b'{"why":"fault"}')
+    for thread in threads:
+        thread.join(30)
+    assert got == {i: b'{"why":"fault"}' for i in range(8)}
+    assert relay.reads == 1  # one store read served the eight ranks
+    # a layout published before anyone asked, asked for early (ask) and then waited for
+    server.set(KEYS.ready(1), b'{"round":1,"active":[[0,7]]}')
+    for reader in node.readers:
+        reader.ask("ready", 1)
+    assert all(r.wait("ready", 1, 30.0) == b'{"round":1,"active":[[0,7]]}' for r in node.readers)
+    assert relay.reads == 2
+    assert node.asks.count(("ready", 1)) == 8  # asking again (wait after ask) sends nothing
+    # a late asker of a kept value gets it without another store read
+    assert node.readers[0].wait("stop", 0, 30.0) == b'{"why":"fault"}'
+    assert relay.reads == 2
+    relay.close()
+    node.close()
+
+
+def test_a_wait_runs_out_and_the_watcher_s_loss_fails_every_wait(server: Any) -> None:
+    relay = Relay(KEYS, _wire_connect(server))
+    node = _Node(relay, 2)
+    start = time.monotonic()
+    assert node.readers[0].wait("ready", 5, 0.3) is None
+    assert 0.25 <= time.monotonic() - start < 5.0
+    assert node.readers[0].alive() and node.readers[1].alive()
+    errors: list[BaseException] = []
+
+    def wait_forever() -> None:
+        try:
+            node.readers[1].wait("stop", 5, None)
+        except CoordinationError as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait_forever)
+    waiter.start()
+    time.sleep(0.2)
+    for _, theirs in node.pairs:  # the watcher ends: its ends of the connections close
+        theirs.close()
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert len(errors) == 1 and "watcher closed" in str(errors[0]), errors
+    assert not node.readers[0].alive()
+    with pytest.raises(CoordinationError, match="watcher closed"):
+        node.readers[0].wait("ready", 6, 5.0)
+    relay.close()
+    node.close()
+
+
+def test_a_store_the_relay_cannot_reach_is_an_error_on_every_rank() -> None:
+    def refuse() -> Any:
+        raise CoordinationError("could not connect to the coordination store (test)")
+
+    relay = Relay(KEYS, refuse)
+    node = _Node(relay, 2)
+    for reader in node.readers:
+        with pytest.raises(CoordinationError, match=r"could not read round 3's layout.*test"):
+            reader.wait("ready", 3, 10.0)
+    relay.close()
+    node.close()
+
+
+def test_close_interrupts_a_wait_under_way_and_leaves_no_thread(server: Any) -> None:
+    before = threading.active_count()
+    relay = Relay(KEYS, _wire_connect(server))
+    node = _Node(relay, 1)
+    node.readers[0].ask("stop", 9)  # never set
+    time.sleep(0.3)
+    assert threading.active_count() == before + 1  # its reader waits at the store
+    start = time.monotonic()
+    relay.close()
+    assert time.monotonic() - start < 3.0
+    assert threading.active_count() == before
+    relay.ask("stop", 10, lambda line: None)  # closed: ignored, no new thread
+    assert threading.active_count() == before
+    node.close()
+
+
+def test_readers_are_reused_and_only_made_while_every_reader_waits(server: Any) -> None:
+    connections = []
+
+    def connect() -> Any:
+        store = _wire.connect("127.0.0.1", server.port, timeout=30.0)
+        connections.append(store)
+        return store
+
+    relay = Relay(KEYS, connect)
+    node = _Node(relay, 4)
+    for n in range(5):  # the usual order: a round's layout, then its outcome
+        server.set(KEYS.ready(n), b"{}")
+        assert all(r.wait("ready", n, 30.0) == b"{}" for r in node.readers)
+        server.set(KEYS.stop(n), b"{}")
+        assert all(r.wait("stop", n, 30.0) == b"{}" for r in node.readers)
+    assert relay.reads == 10
+    assert len(connections) == 1  # one reader, one connection, for ten keys in turn
+    for reader in node.readers:  # two keys outstanding at once: a second reader
+        reader.ask("stop", 7)
+    server.set(KEYS.ready(7), b"{}")
+    assert node.readers[0].wait("ready", 7, 30.0) == b"{}"
+    assert len(connections) == 2
+    relay.close()
+    node.close()
