@@ -44,6 +44,10 @@ def _fault(kind: str, marker: Path) -> None:
     elif kind == "sidecar":  # this rank's sidecar dies; the rank must not go on unwatched
         os.kill(_sidecar_pid(), signal.SIGKILL)
         time.sleep(120)
+    elif kind == "watcher":  # the node watcher dies (the only one: one job, one host)
+        (pid,) = watcher_pids()
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(120)
     raise AssertionError(f"fault {kind!r} returned")
 
 
@@ -51,6 +55,22 @@ def _sidecar_pid() -> int:
     pid = child_pid(os.getpid(), b"trainguard.restart.sidecar")
     assert pid is not None, "no sidecar process found"
     return pid
+
+
+def watcher_pids() -> list[int]:
+    """This user's node watcher processes (detached: no rank is their parent)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes() if entry.isdigit() else b""
+        except OSError:
+            continue
+        if (
+            b"trainguard.restart.sidecar" in cmdline
+            and os.stat(f"/proc/{entry}").st_uid == os.getuid()
+        ):
+            pids.append(int(entry))
+    return pids
 
 
 def child_pid(parent: int, needle: bytes) -> int | None:

@@ -116,3 +116,20 @@ def test_a_rank_killed_before_it_read_the_reply_still_gets_its_notice(tmp_path) 
         time.sleep(0.05)
     assert _gone(pid), log.read_text()
     assert "Traceback" not in log.read_text()
+
+
+def test_the_watcher_s_loss_takes_its_ranks_out_and_leaves_none_waiting(tmp_path) -> None:
+    """The ranks wait for their rounds' outcomes through the watcher's relay: when it dies,
+    every rank of the node sees it and leaves with SidecarLostError; none waits on."""
+    start = time.monotonic()
+    results = run_ranks(
+        _faults.fault_job,
+        2,
+        args=(STEPS, 1, FAULT_STEP, "watcher", str(tmp_path), _SLOW),
+        env={"TRAINGUARD_SIDECAR": "node"},
+        timeout=90,
+    )
+    for r in results:
+        assert r.exc_type == "trainguard.errors.SidecarLostError", r.traceback
+        assert "watcher" in (r.error or ""), r.error
+    assert time.monotonic() - start < 60

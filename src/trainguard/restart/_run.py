@@ -414,7 +414,7 @@ class WrappedCall:
         return self._hook("health_check", self.state, take_out) if take_out else None
 
     def _sidecar_lost(self) -> BaseException | None:
-        lost = self.watchdog.lost if self.watchdog is not None else None
+        lost = self.watchdog.loss() if self.watchdog is not None else None
         if lost is None:
             return None
         return SidecarLostError(

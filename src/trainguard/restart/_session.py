@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -12,7 +13,7 @@ from trainguard import _env, events
 from trainguard.coord import _bind, _secret, barrier
 from trainguard.coord.keys import Keyspace
 from trainguard.coord.store import StoreProcess, connect, parse_addr
-from trainguard.errors import RestartError
+from trainguard.errors import CoordinationError, RestartError
 from trainguard.restart import _records
 from trainguard.restart._book import RoundBook, peek
 from trainguard.restart._join import Newcomer, Notify
@@ -48,6 +49,7 @@ class Session:
         self.book: RoundBook | None = None
         self.watch_store: Any = None
         self.relay: RelayReader | None = None
+        self._lock = threading.Lock()  # the monitor's and the main thread's waits
         self.server: StoreProcess | None = None
         self.left = False
         self.coord_addr: tuple[str, int] | None = None
@@ -119,17 +121,33 @@ class Session:
         this rank's own. Returns the store connection that the monitor may write to when it
         closes (:attr:`watch_store`, or :attr:`coord` when relayed)."""
         self.relay = getattr(helper, "relay", None)
-        if self.relay is None:
-            self.watch_store = self.coord.clone()
-        return self.watch_store or self.coord
+        return self._watch_store() if self.relay is None else self.coord
 
     def outcome(self, n: int) -> bytes:
         """Round ``n``'s outcome, waited for as long as it takes (the monitor's thread)."""
-        if self.relay is not None:
-            value = self.relay.wait("stop", n, None)
-            assert value is not None  # no time limit
-            return value
-        return barrier.wait_forever(self.watch_store or self.coord, self.keys.stop(n))
+        relay = self.relay
+        if relay is not None:
+            try:
+                value = relay.wait("stop", n, None)
+                assert value is not None  # no time limit
+                return value
+            except CoordinationError as exc:
+                self._unrelay(exc)
+        return barrier.wait_forever(self._watch_store(), self.keys.stop(n))
+
+    def _unrelay(self, exc: CoordinationError) -> None:
+        """The relay failed (the watcher died): wait at the store from now on. The watchdog
+        sees the watcher's loss on its own and takes this rank out (``SidecarLostError``)
+        through a round outcome, which this rank must still be able to see."""
+        logger.warning("%s; waiting at the store instead", exc)
+        self.relay = None
+
+    def _watch_store(self) -> Any:
+        """The connection of the long waits without a relay (made on first use)."""
+        with self._lock:
+            if self.watch_store is None:
+                self.watch_store = self.coord.clone()
+            return self.watch_store
 
     def _start_server(self, host: str, port: int, own: bool) -> StoreProcess:
         """Rank 0: the store process. The round stores live on this machine; ranks reach it by
@@ -189,14 +207,18 @@ class Session:
         assert book is not None
         last = raw is not None
         what, timeout = f"round {n} barrier", self.cfg.barrier_timeout
-        if raw is None and self.relay is not None:
-            raw = self.relay.wait("ready", n, timeout)
-            if raw is None:
-                raise barrier.late(what, timeout)
+        relay = self.relay
+        if raw is None and relay is not None:
+            try:
+                raw = relay.wait("ready", n, timeout)
+            except CoordinationError as exc:
+                self._unrelay(exc)
+                timeout = max(0.0, start + timeout - time.monotonic())
+            else:
+                if raw is None:
+                    raise barrier.late(what, timeout)
         if raw is None:  # on the monitor's connection, idle between rounds (see watch)
-            raw = barrier.wait_key(
-                self.watch_store or book.store, self.keys.ready(n), timeout, what=what
-            )
+            raw = barrier.wait_key(self._watch_store(), self.keys.ready(n), timeout, what=what)
         waited = time.monotonic() - start
         ready = _records.layout(raw)
         if str(self.irank) in ready["gone"]:  # declared gone after it arrived

@@ -139,6 +139,14 @@ class Watchdog:
             if self._stop.wait(self._interval):
                 return
 
+    def loss(self) -> str | None:
+        """Why the sidecar is lost (:attr:`lost`), looked at now rather than at the next
+        sample: a rank about to enter the next round must not run it unwatched."""
+        sidecar = self._sidecar
+        if self.lost is None and sidecar is not None and not sidecar.alive():
+            return str(sidecar.loss())
+        return self.lost
+
     def _tell_sidecar(self, sidecar: Any, stall: float) -> None:
         _, in_fn, _ = self._state()
         if sidecar.alive() and sidecar.send({"hb": 1, "in_fn": in_fn, "stall": round(stall, 3)}):
