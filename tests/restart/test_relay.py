@@ -5,10 +5,11 @@ rank that asked over a real socket, errors and the watcher's loss reaching every
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -22,13 +23,35 @@ from trainguard.restart.sidecar._relayclient import RelayReader
 KEYS = Keyspace("relay-test", 0)
 
 
-@pytest.fixture()
-def server() -> Iterator[Any]:
-    import torch.distributed as dist
+class _Server:
+    """A TCPStore server in a process of its own (its descriptors are not this process's,
+    whose descriptors a later test counts) and a client that sets keys."""
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
-    yield store
-    del store
+    def __init__(self) -> None:
+        code = (
+            "import time, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, "
+            "is_master=True); print(s.port, flush=True); time.sleep(600)"
+        )
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        assert self.proc.stdout is not None
+        self.port = int(self.proc.stdout.readline())
+        self.proc.stdout.close()
+        self.client = _wire.connect("127.0.0.1", self.port, timeout=30.0)
+
+    def set(self, key: str, value: bytes) -> None:
+        self.client.set(key, value)
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture()
+def server() -> Iterator[_Server]:
+    srv = _Server()
+    yield srv
+    srv.close()
 
 
 class _Node:
@@ -63,13 +86,27 @@ class _Node:
             theirs.close()
 
 
-def _wire_connect(server: Any) -> Any:
+@pytest.fixture()
+def nodes() -> Iterator[list[_Node]]:
+    """The nodes a test made; their relays and sockets closed at its end, pass or fail (a
+    reader thread left waiting would be another test's leak)."""
+    made: list[_Node] = []
+    yield made
+    for node in made:
+        node.relay.close()
+        node.close()
+
+
+def _wire_connect(server: _Server) -> Any:
     return lambda: _wire.connect("127.0.0.1", server.port, timeout=30.0)
 
 
-def test_each_key_is_read_once_for_every_rank_of_the_node(server: Any) -> None:
+def test_each_key_is_read_once_for_every_rank_of_the_node(
+    server: _Server, nodes: list[_Node]
+) -> None:
     relay = Relay(KEYS, _wire_connect(server))
     node = _Node(relay, 8)
+    nodes.append(node)
     got: dict[int, bytes | None] = {}
 
     def rank(i: int) -> None:
@@ -97,13 +134,14 @@ def test_each_key_is_read_once_for_every_rank_of_the_node(server: Any) -> None:
     # a late asker of a kept value gets it without another store read
     assert node.readers[0].wait("stop", 0, 30.0) == b'{"why":"fault"}'
     assert relay.reads == 2
-    relay.close()
-    node.close()
 
 
-def test_a_wait_runs_out_and_the_watcher_s_loss_fails_every_wait(server: Any) -> None:
+def test_a_wait_runs_out_and_the_watcher_s_loss_fails_every_wait(
+    server: _Server, nodes: list[_Node]
+) -> None:
     relay = Relay(KEYS, _wire_connect(server))
     node = _Node(relay, 2)
+    nodes.append(node)
     start = time.monotonic()
     assert node.readers[0].wait("ready", 5, 0.3) is None
     assert 0.25 <= time.monotonic() - start < 5.0
@@ -127,27 +165,27 @@ def test_a_wait_runs_out_and_the_watcher_s_loss_fails_every_wait(server: Any) ->
     assert not node.readers[0].alive()
     with pytest.raises(CoordinationError, match="watcher closed"):
         node.readers[0].wait("ready", 6, 5.0)
-    relay.close()
-    node.close()
 
 
-def test_a_store_the_relay_cannot_reach_is_an_error_on_every_rank() -> None:
+def test_a_store_the_relay_cannot_reach_is_an_error_on_every_rank(nodes: list[_Node]) -> None:
     def refuse() -> Any:
         raise CoordinationError("could not connect to the coordination store (test)")
 
     relay = Relay(KEYS, refuse)
     node = _Node(relay, 2)
+    nodes.append(node)
     for reader in node.readers:
         with pytest.raises(CoordinationError, match=r"could not read round 3's layout.*test"):
             reader.wait("ready", 3, 10.0)
-    relay.close()
-    node.close()
 
 
-def test_close_interrupts_a_wait_under_way_and_leaves_no_thread(server: Any) -> None:
+def test_close_interrupts_a_wait_under_way_and_leaves_no_thread(
+    server: _Server, nodes: list[_Node]
+) -> None:
     before = threading.active_count()
     relay = Relay(KEYS, _wire_connect(server))
     node = _Node(relay, 1)
+    nodes.append(node)
     node.readers[0].ask("stop", 9)  # never set
     time.sleep(0.3)
     assert threading.active_count() == before + 1  # its reader waits at the store
@@ -160,7 +198,9 @@ def test_close_interrupts_a_wait_under_way_and_leaves_no_thread(server: Any) -> 
     node.close()
 
 
-def test_readers_are_reused_and_only_made_while_every_reader_waits(server: Any) -> None:
+def test_readers_are_reused_and_only_made_while_every_reader_waits(
+    server: _Server, nodes: list[_Node]
+) -> None:
     connections = []
 
     def connect() -> Any:
@@ -170,6 +210,7 @@ def test_readers_are_reused_and_only_made_while_every_reader_waits(server: Any) 
 
     relay = Relay(KEYS, connect)
     node = _Node(relay, 4)
+    nodes.append(node)
     for n in range(5):  # the usual order: a round's layout, then its outcome
         server.set(KEYS.ready(n), b"{}")
         assert all(r.wait("ready", n, 30.0) == b"{}" for r in node.readers)
@@ -182,5 +223,3 @@ def test_readers_are_reused_and_only_made_while_every_reader_waits(server: Any) 
     server.set(KEYS.ready(7), b"{}")
     assert node.readers[0].wait("ready", 7, 30.0) == b"{}"
     assert len(connections) == 2
-    relay.close()
-    node.close()

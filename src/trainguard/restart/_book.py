@@ -85,7 +85,7 @@ class RoundBook:
     repeats: Repeats = dataclasses.field(init=False, default_factory=Repeats)
 
     def __post_init__(self) -> None:
-        self.roster = self.roster or tuple(range(self.world))
+        self.roster = self.roster or _records.Ranks(((0, self.world - 1),))  # O(1), not O(N)
         self.previous_roster = self.roster
 
     def record(self, n: int, r: int, record: dict[str, Any]) -> dict[str, Any] | None:

@@ -92,10 +92,10 @@ class Relay:
                 entry.waiting.append(send)
                 self._forget_old(kind, n)
                 self._queue.append((kind, n, entry))
-                if self._idle:
+                if self._idle:  # an idle reader takes it: no longer counted idle
+                    self._idle -= 1
                     self._cond.notify()
                 else:  # every reader waits at the store: one more (a few per node at most)
-                    self._idle += 1
                     thread = threading.Thread(target=self._reader, name="tg-relay", daemon=True)
                     self._readers.append(thread)
                     thread.start()
@@ -128,7 +128,9 @@ class Relay:
 
     def _reader(self) -> None:
         """Take the next key nobody waits for, wait for it and read it, pass it on; again.
-        Counted idle from its start (see :meth:`ask`)."""
+        A reader counts itself idle when it is done with a key; :meth:`ask` takes it off the
+        count when it queues a key for it (so two keys queued at once never wait for the same
+        reader while the other waits at the store)."""
         store = None
         while True:
             with self._cond:
@@ -138,7 +140,6 @@ class Relay:
                     self._stores.discard(store)
                     break
                 kind, n, entry = self._queue.pop(0)
-                self._idle -= 1
             store, line = self._read(store, kind, n)
             with self._cond:
                 self.reads += 1
@@ -153,7 +154,7 @@ class Relay:
                 with contextlib.suppress(Exception):  # a rank gone meanwhile: its watch ends
                     send(line)
         if store is not None:
-            _interrupt(store)
+            _close(store)
 
     def _read(self, store: Any, kind: str, n: int) -> tuple[Any, bytes]:
         """Round ``n``'s ``kind`` waited for and read on ``store`` (connected first when
@@ -176,7 +177,7 @@ class Relay:
             if not closed:
                 logger.warning("the relay's wait for round %d's %s failed: %s", n, kind, exc)
             if store is not None:
-                _interrupt(store)
+                _close(store)
             store = None
             why = f"{type(exc).__name__}: {exc}".replace("\n", " ")
             line = b"%s %d !%s\n" % (kind.encode(), n, why.encode())
@@ -191,3 +192,12 @@ def _interrupt(store: Any) -> None:
     if interrupt is not None:
         with contextlib.suppress(Exception):
             interrupt()
+
+
+def _close(store: Any) -> None:
+    """Close ``store`` now (its owner's thread, no call under way) rather than when it is
+    collected: a descriptor must not outlive the relay."""
+    close = getattr(store, "close", None)
+    if close is not None:
+        with contextlib.suppress(Exception):
+            close()
