@@ -7,10 +7,17 @@ What is real: the store process that the initial rank 0 starts
 go), one TCPStore client (one connection) per simulated rank, and every store operation a rank
 makes, made by the library's own code on that rank's client:
 
-- rounds: the monitor's wait for the round's outcome (:func:`trainguard.coord.barrier.
-  wait_forever`, :meth:`RoundOutcome.decode`), then :meth:`Session.arrive` and
-  :meth:`Session.take` (the two halves of :meth:`Session.barrier`: record, arrival counter,
-  the last arriver's layout, every rank reading and following its assignment);
+- rounds: the monitor's wait for the round's outcome (:meth:`Session.outcome`,
+  :meth:`RoundOutcome.decode`), then :meth:`Session.arrive` and :meth:`Session.take` (the two
+  halves of :meth:`Session.barrier`: record, arrival counter, the last arriver's layout, every
+  rank reading and following its assignment). By default (``relay=True``, as under the node
+  watcher) each node of 8 simulated ranks has a
+  :class:`~trainguard.restart.sidecar._relay.Relay` with store connections of its own, and
+  each rank a :class:`~trainguard.restart.sidecar._relayclient.RelayReader` over a real socket
+  pair: the outcome and the layout are read at the store once per node and reach the ranks
+  over the sockets. The watcher's ends of the sockets are read by one thread per worker (the
+  node watcher has one per rank), which passes each ask to its node's relay. ``relay=False``:
+  each rank waits at the store itself (``TRAINGUARD_SIDECAR=process``);
 - death notices: :func:`trainguard.restart.sidecar._notice.write_notice`;
 - liveness: one :class:`trainguard.restart.sidecar._watch.Watch` per simulated rank (its own
   connection, as a sidecar's), stepped by :meth:`Watch.step` at the moments

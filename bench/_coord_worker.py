@@ -125,8 +125,8 @@ class _Assignments:
 
 
 class _NoNodes:
-    """No relays: each simulated rank waits at the store itself (``TRAINGUARD_SIDECAR=process``
-    and under ``trainguard launch``)."""
+    """No relays: each simulated rank waits at the store itself (``TRAINGUARD_SIDECAR=process``:
+    a sidecar process per rank has no relay)."""
 
     def ops(self) -> int:
         return 0

@@ -2,8 +2,9 @@
 and the heartbeats at a size no multi-process test reaches.
 
 Each simulated rank has its own store client and runs the library's own code (the monitor's
-wait, ``Session.arrive``/``Session.take``, ``write_notice``, ``Watch.step``), driven in turn by
-a few threads of this process; a silent node is eight consecutive ranks whose heartbeats stop.
+wait through its node watcher's relay, ``Session.arrive``/``Session.take``, ``write_notice``,
+``Watch.step``), driven in turn by a few threads of this process; a silent node is eight
+consecutive ranks whose heartbeats stop.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ def test_256_ranks_agree_on_every_layout_and_a_silent_node_is_declared() -> None
         assert len(rounds["roster"]) == N - 1  # the notice's rank is gone
         # compact layouts: a round in order with a rank gone is a few runs, not 256 ranks
         assert max(rounds["layout_bytes"]) < 400, rounds["layout_bytes"]
-        # O(1) per rank per round: outcome (wait, read), record, count, layout (wait, read),
-        # its old record deleted
-        assert max(rounds["ops_per_rank"]) < 7.5, rounds["ops_per_rank"]
+        # O(1) per rank per round: its record, its count, its old record deleted; the outcome
+        # and the layout (a wait and a read each) once per node of 8, through the node
+        # watcher's relay (each rank waiting at the store itself: 7 per rank)
+        assert max(rounds["ops_per_rank"]) < 3 + 4 / 8 + 0.2, rounds["ops_per_rank"]
         live = _coord_sim.liveness(sim, rounds["roster"], rounds["last_round"], silent=SILENT)
     finally:
         sim.close()

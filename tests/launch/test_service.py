@@ -270,6 +270,9 @@ def test_killed_rank_survivors_restart_at_once_without_sidecar_processes(service
     assert not list(tmp_path.glob("sidecar-*.log"))
     # (every rank connected: a rank whose handshake fails raises)
     assert "rank 1 gone in round 0 (killed by signal SIGKILL)" in _log(tmp_path)
+    # the ranks learned the outcomes and layouts from the agent's relay (one store read per
+    # key for the node: round 0's layout and outcome, round 1's layout and outcome)
+    assert service.relay_reads >= 4, service.relay_reads
 
 
 def test_rank_hung_holding_the_gil_is_killed_by_the_service(service, tmp_path):

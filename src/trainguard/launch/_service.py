@@ -20,8 +20,11 @@ Protocol (the agent's side, in this order):
 
 Connection (worker side first): the worker sends its :class:`SidecarConfig` as one JSON line;
 the service checks that its ``parent`` is the peer's pid, connects to the coordination store and
-replies ``{"ok": true, "pid": <agent pid>}`` (or ``{"ok": false, "error": ...}`` and closes);
-then the worker sends its round/hb/bye lines. After ``bye`` the service closes the connection.
+replies ``{"ok": true, "pid": <agent pid>, "relay": true}`` (or ``{"ok": false, "error": ...}``
+and closes); then the worker sends its round/hb/bye lines and its asks of the relay (each
+round's outcome and layout, read from the store once for all of this node's workers of the
+same wrapped call, :mod:`trainguard.restart.sidecar._relay`; its replies are the only lines
+the service writes after the handshake). After ``bye`` the service closes the connection.
 """
 
 from __future__ import annotations
@@ -36,13 +39,16 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from trainguard import _private, _subproc
 from trainguard._timeouts import Timeout, seconds
+from trainguard.coord import _wire
 from trainguard.coord.store import connect
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._node import accept_own
+from trainguard.restart.sidecar._relay import Relay
 from trainguard.restart.sidecar._watch import Watch, notify
 
 logger = logging.getLogger(__name__)
@@ -111,6 +117,7 @@ class SidecarService:
         self._wake = -1  # eventfd: wakes the listener (a new deadline, or close)
         self._closing = threading.Event()
         self._log: logging.StreamHandler[Any] | None = None
+        self._relays: dict[str, Relay] = {}  # a wrapped call's keyspace -> its relay
 
     # the agent's calls --------------------------------------------------------------------
     def start(self) -> None:
@@ -184,6 +191,10 @@ class SidecarService:
             conns = list(self._conns)
         for conn in conns:
             conn.shutdown(socket.SHUT_RDWR)
+        with self._cond:
+            relays, self._relays = list(self._relays.values()), {}
+        for relay in relays:
+            relay.close()
         waited: set[threading.Thread] = set()
         while True:  # threads may start others meanwhile (a notice): until none is left
             with self._cond:
@@ -288,14 +299,44 @@ class SidecarService:
             return None
         conn.sock.settimeout(None)
         conn.watch = watch
+        watch.on_relay = self._relay_for(cfg, conn.sock)
         watch.start()  # the hard timeout counts from the handshake
-        conn.sock.sendall(json.dumps({"ok": True, "pid": os.getpid()}).encode() + b"\n")
+        reply = {"ok": True, "pid": os.getpid(), "relay": True}
+        conn.sock.sendall(json.dumps(reply).encode() + b"\n")
         with self._cond:
             self._joined[slot] = time.monotonic()
             self._rejoins.pop(slot, None)
         logger.info("watching rank %d (slot %d, pid %d)", cfg.rank, slot, conn.pid)
         watch.feed(rest)
         return watch
+
+    @property
+    def relay_reads(self) -> int:
+        """Round keys its relays read from the store so far, for all workers (tests)."""
+        with self._cond:
+            return sum(relay.reads for relay in self._relays.values())
+
+    def _relay_for(
+        self, cfg: SidecarConfig, sock: socket.socket
+    ) -> Callable[[dict[str, Any]], None]:
+        """The hook that passes a worker's asks to the relay of its wrapped call on this node
+        (:mod:`trainguard.restart.sidecar._relay`: each round's outcome and layout read once
+        for the node's workers), over pure-Python store connections (a wait on one can be
+        interrupted when the service closes)."""
+        key = cfg.keys.prefix
+        with self._cond:
+            relay = self._relays.get(key)
+            if relay is None:
+                relay = self._relays[key] = Relay(
+                    cfg.keys, lambda: _wire.connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
+                )
+        lock = threading.Lock()
+
+        def send(line: bytes) -> None:
+            with lock:
+                sock.sendall(line)
+
+        return lambda msg: relay.ask(str(msg["relay"]), int(msg["n"]), send)
 
     def _refuse(self, conn: _Conn, why: str) -> None:
         logger.warning("refused a connection of pid %d: %s", conn.pid, why)

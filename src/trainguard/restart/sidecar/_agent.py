@@ -83,7 +83,7 @@ class AgentSidecar:
         if not reply.get("ok"):
             self.stop(0.0)
             raise CoordinationError(self.refusal(reply.get("error")))
-        if reply.get("relay") and self.sock is not None:  # the node watcher's (see _relay)
+        if reply.get("relay") and self.sock is not None:  # see _relay
             self.relay = RelayReader(self.sock, self.send)
 
     def refusal(self, error: object) -> str:
@@ -109,9 +109,9 @@ class AgentSidecar:
         return data.partition(b"\n")[0]
 
     def alive(self) -> bool:
-        """The connection is open (the agent never writes after the handshake: a readable
-        socket means it closed; the node watcher writes its relay's replies, which
-        :attr:`relay` reads)."""
+        """The connection is open (a helper without a relay never writes after the
+        handshake: a readable socket means it closed; one with a relay, the node watcher or
+        the launcher's agent, writes its replies, which :attr:`relay` reads)."""
         sock = self.sock
         if sock is None or self._closed:
             return False
