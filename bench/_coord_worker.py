@@ -264,6 +264,9 @@ class _Worker:
             store_timeout=self.cfg.store_timeout,
             writer=rank,
         )
+        # without a relay the waits go on this rank's one (counted) client: the simulator
+        # holds one connection per rank (a real rank's monitor has one more of its own)
+        session.watch_store = store
         return session
 
     def clients(self, count: int) -> list[Any]:
