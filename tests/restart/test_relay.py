@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -87,26 +87,31 @@ class _Node:
 
 
 @pytest.fixture()
-def nodes() -> Iterator[list[_Node]]:
-    """The nodes a test made; their relays and sockets closed at its end, pass or fail (a
-    reader thread left waiting would be another test's leak)."""
+def make_node(server: _Server) -> Iterator[Callable[..., _Node]]:
+    """``make_node(k, connect=None)``: a relay (over pure-Python connections to ``server``
+    unless ``connect`` says how) and ``k`` ranks' readers; every relay and socket closed at
+    the test's end, pass or fail (a reader thread left waiting would be another test's leak)."""
     made: list[_Node] = []
-    yield made
+
+    def wire() -> Any:
+        return _wire.connect("127.0.0.1", server.port, timeout=30.0)
+
+    def make(k: int, connect: Callable[[], Any] | None = None) -> _Node:
+        node = _Node(Relay(KEYS, connect or wire), k)
+        made.append(node)
+        return node
+
+    yield make
     for node in made:
         node.relay.close()
         node.close()
 
 
-def _wire_connect(server: _Server) -> Any:
-    return lambda: _wire.connect("127.0.0.1", server.port, timeout=30.0)
-
-
 def test_each_key_is_read_once_for_every_rank_of_the_node(
-    server: _Server, nodes: list[_Node]
+    server: _Server, make_node: Callable[..., _Node]
 ) -> None:
-    relay = Relay(KEYS, _wire_connect(server))
-    node = _Node(relay, 8)
-    nodes.append(node)
+    node = make_node(8)
+    relay = node.relay
     got: dict[int, bytes | None] = {}
 
     def rank(i: int) -> None:
@@ -137,11 +142,9 @@ def test_each_key_is_read_once_for_every_rank_of_the_node(
 
 
 def test_a_wait_runs_out_and_the_watcher_s_loss_fails_every_wait(
-    server: _Server, nodes: list[_Node]
+    server: _Server, make_node: Callable[..., _Node]
 ) -> None:
-    relay = Relay(KEYS, _wire_connect(server))
-    node = _Node(relay, 2)
-    nodes.append(node)
+    node = make_node(2)
     start = time.monotonic()
     assert node.readers[0].wait("ready", 5, 0.3) is None
     assert 0.25 <= time.monotonic() - start < 5.0
@@ -167,25 +170,24 @@ def test_a_wait_runs_out_and_the_watcher_s_loss_fails_every_wait(
         node.readers[0].wait("ready", 6, 5.0)
 
 
-def test_a_store_the_relay_cannot_reach_is_an_error_on_every_rank(nodes: list[_Node]) -> None:
+def test_a_store_the_relay_cannot_reach_is_an_error_on_every_rank(
+    make_node: Callable[..., _Node],
+) -> None:
     def refuse() -> Any:
         raise CoordinationError("could not connect to the coordination store (test)")
 
-    relay = Relay(KEYS, refuse)
-    node = _Node(relay, 2)
-    nodes.append(node)
+    node = make_node(2, refuse)
     for reader in node.readers:
         with pytest.raises(CoordinationError, match=r"could not read round 3's layout.*test"):
             reader.wait("ready", 3, 10.0)
 
 
 def test_close_interrupts_a_wait_under_way_and_leaves_no_thread(
-    server: _Server, nodes: list[_Node]
+    server: _Server, make_node: Callable[..., _Node]
 ) -> None:
     before = threading.active_count()
-    relay = Relay(KEYS, _wire_connect(server))
-    node = _Node(relay, 1)
-    nodes.append(node)
+    node = make_node(1)
+    relay = node.relay
     node.readers[0].ask("stop", 9)  # never set
     time.sleep(0.3)
     assert threading.active_count() == before + 1  # its reader waits at the store
@@ -199,7 +201,7 @@ def test_close_interrupts_a_wait_under_way_and_leaves_no_thread(
 
 
 def test_readers_are_reused_and_only_made_while_every_reader_waits(
-    server: _Server, nodes: list[_Node]
+    server: _Server, make_node: Callable[..., _Node]
 ) -> None:
     connections = []
 
@@ -208,9 +210,8 @@ def test_readers_are_reused_and_only_made_while_every_reader_waits(
         connections.append(store)
         return store
 
-    relay = Relay(KEYS, connect)
-    node = _Node(relay, 4)
-    nodes.append(node)
+    node = make_node(4, connect)
+    relay = node.relay
     for n in range(5):  # the usual order: a round's layout, then its outcome
         server.set(KEYS.ready(n), b"{}")
         assert all(r.wait("ready", n, 30.0) == b"{}" for r in node.readers)
