@@ -330,13 +330,7 @@ class SidecarService:
                 relay = self._relays[key] = Relay(
                     cfg.keys, lambda: _wire.connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
                 )
-        lock = threading.Lock()
-
-        def send(line: bytes) -> None:
-            with lock:
-                sock.sendall(line)
-
-        return lambda msg: relay.ask(str(msg["relay"]), int(msg["n"]), send)
+        return relay.hook(sock)
 
     def _refuse(self, conn: _Conn, why: str) -> None:
         logger.warning("refused a connection of pid %d: %s", conn.pid, why)

@@ -39,13 +39,12 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from trainguard import _private
+from trainguard.coord import _wire
 from trainguard.coord.keys import Keyspace
-from trainguard.coord.store import connect
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._relay import Relay
 from trainguard.restart.sidecar._watch import Watch
@@ -176,25 +175,6 @@ class NodeWatcher:
                 self.live -= 1
                 self.cond.notify_all()
 
-    def _relay_for(
-        self, cfg: SidecarConfig, sock: socket.socket
-    ) -> Callable[[dict[str, Any]], None]:
-        """The hook that passes one rank's asks to the node's :class:`Relay` (made on the
-        first), its replies written on ``sock`` one line at a time."""
-        with self.cond:
-            if self.relay is None:
-                self.relay = Relay(
-                    self.keys, lambda: connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
-                )
-            relay = self.relay
-        lock = threading.Lock()
-
-        def send(line: bytes) -> None:
-            with lock:
-                sock.sendall(line)
-
-        return lambda msg: relay.ask(str(msg["relay"]), int(msg["n"]), send)
-
     def _watch(self, sock: socket.socket, pid: int) -> None:
         sock.settimeout(_HANDSHAKE_S)
         data = b""
@@ -214,7 +194,12 @@ class NodeWatcher:
             sock.sendall(json.dumps({"ok": False, "error": why}).encode() + b"\n")
             return
         sock.settimeout(None)
-        watch.on_relay = self._relay_for(cfg, sock)
+        with self.cond:  # one relay for the node, made with the first rank's store address
+            if self.relay is None:
+                self.relay = Relay(
+                    self.keys, lambda: _wire.connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
+                )
+            watch.on_relay = self.relay.hook(sock)
         with contextlib.suppress(OSError):  # it died already: the watch writes its notice
             reply = {"ok": True, "pid": os.getpid(), "relay": True}
             sock.sendall(json.dumps(reply).encode() + b"\n")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +36,7 @@ from typing import Any
 from trainguard.coord.barrier import wait_forever
 from trainguard.coord.keys import Keyspace
 
-__all__ = ["KINDS", "Relay"]
+__all__ = ["KINDS", "WHAT", "Relay"]
 
 logger = logging.getLogger("trainguard.restart.sidecar")
 
@@ -45,7 +46,8 @@ KINDS: dict[str, Callable[[Keyspace, int], str]] = {
     "ready": Keyspace.ready,
 }
 _KEEP = 4  # rounds of values kept for late askers, per kind
-_WHAT = {"stop": "outcome", "ready": "layout"}
+#: what each kind holds, for messages
+WHAT = {"stop": "outcome", "ready": "layout"}
 
 Send = Callable[[bytes], object]
 
@@ -106,6 +108,18 @@ class Relay:
                 return
         send(line)
 
+    def hook(self, sock: socket.socket) -> Callable[[dict[str, Any]], None]:
+        """What a helper's :attr:`Watch.on_relay <trainguard.restart.sidecar._watch.Watch.
+        on_relay>` calls with each ask of the rank connected on ``sock``: the ask goes to this
+        relay, its reply is written on ``sock`` (one line at a time, from any thread)."""
+        lock = threading.Lock()
+
+        def send(line: bytes) -> None:
+            with lock:
+                sock.sendall(line)
+
+        return lambda msg: self.ask(str(msg["relay"]), int(msg["n"]), send)
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop: waits under way are interrupted (their ranks get nothing more), connections
         closed, threads joined (up to ``timeout`` each)."""
@@ -149,7 +163,7 @@ class Relay:
                 closed = self._closed
             if closed:
                 break
-            logger.info("relayed round %d's %s to %d rank(s)", n, _WHAT[kind], len(waiting))
+            logger.info("relayed round %d's %s to %d rank(s)", n, WHAT[kind], len(waiting))
             for send in waiting:
                 with contextlib.suppress(Exception):  # a rank gone meanwhile: its watch ends
                     send(line)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from trainguard.errors import CoordinationError
+from trainguard.restart.sidecar._relay import WHAT
 
 __all__ = ["RelayReader"]
 
@@ -75,7 +76,7 @@ class RelayReader:
                     if self._closed:
                         raise CoordinationError(
                             f"the connection to this node's watcher closed while waiting for "
-                            f"round {n}'s {_WHAT[kind]}"
+                            f"round {n}'s {WHAT[kind]}"
                         )
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
@@ -133,9 +134,6 @@ class RelayReader:
                 continue  # not a relay reply: nothing else is sent after the handshake
 
 
-_WHAT = {"stop": "outcome", "ready": "layout"}
-
-
 def _readable(sock: socket.socket, timeout: float | None) -> bool:
     """Whether ``sock`` has data or was closed by the peer within ``timeout`` seconds (None:
     no limit). ``poll``, not ``select``: a training process may hold more than 1,024 files."""
@@ -151,4 +149,4 @@ def _value(kind: str, n: int, reply: bytes) -> bytes:
     if reply[:1] == b"=":
         return reply[1:]
     why = reply[1:].decode(errors="replace")
-    raise CoordinationError(f"this node's watcher could not read round {n}'s {_WHAT[kind]}: {why}")
+    raise CoordinationError(f"this node's watcher could not read round {n}'s {WHAT[kind]}: {why}")
