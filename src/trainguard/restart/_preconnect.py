@@ -15,8 +15,8 @@ The store process opens round ``n+1``'s store before round ``n`` starts
    ``n+1``'s address on a coordination connection of its own and connects a client to it (the
    lookups and any stall happen there, while round ``n`` trains). That connection may appear
    while the main thread builds a process group, so it is marked as no group's
-   (:meth:`GroupSockets.exclude <trainguard.restart.abort.GroupSockets.exclude>`): the abort
-   of round ``n`` must not shut it down.
+   (:meth:`GroupSockets.exclude_peer <trainguard.restart.abort.GroupSockets.exclude_peer>`,
+   before it connects): the abort of round ``n`` must not shut it down.
 2. In round ``n+1`` a plain ``init_process_group(backend)`` (``env://`` or ``tcp://``: torch
    makes their store in ``torch.distributed.rendezvous._create_c10d_store``, which
    :meth:`Preconnect.install` replaces while the wrapper runs) and ``call.store`` take that
@@ -42,7 +42,7 @@ from trainguard._threads import serve
 from trainguard.coord.keys import Keyspace
 from trainguard.coord.store import connect, parse_addr
 from trainguard.restart._book import peek
-from trainguard.restart.abort import GroupSockets, connections_to, note_rendezvous
+from trainguard.restart.abort import GroupSockets, note_rendezvous
 
 __all__ = ["Preconnect", "claim"]
 
@@ -195,10 +195,11 @@ class Preconnect:
         slot = _Slot(n, self)
         with _lock:
             _slots[addr] = slot
+        # made while the main thread may be building a group: it is no group's socket (the
+        # round's own abort shuts it down by address, see Run._aborted)
+        GroupSockets.exclude_peer(*addr)
         try:
             slot.store = connect(*addr, timeout=min(self._timeout, _CONNECT_S))
-            # made while the main thread may be building a group: it is no group's socket
-            GroupSockets.exclude(set(connections_to(*addr)))
         except Exception as exc:
             logger.debug("pre-connecting to round %d's store failed: %s", n, exc)
             with _lock:

@@ -93,7 +93,7 @@ class GroupSockets:
     _original: Any = None
     _sockets: dict[int, int] = {}  # noqa: RUF012 - process-wide on purpose
     _listen_ports: set[int] = set()  # noqa: RUF012 - the groups' own listening ports
-    _excluded: set[int] = set()  # noqa: RUF012 - connections known to be no group's
+    _peers: list[tuple[set[str], int]] = []  # noqa: RUF012 - servers of no group's connections
 
     @classmethod
     def install(cls) -> None:
@@ -144,34 +144,65 @@ class GroupSockets:
             cls._original = None
             cls._sockets = {}
             cls._listen_ports = set()
-            cls._excluded = set()
+            cls._peers = []
 
     @classmethod
-    def exclude(cls, inodes: set[int]) -> None:
-        """Never take these sockets: connections that another thread of this process opened
-        while a group was being built (a store client connected ahead of time)."""
+    def exclude_peer(cls, host: str, port: int) -> None:
+        """Never take connections to ``host:port``: the server of a store that another thread
+        of this process connects to while a group may be being built (a store client made
+        ahead of time). Given before that connect starts, it covers the connect's every
+        attempt however its timing falls against a group's construction and an abort (an
+        exclusion made once the connect had returned left a moment in which an abort shut the
+        new client down). The name is resolved here, off the abort's path; the newest
+        :data:`_PEERS_KEPT` servers are kept."""
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            logger.debug("cannot resolve %s:%d: %s", host, port, exc)
+            return
+        addresses = {str(info[4][0]) for info in infos}
         with cls._lock:
-            cls._excluded |= inodes
-            for inode in inodes:
-                cls._sockets.pop(inode, None)
+            cls._peers = [*cls._peers[-(_PEERS_KEPT - 1) :], (addresses, port)]
 
     @classmethod
     def take(cls) -> dict[int, int]:
-        """The recorded connections, plus connections accepted later by a group's listener."""
+        """The recorded connections, plus connections accepted later by a group's listener,
+        less those to an excluded server (:meth:`exclude_peer`)."""
         with cls._lock:
             found, cls._sockets = cls._sockets, {}
             ports, cls._listen_ports = cls._listen_ports, set()
-            excluded = set(cls._excluded)
+            peers = list(cls._peers)
         if ports:
             # A peer's connection may be accepted after the constructor returned: it is ours
             # if its local port is one of the groups' listening ports.
             for inode, fd in _sockets.socket_fds().items():
-                if inode in found or inode in excluded:
+                if inode in found:
                     continue
                 kind = _stream(fd, inode)
                 if kind is not None and not kind[0] and kind[1] in ports:
                     found[inode] = fd
-        return {inode: fd for inode, fd in found.items() if inode not in excluded}
+        if not peers:
+            return found
+        return {inode: fd for inode, fd in found.items() if not _to_any(fd, inode, peers)}
+
+
+_PEERS_KEPT = 4  # servers excluded at once: the next rounds' stores, connected ahead
+
+
+def _to_any(fd: int, inode: int, peers: list[tuple[set[str], int]]) -> bool:
+    """Whether socket ``fd`` (``inode``) is connected to one of ``peers``."""
+    dup = _sockets.fd_of_inode(fd, inode)
+    if dup is None:
+        return False
+    sock = socket.socket(fileno=dup)
+    try:
+        peer = sock.getpeername()
+        address = str(peer[0]).removeprefix("::ffff:")  # an IPv4 peer on an IPv6 socket
+        return any(peer[1] == port and address in hosts for hosts, port in peers)
+    except (OSError, IndexError, TypeError):
+        return False  # not connected, or not an IP socket
+    finally:
+        sock.close()
 
 
 def _emit_setup(began: float, start: float, args: tuple[Any, ...]) -> None:

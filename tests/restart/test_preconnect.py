@@ -1,0 +1,80 @@
+"""The next round's store client, connected ahead while this round's group is being built,
+survives this round's abort.
+
+The pre-connect thread's new connection may appear while the main thread builds a process
+group, so the group's constructor records it as one of the group's sockets; an abort shuts those
+down. The connection used to be excluded only once its connect had returned: an abort that
+landed in between shut the client down, and the next round's ``init_process_group`` failed
+with ``Broken pipe`` (``test_spare_moves_in_only_when_a_health_check_fails`` under two CPU hogs,
+about one run in ten). Here that order is made certain: the group is built while the connect
+runs, and the abort comes as the connect returns.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from tests._dist import run_ranks
+
+
+def _abort_as_the_connect_returns(coord_port: int, next_port: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from trainguard.coord.keys import Keyspace
+    from trainguard.restart import _preconnect
+    from trainguard.restart.abort import GroupSockets, release_group_sockets
+
+    coord = dist.TCPStore("127.0.0.1", coord_port, is_master=False, use_libuv=True)
+    keys = Keyspace("race")
+    connected, aborted = threading.Event(), threading.Event()
+    real_connect, real_build = _preconnect.connect, c10d._new_process_group_helper
+
+    def connect(*args: Any, **kwargs: Any) -> Any:
+        store = real_connect(*args, **kwargs)
+        connected.set()
+        aborted.wait(30)  # the abort lands just as the connect returns
+        return store
+
+    def build(*args: Any, **kwargs: Any) -> Any:  # the real constructor, with the connect in it
+        ahead.ahead(1)
+        connected.wait(30)
+        return real_build(*args, **kwargs)
+
+    _preconnect.connect = connect  # type: ignore[assignment]
+    c10d._new_process_group_helper = build
+    GroupSockets.install()
+    ahead = _preconnect.Preconnect(coord, keys, timeout=30)
+    try:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        taken = GroupSockets.take()  # round 0 is aborted
+        release_group_sockets(taken)
+        aborted.set()
+        client = _preconnect.claim("127.0.0.1", next_port, 30)
+        assert client is not None, "the client made ahead was not there to claim"
+        client.set("round 1", b"works")  # used to fail: Broken pipe
+        return {"value": bytes(client.get("round 1")), "taken": len(taken)}
+    finally:
+        aborted.set()
+        ahead.close(10)
+        dist.destroy_process_group()
+        GroupSockets.uninstall()
+        c10d._new_process_group_helper = real_build
+
+
+def test_the_next_round_s_client_survives_an_abort_as_its_connect_returns() -> None:
+    import torch.distributed as dist
+
+    from trainguard.coord.keys import Keyspace
+
+    def server() -> Any:  # in this process, as the store process hosts them: not the rank's
+        return dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False)
+
+    coord, next_round = server(), server()
+    coord.set(Keyspace("race").pg_addr(1), f"127.0.0.1:{next_round.port}")
+    (result,) = run_ranks(
+        _abort_as_the_connect_returns, 1, args=(coord.port, next_round.port), timeout=60
+    )
+    assert result.get()["value"] == b"works"
+    assert bytes(next_round.get("round 1")) == b"works"
