@@ -66,6 +66,56 @@ def test_round_stores_are_precreated_and_closed_when_the_next_round_starts(store
     assert not client.check([keys.pg_addr(0)])
 
 
+def test_a_false_wake_for_the_next_round_leaves_this_round_s_store_open(store_process):
+    """torch 2.13's server wakes a key's waiters on a ``compare_set`` of the key while it is
+    unset. The store process once took such a wake for round 1 starting and closed round 0's
+    store under ranks still using it (Broken pipe in their ``init_process_group``)."""
+    _, client = store_process
+    keys = Keyspace("t")
+    first = wait_key(client, keys.pg_addr(0), 10).decode()
+    client.set(keys.ready(0), b"{}")  # round 0 starts
+    wait_key(client, keys.pg_addr(2), 10)  # ... and the store process has seen it
+    for _ in range(3):  # a reader of round 1's layout that looked too early
+        assert client.compare_set(keys.ready(1), "\x00absent", "\x00absent") == b"\x00absent"
+        time.sleep(0.3)
+    assert not _refused(first)
+    assert client.check([keys.pg_addr(0)])
+    assert not client.check([keys.pg_addr(3)])  # round 1 is not taken as started either
+
+
+def test_a_false_wake_is_waited_through_without_waking_the_others(store):
+    """A waiter woken although its key is unset waits again (it used to fail: "deleted as it
+    was read"), and after one false wake looks before it reads, so that waiters do not wake
+    each other for as long as the key stays unset."""
+    reads = [0]
+
+    class Counted:  # the real client; counts the compare_sets that wake the key's waiters
+        def __init__(self, inner: object) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> object:
+            if name == "compare_set":
+                reads[0] += 1
+            return getattr(self.inner, name)
+
+    got: list[bytes] = []
+    waiters = [
+        threading.Thread(target=lambda: got.append(wait_key(Counted(store.clone()), "k", 20)))
+        for _ in range(3)
+    ]
+    for t in waiters:
+        t.start()
+    time.sleep(0.3)
+    store.compare_set("k", "x", "y")  # unset: wakes the three waiters, sets nothing
+    time.sleep(1.0)
+    false_reads = reads[0]
+    store.set("k", b"v")
+    for t in waiters:
+        t.join(20)
+    assert got == [b"v"] * 3
+    assert false_reads <= 3, f"{false_reads} reads of an unset key: waiters woke each other"
+
+
 def test_barrier_wakes_every_rank_once_the_last_arrives(store_process):
     """A commit round is the barrier of the coordination layer: every participant reports, the
     last one decides, and every participant wakes within a round trip of that decision."""

@@ -117,11 +117,17 @@ class _Host:
 
         Round ``n``'s ready key is deleted when round ``n+1`` is published, and with round
         stores opened two rounds ahead nothing makes that wait for this follower: in rounds
-        that fault at once it can miss the key. A later round's key then stands for it."""
+        that fault at once it can miss the key. A later round's key then stands for it.
+
+        A wait that returns does not prove the key set: torch 2.13's server wakes the waiters
+        of a key on a ``compare_set`` of it while it is unset (see :func:`barrier.read_set`).
+        Taken for round ``n`` starting, such a wake would close round ``n-1``'s store under ranks
+        still using it; so the key is checked after every wait."""
         while True:
             try:
                 watcher.wait([self.keys.ready(n)], _CATCH_UP)
-                return n
+                if watcher.check([self.keys.ready(n)]):
+                    return n
             except Exception as exc:
                 if not timed_out(exc):
                     raise

@@ -10,6 +10,7 @@ is told apart from a store that failed. Counting protocols built on these waits 
 from __future__ import annotations
 
 import sys
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -58,9 +59,23 @@ def read_set(store: Any, key: str) -> bytes | None:
 
     One store round trip: ``compare_set`` with an expected value that no value equals
     returns the value and changes nothing. (``get`` would first wait for the key again: a
-    second round trip, for every rank at every barrier.)"""
+    second round trip, for every rank at every barrier.)
+
+    When the key is not set, that ``compare_set`` wakes every client waiting for it (torch
+    2.13's server), although nothing was set. Those clients, reading in turn, would wake each
+    other for as long as the key stays unset: :func:`_read_woken` reads with a ``check``
+    first once a wake proved false."""
     value = bytes(store.compare_set(key, _ABSENT, _ABSENT))
     return None if value == _ABSENT.encode() else value
+
+
+def _read_woken(store: Any, key: str, wary: bool) -> bytes | None:
+    """The value of ``key`` after a wait for it returned; None when it is not set (a false
+    wake, or deleted since). ``wary``: a wake of this wait proved false before, so look
+    (``check``, which wakes nobody) before reading."""
+    if wary and not store.check([key]):
+        return None
+    return read_set(store, key)
 
 
 def late(what: str, timeout: float) -> BarrierTimeoutError:
@@ -74,27 +89,33 @@ def late(what: str, timeout: float) -> BarrierTimeoutError:
 def wait_key(store: Any, key: str, timeout: float, *, what: str = "") -> bytes:
     """Block until ``key`` is set (woken by the store, no polling) and return its value.
 
-    Raises :class:`BarrierTimeoutError` naming ``what`` after ``timeout`` seconds.
+    Raises :class:`BarrierTimeoutError` naming ``what`` after ``timeout`` seconds. A wake
+    that finds the key unset (see :func:`read_set`) waits again, in the same ``timeout``.
     """
-    if not wait_all(store, [key], timeout, what=what):
-        raise late(what or key, timeout)
-    try:
-        value = read_set(store, key)
-    except Exception as exc:
-        raise CoordinationError(f"store failed while reading {what or key}: {exc}") from exc
-    if value is None:
-        raise CoordinationError(f"{what or key} was deleted from the store as it was read")
-    return value
+    deadline, left = time.monotonic() + timeout, timeout
+    wary = False
+    while True:
+        if left <= 0 or not wait_all(store, [key], left, what=what):
+            raise late(what or key, timeout)
+        try:
+            value = _read_woken(store, key, wary)
+        except Exception as exc:
+            raise CoordinationError(f"store failed while reading {what or key}: {exc}") from exc
+        if value is not None:
+            return value
+        wary, left = True, deadline - time.monotonic()
 
 
 def wait_forever(store: Any, key: str) -> bytes:
     """Block until ``key`` is set, however long that takes (in one-day waits)."""
+    wary = False
     while True:
         try:
             store.wait([key], _LONG)
-            value = read_set(store, key)
+            value = _read_woken(store, key, wary)
             if value is not None:
                 return value
+            wary = True
         except Exception as exc:
             if not _is_timeout(exc):
                 raise
