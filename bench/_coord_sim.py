@@ -19,8 +19,8 @@ makes, made by the library's own code on that rank's client:
   node watcher has one per rank), which passes each ask to its node's relay. ``relay=False``:
   each rank waits at the store itself (``TRAINGUARD_SIDECAR=process``);
 - death notices: :func:`trainguard.restart.sidecar._notice.write_notice`;
-- liveness: one :class:`trainguard.restart.sidecar._watch.Watch` per simulated rank (its own
-  connection, as a sidecar's), stepped by :meth:`Watch.step` at the moments
+- liveness: one :class:`trainguard.restart.sidecar._watch.Watch` per simulated rank, the
+  watches of a node of 8 on one connection (``shared``, as the node watcher's), stepped by :meth:`Watch.step` at the moments
   :meth:`Watch.wake` asks for, each rank's beats at a random phase of the interval (as ranks
   started at unrelated moments beat); a silent node is a run of consecutive ranks whose
   beats stop, declared and noticed by the real code.
@@ -265,8 +265,8 @@ def liveness(
     measure: float = 2.0,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Heartbeats of every simulated rank of ``roster`` (a :class:`Watch` each, with its own
-    connection); after a warm-up and ``measure`` intervals of everyone alive (the traffic is
+    """Heartbeats of every simulated rank of ``roster`` (a :class:`Watch` each, one connection
+    per node); after a warm-up and ``measure`` intervals of everyone alive (the traffic is
     counted then), the ranks of ``silent`` stop beating. Returns the store operations and
     bytes of one interval (in total and per rank), the connections per rank, and the seconds
     from each silent rank's last beat to the first observer that declared it, minus

@@ -363,9 +363,11 @@ class _Worker:
 
         before = held()
         watches = []
-        for r, client in zip(mine, self.clients(len(mine)), strict=True):
+        nodes = sorted({r // LOCAL for r in mine})  # a node watcher's ranks share one connection
+        beats = dict(zip(nodes, self.clients(len(nodes)), strict=True))
+        for r in mine:
             config = _sidecar_config(port, self.n, r, self.cfg)
-            watch = Watch(config, pid=os.getpid(), store=client)
+            watch = Watch(config, pid=os.getpid(), store=beats[r // LOCAL], shared=True)
             watch.round, watch.roster = params["round"], roster
             watches.append(watch)
         conns = held() - before

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 from bench import _coord_sim
 
 from trainguard.restart.sidecar._watch import WINDOW
@@ -48,7 +49,8 @@ def test_256_ranks_agree_on_every_layout_and_a_silent_node_is_declared() -> None
     # other rank's counter would be N * N keys)
     assert live["ops_per_interval"] <= 3 * N, live
     assert live["keys_per_interval"] <= 2 * (WINDOW + 1) * N, live
-    assert live["sidecar_connections_per_rank"] == 1, live
+    # one connection per node watcher: 32 nodes of 8 for the 255 ranks left after the notices
+    assert live["sidecar_connections_per_rank"] == pytest.approx(32 / 255), live
     deadline = time.monotonic() + 10.0
     while threading.active_count() > threads_before and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -133,3 +133,20 @@ def test_the_watcher_s_loss_takes_its_ranks_out_and_leaves_none_waiting(tmp_path
         assert r.exc_type == "trainguard.errors.SidecarLostError", r.traceback
         assert "watcher" in (r.error or ""), r.error
     assert time.monotonic() - start < 60
+
+
+def test_the_watcher_s_ranks_beat_on_one_store_connection() -> None:
+    """The node watcher's connections to the store process do not grow with its ranks: one
+    for every rank's heartbeats, one or two for the relay's waits (it had one per rank)."""
+    from bench import _coord_conns
+
+    results = run_ranks(
+        _coord_conns.count_connections,
+        4,
+        args=(0.5,),
+        env={"TRAINGUARD_SIDECAR": "node"},
+        timeout=120,
+    )
+    counts = [r.get() for r in results]
+    assert all(c["helpers"] <= 3 for c in counts), counts  # was 4 + the relay's
+    assert all(c["helpers"] >= 1 for c in counts), counts  # the watcher was counted at all

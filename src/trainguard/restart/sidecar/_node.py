@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from trainguard import _private
 from trainguard.coord import _wire
@@ -124,6 +125,7 @@ class NodeWatcher:
         self.served = 0
         self.threads: list[threading.Thread] = []
         self.relay: Relay | None = None  # made with the first rank's store address
+        self.beats: Any = None  # the one connection of every watch's beats, made likewise
 
     def serve(self) -> int:
         """Accept ranks until the last has left; the number of ranks served."""
@@ -141,6 +143,9 @@ class NodeWatcher:
             thread.join()
         if self.relay is not None:
             self.relay.close()
+        if self.beats is not None:  # not close(): a beat stuck in a call would hold it up
+            self.beats.interrupt()
+            self.beats = None
         return self.served
 
     def _leave(self) -> bool:
@@ -175,6 +180,20 @@ class NodeWatcher:
                 self.live -= 1
                 self.cond.notify_all()
 
+    def _beats(self, cfg: SidecarConfig) -> Any:
+        """The node's one store connection for the heartbeats of every rank it watches (made
+        with the first rank's store address; per rank, the node had as many connections)."""
+        with self.cond:
+            if self.beats is not None:
+                return self.beats
+        store = _wire.connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
+        with self.cond:
+            if self.beats is None:
+                self.beats = store
+            elif store is not self.beats:
+                store.close()  # another rank's connect came first
+            return self.beats
+
     def _watch(self, sock: socket.socket, pid: int) -> None:
         sock.settimeout(_HANDSHAKE_S)
         data = b""
@@ -187,7 +206,7 @@ class NodeWatcher:
                 raise ValueError(f"its configuration names pid {cfg.parent}, not its own")
             if cfg.keys.prefix != self.keys.prefix:
                 raise ValueError("its configuration is of another wrapped call")
-            watch = Watch(cfg)
+            watch = Watch(cfg, store=self._beats(cfg), shared=True)
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
             logger.warning("refused pid %d: %s", pid, why)

@@ -49,7 +49,8 @@ an observed rank falls silent.
 
 The sidecar holds one store connection (beats, its goodbye, its own rank's death notice: a
 TCPStore client serializes its operations), plus one per notice about another rank while it
-is written.
+is written. The node watcher's watches share one connection for their beats (``shared``): a
+rank's own death notice then has a connection of its own too.
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ class Watch:
             object with TCPStore's ``set``, ``compare_set``, ``multi_get``, ``check``,
             ``add``, ``get``, ``wait``, ``delete_key`` and ``clone`` will do; the watch
             drops its reference in :meth:`close`.
+        shared: ``store`` serves other watches too (the node watcher's ranks beat on one
+            connection): this rank's death notice, which may wait for a barrier, then goes on
+            a connection of its own, so that it never holds up the others' beats.
     """
 
     def __init__(
@@ -106,8 +110,10 @@ class Watch:
         group_kill: bool = False,
         killer: str = "its sidecar",
         store: Any = None,
+        shared: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.shared = shared
         self.rank = cfg.rank
         self.world = cfg.world
         self.parent = cfg.parent if pid is None else pid
@@ -398,7 +404,12 @@ class Watch:
                 self.coord.set(self.keys.heartbeat(self.rank), b"bye")
         else:
             n, roster = self.position()
-            notify(self.coord, self.cfg, self.rank, (n, roster), cause)
+            store = self.coord
+            if self.shared:
+                with contextlib.suppress(Exception):  # else on the shared one, as it can
+                    store = self.coord.clone()
+            notify(store, self.cfg, self.rank, (n, roster), cause)
+            del store  # a clone closes with it
         # Notices about others still running go on up to the barrier timeout; a beat stuck in
         # a store call is not waited for (the process exits under it).
         deadline = time.monotonic() + self.cfg.barrier_timeout
