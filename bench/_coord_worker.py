@@ -307,9 +307,13 @@ class _Worker:
         from trainguard.restart.state import RoundOutcome
 
         k = 0
+        chores: list[Any] = []  # a rank's store work off its restart's path (its worker thread)
+        for _, session in members:
+            session.later = chores.append
+        before = counter[0]
         try:
             while members:
-                seen, before = 0.0, counter[0]
+                seen = 0.0
                 relayed = nodes.ops() if t == 0 else 0
                 if k > 0:
                     alive = []
@@ -335,10 +339,14 @@ class _Worker:
                     assigned[r] = check.of(r, ready)
                 got = time.monotonic()
                 ops = counter[0] - before + (nodes.ops() - relayed if t == 0 else 0)
+                before = counter[0]
                 self.send(("round", k, t, seen, got, assigned, ops))
                 for _, session in members:  # each monitor watches the round from its start
                     if session.relay is not None:
                         session.relay.ask("stop", k)
+                for chore in chores:  # counted in the next round's operations
+                    chore()
+                chores.clear()
                 k += 1
         except Exception as exc:  # reported, never left waiting
             self.send(("error", f"{type(exc).__name__}: {exc}"))

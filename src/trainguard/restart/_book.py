@@ -83,6 +83,7 @@ class RoundBook:
     previous_roster: Sequence[int] = dataclasses.field(init=False)
     gone: dict[int, str] = dataclasses.field(init=False, default_factory=dict)
     repeats: Repeats = dataclasses.field(init=False, default_factory=Repeats)
+    stale: str | None = dataclasses.field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.roster = self.roster or _records.Ranks(((0, self.world - 1),))  # O(1), not O(N)
@@ -116,16 +117,24 @@ class RoundBook:
     def enter(self, ready: dict[str, Any]) -> None:
         """Follow the published round ``ready``: its ranks are the next barrier's roster.
 
-        A rank (``writer`` >= 0) then deletes its own record of the round before: every rank
-        deletes its own (one operation each), the publisher only those of the ranks that the
-        round does not hold (:meth:`_delete_round`)."""
+        A rank (``writer`` >= 0) then has its own record of the round before to delete
+        (:meth:`tidy`, off the restart's path): every rank deletes its own (one operation
+        each), the publisher only those of the ranks that the round does not hold
+        (:meth:`_delete_round`)."""
         self.previous_roster = self.roster
         self.roster = _records.roster(ready["active"], ready["spare"])
         self.gone = {int(k): v for k, v in ready["gone"].items()}
         self.repeats = Repeats.decode(ready.get("repeats"))
         if self.writer >= 0 and ready["round"] > 0:
-            with contextlib.suppress(Exception):  # best effort: a missing key is fine
-                self.store.delete_key(self.keys.member(ready["round"] - 1, self.writer))
+            self.stale = self.keys.member(ready["round"] - 1, self.writer)
+
+    def tidy(self) -> None:
+        """Delete this writer's record of the round before the one it entered last, if not
+        done yet. Any thread (a store client serializes its calls); best effort."""
+        stale, self.stale = self.stale, None
+        if stale is not None:
+            with contextlib.suppress(Exception):  # a missing key, a store gone: fine
+                self.store.delete_key(stale)
 
     def _lay_out(self, n: int) -> tuple[bytes, list[int]]:
         """Run by the last arriver: read every record, apply the policies; the layout to

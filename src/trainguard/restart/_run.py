@@ -133,9 +133,9 @@ class WrappedCall:
             source=self.session.outcome,
         )
         hang_store = self.session.coord  # never blocked for long: see Session
-        self.preconnect = Preconnect(
-            self.session.coord, self.session.keys, timeout=cfg.store_timeout
-        )
+        session = self.session
+        self.preconnect = Preconnect(session.coord, session.keys, timeout=cfg.store_timeout)
+        session.later = self.preconnect.later  # its record of the round before, off the path
         self.watchdog = Watchdog(
             thread_id=threading.get_ident(),
             state=self._progress_state,

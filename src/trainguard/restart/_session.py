@@ -6,7 +6,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from trainguard import _env, events
@@ -49,6 +49,8 @@ class Session:
         self.book: RoundBook | None = None
         self.watch_store: Any = None
         self.relay: RelayReader | None = None
+        #: runs a store chore off the restart's path (the call's worker thread); None: at once
+        self.later: Callable[[Callable[[], None]], None] | None = None
         self._lock = threading.Lock()  # the monitor's and the main thread's waits
         self.server: StoreProcess | None = None
         self.left = False
@@ -225,6 +227,10 @@ class Session:
             self._declared_gone(n, ready["gone"][str(self.irank)])
         events.emit("barrier", duration=waited, round_=n, last=last)
         book.enter(ready)
+        if self.later is not None:
+            self.later(book.tidy)
+        else:
+            book.tidy()
         return ready
 
     def join(self, notify: Notify | None) -> tuple[int, dict[str, Any]] | None:
