@@ -1,4 +1,5 @@
-"""Round layouts as read back from the store: run lists read without expanding them."""
+"""Round layouts and barrier records as read back from the store: run lists read without
+expanding them, every record of a round in one parse."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import random
 import pytest
 
 from trainguard.errors import CoordinationError
-from trainguard.restart._records import Ranks, layout, roster, runs
+from trainguard.restart._records import Ranks, layout, record, records, roster, runs
 
 
 def _layout(active: list[int], spare: list[int]) -> bytes:
@@ -78,3 +79,22 @@ def test_a_bad_rank_list_is_refused(bad: object) -> None:
     doc["active"] = bad
     with pytest.raises(CoordinationError, match="bad active"):
         layout(json.dumps(doc))
+
+
+def test_many_records_read_at_once_read_as_each_one_alone() -> None:
+    """The last arriver parses every record in one go: the same records, and the same refusals
+    (not JSON, a field missing, a value that would parse as two) as one parse each."""
+    good = [
+        json.dumps({"r": r, "host": "h", "local_rank": r % 8, "leave": None, "fault": None})
+        for r in range(64)
+    ]
+    raws = [g.encode() for g in good]
+    assert records(raws) == [record(raw) for raw in raws] != [None] * 64
+    raws[3] = b"not json"
+    raws[5] = b'{"r": 5}'
+    raws[9] = b'{"r": true, "host": "h", "local_rank": 1, "leave": null, "fault": null}'
+    got = records(raws)
+    assert got == [record(raw) for raw in raws]
+    assert [i for i, rec in enumerate(got) if rec is None] == [3, 5, 9]
+    split = [raws[0] + b"," + raws[1], raws[2]]  # one value that is two: no shift
+    assert records(split) == [None, record(raws[2])]

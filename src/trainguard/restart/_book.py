@@ -145,8 +145,7 @@ class RoundBook:
         faults: dict[int, str] = {}
         info: dict[int, dict[str, str]] = {}
         progress = False
-        for r, raw in zip(self.roster, raws, strict=True):
-            rec = _records.record(bytes(raw))
+        for r, rec in zip(self.roster, _records.records([bytes(raw) for raw in raws]), strict=True):
             if rec is None or rec["r"] != r:  # not this job's: that rank cannot be counted on
                 gone[r] = "its barrier record in the store is unreadable"
                 continue

@@ -26,7 +26,7 @@ from typing import Any, overload
 from trainguard.coord.store import parse_addr
 from trainguard.errors import ConfigError, CoordinationError
 
-__all__ = ["Ranks", "layout", "record", "runs"]
+__all__ = ["Ranks", "layout", "record", "records", "runs"]
 
 _MAX_RANKS = 1 << 22  # a run list that expands to more ranks than this is not a layout
 
@@ -237,18 +237,32 @@ def layout(raw: bytes | str) -> dict[str, Any]:
     )
 
 
-_RECORD: dict[str, _Check] = {
-    "r": _is_rank,
-    "host": _is_str,
-    "local_rank": _is_int,
-    "leave": _optional_str,
-    "fault": _optional_str,
-}
-
-
 def record(raw: bytes | str) -> dict[str, Any] | None:
     """A rank's barrier record (see :meth:`RoundBook.record`); None when it is not one."""
-    doc = _load(raw)
-    if isinstance(doc, dict) and all(ok(doc.get(name)) for name, ok in _RECORD.items()):
+    return _checked(_load(raw))
+
+
+def records(raws: Sequence[bytes]) -> list[dict[str, Any] | None]:
+    """Many records (the last arriver reads every rank's), as :func:`record` reads each: one
+    JSON parse for all of them (a parse per record was most of the last arriver's work at
+    thousands of ranks), one each when that fails (a record that is not JSON)."""
+    try:
+        docs = json.loads(b"[" + b",".join(raws) + b"]")
+    except (ValueError, UnicodeDecodeError):
+        docs = None
+    if not isinstance(docs, list) or len(docs) != len(raws):  # a value that was two
+        return [record(raw) for raw in raws]
+    return [_checked(doc) for doc in docs]
+
+
+def _checked(doc: object) -> dict[str, Any] | None:
+    if (
+        isinstance(doc, dict)
+        and _is_rank(doc.get("r"))
+        and isinstance(doc.get("host"), str)
+        and _is_int(doc.get("local_rank"))
+        and _optional_str(doc.get("leave"))
+        and _optional_str(doc.get("fault"))
+    ):
         return doc
     return None
