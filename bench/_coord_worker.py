@@ -340,13 +340,15 @@ class _Worker:
                 got = time.monotonic()
                 ops = counter[0] - before + (nodes.ops() - relayed if t == 0 else 0)
                 before = counter[0]
-                self.send(("round", k, t, seen, got, assigned, ops))
                 for _, session in members:  # each monitor watches the round from its start
                     if session.relay is not None:
                         session.relay.ask("stop", k)
                 for chore in chores:  # counted in the next round's operations
                     chore()
                 chores.clear()
+                # reported once this thread is idle (a rank's chores are done long before
+                # the next fault: a round trains for minutes), its times taken before them
+                self.send(("round", k, t, seen, got, assigned, ops))
                 k += 1
         except Exception as exc:  # reported, never left waiting
             self.send(("error", f"{type(exc).__name__}: {exc}"))
