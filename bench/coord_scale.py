@@ -13,8 +13,10 @@ store client and runs the library's own code (the monitor's wait, ``Session.arri
 ``Session.take``, ``write_notice``, ``Watch.step``); the ranks are not processes but take
 turns on a few threads of a few worker processes, so the round times are an upper bound.
 
-No baseline column: the revision before this one has no ``Session.arrive``/``Watch.step`` for
-the simulation to drive (its numbers are in the README's Scale section).
+Baseline, in the same command: each size again with every rank waiting at the store itself
+(``direct``, as under ``TRAINGUARD_SIDECAR=process``: the protocol without the node's relay);
+``--no-baseline`` skips it. Older revisions have no ``Session.arrive``/``Watch.step`` for the
+simulation to drive (their numbers are in the README's Scale section).
 
 Run: ``.venv/bin/python bench/coord_scale.py [--sizes 256 1024 4096] [--reps 5]``. Writes
 ``bench/results/coord_scale.json``.
