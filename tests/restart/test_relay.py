@@ -223,4 +223,9 @@ def test_readers_are_reused_and_only_made_while_every_reader_waits(
         reader.ask("stop", 7)
     server.set(KEYS.ready(7), b"{}")
     assert node.readers[0].wait("ready", 7, 30.0) == b"{}"
+    # the second reader may have taken either key (whichever it found queued first), and it
+    # may still be connecting: look once both keys are served
+    server.set(KEYS.stop(7), b"{}")
+    assert all(r.wait("stop", 7, 30.0) == b"{}" for r in node.readers)
+    assert relay.reads == 12
     assert len(connections) == 2
