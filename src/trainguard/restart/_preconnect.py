@@ -15,8 +15,8 @@ The store process opens round ``n+1``'s store before round ``n`` starts
    ``n+1``'s address on a coordination connection of its own and connects a client to it (the
    lookups and any stall happen there, while round ``n`` trains). That connection may appear
    while the main thread builds a process group, so it is marked as no group's
-   (:meth:`GroupSockets.exclude_peer <trainguard.restart.abort.GroupSockets.exclude_peer>`,
-   before it connects): the abort of round ``n`` must not shut it down.
+   (:meth:`GroupSockets.exclude_peer <trainguard.restart.abort.GroupSockets.exclude_peer>`
+   before it connects, ``settle_peer`` after): the abort of round ``n`` must not shut it down.
 2. In round ``n+1`` a plain ``init_process_group(backend)`` (``env://`` or ``tcp://``: torch
    makes their store in ``torch.distributed.rendezvous._create_c10d_store``, which
    :meth:`Preconnect.install` replaces while the wrapper runs) and ``call.store`` take that
@@ -221,6 +221,7 @@ class Preconnect:
                 if _slots.get(addr) is slot:
                     del _slots[addr]
         finally:
+            GroupSockets.settle_peer(*addr)
             slot.done.set()
 
 

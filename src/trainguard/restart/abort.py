@@ -93,7 +93,9 @@ class GroupSockets:
     _original: Any = None
     _sockets: dict[int, int] = {}  # noqa: RUF012 - process-wide on purpose
     _listen_ports: set[int] = set()  # noqa: RUF012 - the groups' own listening ports
-    _peers: list[tuple[set[str], int]] = []  # noqa: RUF012 - servers of no group's connections
+    _excluded: set[int] = set()  # noqa: RUF012 - connections known to be no group's
+    #: servers whose connections are no group's: (host, port) -> (its addresses, port)
+    _peers: dict[tuple[str, int], tuple[set[str], int]] = {}  # noqa: RUF012
 
     @classmethod
     def install(cls) -> None:
@@ -144,7 +146,8 @@ class GroupSockets:
             cls._original = None
             cls._sockets = {}
             cls._listen_ports = set()
-            cls._peers = []
+            cls._excluded = set()
+            cls._peers = {}
 
     @classmethod
     def exclude_peer(cls, host: str, port: int) -> None:
@@ -153,16 +156,27 @@ class GroupSockets:
         ahead of time). Given before that connect starts, it covers the connect's every
         attempt however its timing falls against a group's construction and an abort (an
         exclusion made once the connect had returned left a moment in which an abort shut the
-        new client down). The name is resolved here, off the abort's path; the newest
-        :data:`_PEERS_KEPT` servers are kept."""
+        new client down). The name is resolved here, off the abort's path. Call
+        :meth:`settle_peer` once the connect has returned."""
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except OSError as exc:
             logger.debug("cannot resolve %s:%d: %s", host, port, exc)
             return
-        addresses = {str(info[4][0]) for info in infos}
         with cls._lock:
-            cls._peers = [*cls._peers[-(_PEERS_KEPT - 1) :], (addresses, port)]
+            cls._peers[(host, port)] = ({str(info[4][0]) for info in infos}, port)
+
+    @classmethod
+    def settle_peer(cls, host: str, port: int) -> None:
+        """The connect to ``host:port`` returned: its connections are excluded one by one
+        from now on, and the server no longer as a whole (which costs :meth:`take` a look at
+        every recorded socket: a group of N ranks has N - 1 of them)."""
+        inodes = set(connections_to(host, port))
+        with cls._lock:
+            cls._excluded |= inodes
+            for inode in inodes:
+                cls._sockets.pop(inode, None)
+            cls._peers.pop((host, port), None)
 
     @classmethod
     def take(cls) -> dict[int, int]:
@@ -171,22 +185,22 @@ class GroupSockets:
         with cls._lock:
             found, cls._sockets = cls._sockets, {}
             ports, cls._listen_ports = cls._listen_ports, set()
-            peers = list(cls._peers)
+            excluded = set(cls._excluded)
+            peers = list(cls._peers.values())
         if ports:
             # A peer's connection may be accepted after the constructor returned: it is ours
             # if its local port is one of the groups' listening ports.
             for inode, fd in _sockets.socket_fds().items():
-                if inode in found:
+                if inode in found or inode in excluded:
                     continue
                 kind = _stream(fd, inode)
                 if kind is not None and not kind[0] and kind[1] in ports:
                     found[inode] = fd
-        if not peers:
-            return found
-        return {inode: fd for inode, fd in found.items() if not _to_any(fd, inode, peers)}
-
-
-_PEERS_KEPT = 4  # servers excluded at once: the next rounds' stores, connected ahead
+        return {
+            inode: fd
+            for inode, fd in found.items()
+            if inode not in excluded and not (peers and _to_any(fd, inode, peers))
+        }
 
 
 def _to_any(fd: int, inode: int, peers: list[tuple[set[str], int]]) -> bool:
