@@ -211,7 +211,7 @@ class Preconnect:
         with _lock:
             _slots[addr] = slot
         # made while the main thread may be building a group: it is no group's socket (the
-        # round's own abort shuts it down by address, see Run._aborted)
+        # round's own abort shuts it down by address: WrappedCall._aborted)
         GroupSockets.exclude_peer(*addr)
         try:
             slot.store = connect(*addr, timeout=min(self._timeout, _CONNECT_S))

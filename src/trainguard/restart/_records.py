@@ -195,10 +195,6 @@ def _optional_str(value: object) -> bool:
     return value is None or isinstance(value, str)
 
 
-def _is_str(value: object) -> bool:
-    return isinstance(value, str)
-
-
 def _is_rank(value: object) -> bool:
     return _is_int(value) and isinstance(value, int) and value >= 0
 

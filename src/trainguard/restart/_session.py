@@ -49,8 +49,8 @@ class Session:
         self.book: RoundBook | None = None
         self.watch_store: Any = None
         self.relay: RelayReader | None = None
-        #: runs a store chore off the restart's path (the call's worker thread); None: at once
-        self.later: Callable[[Callable[[], None]], None] | None = None
+        #: runs a store chore off the restart's path (the call's worker thread; at once here)
+        self.later: Callable[[Callable[[], None]], None] = _now
         self._lock = threading.Lock()  # the monitor's and the main thread's waits
         self.server: StoreProcess | None = None
         self.left = False
@@ -227,10 +227,7 @@ class Session:
             self._declared_gone(n, ready["gone"][str(self.irank)])
         events.emit("barrier", duration=waited, round_=n, last=last)
         book.enter(ready)
-        if self.later is not None:
-            self.later(book.tidy)
-        else:
-            book.tidy()
+        self.later(book.tidy)
         return ready
 
     def join(self, notify: Notify | None) -> tuple[int, dict[str, Any]] | None:
@@ -321,3 +318,7 @@ class Session:
             elif not self.server.join(0.0):
                 _detached.append(self.server)
             self.server = None
+
+
+def _now(chore: Callable[[], None]) -> None:
+    chore()

@@ -158,13 +158,9 @@ class GroupSockets:
         exclusion made once the connect had returned left a moment in which an abort shut the
         new client down). The name is resolved here, off the abort's path. Call
         :meth:`settle_peer` once the connect has returned."""
-        try:
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            logger.debug("cannot resolve %s:%d: %s", host, port, exc)
-            return
+        addresses = _addresses(host, port)
         with cls._lock:
-            cls._peers[(host, port)] = ({str(info[4][0]) for info in infos}, port)
+            cls._peers[(host, port)] = (addresses, port)
 
     @classmethod
     def settle_peer(cls, host: str, port: int) -> None:
@@ -205,18 +201,8 @@ class GroupSockets:
 
 def _to_any(fd: int, inode: int, peers: list[tuple[set[str], int]]) -> bool:
     """Whether socket ``fd`` (``inode``) is connected to one of ``peers``."""
-    dup = _sockets.fd_of_inode(fd, inode)
-    if dup is None:
-        return False
-    sock = socket.socket(fileno=dup)
-    try:
-        peer = sock.getpeername()
-        address = str(peer[0]).removeprefix("::ffff:")  # an IPv4 peer on an IPv6 socket
-        return any(peer[1] == port and address in hosts for hosts, port in peers)
-    except (OSError, IndexError, TypeError):
-        return False  # not connected, or not an IP socket
-    finally:
-        sock.close()
+    peer = _peer(fd, inode)
+    return peer is not None and any(peer[1] == port and peer[0] in hosts for hosts, port in peers)
 
 
 def _emit_setup(began: float, start: float, args: tuple[Any, ...]) -> None:
@@ -324,27 +310,40 @@ def shutdown_connections_to(host: str, port: int) -> int:
 def connections_to(host: str, port: int) -> dict[int, int]:
     """This process's TCP connections to ``host:port`` as ``inode -> fd``. The peer is compared
     by address (every address ``host`` resolves to) and port."""
-    try:
-        peers = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
-    except OSError as exc:
-        logger.debug("cannot resolve the round's store %s:%d: %s", host, port, exc)
-        return {}
-    recorded: dict[int, int] = {}
+    addresses = _addresses(host, port)
+    found: dict[int, int] = {}
     for inode, fd in _sockets.socket_fds().items():
-        dup = _sockets.fd_of_inode(fd, inode)
-        if dup is None:
-            continue
-        sock = socket.socket(fileno=dup)
-        try:
-            peer = sock.getpeername()
-            address = str(peer[0]).removeprefix("::ffff:")  # an IPv4 peer on an IPv6 socket
-            if sock.type == socket.SOCK_STREAM and address in peers and peer[1] == port:
-                recorded[inode] = fd
-        except (OSError, IndexError, TypeError):
-            pass  # not connected, or not an IP socket
-        finally:
-            sock.close()
-    return recorded
+        peer = _peer(fd, inode)
+        if peer is not None and peer[1] == port and peer[0] in addresses:
+            found[inode] = fd
+    return found
+
+
+def _addresses(host: str, port: int) -> set[str]:
+    """Every address ``host`` resolves to (none when it does not)."""
+    try:
+        return {str(info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+    except OSError as exc:
+        logger.debug("cannot resolve %s:%d: %s", host, port, exc)
+        return set()
+
+
+def _peer(fd: int, inode: int) -> tuple[str, int] | None:
+    """The address and port that stream socket ``fd`` (``inode``) is connected to; None for
+    another kind of socket or one not connected."""
+    dup = _sockets.fd_of_inode(fd, inode)
+    if dup is None:
+        return None
+    sock = socket.socket(fileno=dup)
+    try:
+        if sock.type != socket.SOCK_STREAM:
+            return None
+        peer = sock.getpeername()
+        return str(peer[0]).removeprefix("::ffff:"), int(peer[1])  # an IPv4 peer on IPv6
+    except (OSError, IndexError, TypeError, ValueError):
+        return None  # not connected, or not an IP socket
+    finally:
+        sock.close()
 
 
 def _has_cuda_backend(dist: Any) -> bool:

@@ -190,7 +190,7 @@ class NodeWatcher:
         with self.cond:
             if self.beats is None:
                 self.beats = store
-            elif store is not self.beats:
+            else:
                 store.close()  # another rank's connect came first
             return self.beats
 
