@@ -5,7 +5,9 @@ Every error the library raises on purpose derives from :class:`TrainguardError`:
     TrainguardError
     ├── ConfigError              bad arguments or environment; raised when an object is built
     ├── CoordinationError        the coordination store misbehaved or a barrier timed out
-    │   └── BarrierTimeoutError  a barrier did not complete within its timeout
+    │   ├── BarrierTimeoutError  a barrier did not complete within its timeout
+    │   └── NodeLeftError        this node left a launched job: it was declared lost and
+    │                            does not rejoin, or it stayed cut off from the store
     ├── RestartError             in-process restart could not continue (too few ranks, ...)
     │   ├── JobEndedError        another rank ended the job (KeyboardInterrupt, SystemExit)
     │   ├── RetryLimitError      max_rounds or min_active_world_size of RetryController hit
@@ -51,6 +53,7 @@ __all__ = [
     "ConfigError",
     "CoordinationError",
     "JobEndedError",
+    "NodeLeftError",
     "RestartError",
     "RetryLimitError",
     "SidecarLostError",
@@ -117,6 +120,13 @@ class StoreTimeoutError(CoordinationError):
 
 class BarrierTimeoutError(CoordinationError):
     """A barrier of the coordination layer did not complete within its timeout."""
+
+
+class NodeLeftError(CoordinationError):
+    """This node left a job of ``trainguard launch`` while the job goes on without it: the other
+    nodes declared it lost and it does not rejoin (``--tg-on-evicted exit``, or no free place
+    was left), or it could not reach the coordination store for ``--tg-fence-timeout``. The
+    launcher exits with status 3 (:data:`trainguard.launch.cli.EXIT_LEFT`)."""
 
 
 class JobEndedError(RestartError):

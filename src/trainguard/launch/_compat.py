@@ -9,7 +9,8 @@ that a torch release that moves one of them breaks this module (and its contract
   ``entrypoint``, ``args``, ``envs``, ``stdouts``, ``stderrs``, ``error_files``, ``_numa_options``;
 - ``SubprocessHandler``: ``proc`` (its ``Popen``, leader of its own session), ``_stdout``,
   ``_stderr`` (the log files it opened);
-- ``LocalElasticAgent``: ``_pcontext``, ``_uninterruptible_state_timeout`` and
+- ``LocalElasticAgent``: ``_pcontext``, ``_remaining_restarts`` (the whole-job restarts left;
+  set to 0 when this node leaves the job), ``_uninterruptible_state_timeout`` and
   ``_check_uninterruptible_state_timeout`` (torch's D-state watchdog, absent from older releases; probed),
   ``_in_exit_barrier`` (the health check's "finished, waiting for the others" flag; set while
   the agent's own exit barrier runs);
@@ -45,6 +46,7 @@ __all__ = [
     "in_exit_barrier",
     "launch_of",
     "missing",
+    "no_more_restarts",
     "pcontext",
     "release",
     "replace",
@@ -65,7 +67,7 @@ CONTEXT_ATTRIBUTES = (
 #: attributes of a ``SubprocessHandler`` the agent relies on.
 HANDLER_ATTRIBUTES = ("proc", "_stdout", "_stderr")
 #: attributes of ``LocalElasticAgent`` the agent relies on (the D-state ones are optional).
-AGENT_ATTRIBUTES = ("_pcontext",)
+AGENT_ATTRIBUTES = ("_pcontext", "_remaining_restarts")
 AGENT_OPTIONAL = (
     "_uninterruptible_state_timeout",
     "_check_uninterruptible_state_timeout",
@@ -152,6 +154,11 @@ def release(old: SubprocessHandler) -> None:
         stream = getattr(old, name, None)
         if stream is not None:
             stream.close()
+
+
+def no_more_restarts(agent: LocalElasticAgent) -> None:
+    """torch's loop ends the agent on its next FAILED result instead of restarting the job."""
+    agent._remaining_restarts = 0
 
 
 def check_uninterruptible(agent: LocalElasticAgent, group: WorkerGroup) -> RunResult | None:

@@ -108,6 +108,18 @@ class CoordStore:
         self.addr, self.last_generation = addr, generation
         return Generation(addr, generation)
 
+    def reconnect(self) -> None:
+        """A new connection to the store in place of one whose call failed (a late reply on
+        the old one would be read as the answer to the next request). The agent that hosts
+        the store keeps using the server. Raises while the store is out of reach."""
+        if self.server is not None or self.addr is None:
+            return
+        if self.external is not None:
+            host, port = self.external
+        else:
+            host, port = parse_addr(self.addr)
+        self.client = connect(host, port, timeout=self.timeout)
+
     def _open(self, advertise: str, bind: str) -> str:
         if self.external is not None:
             host, port = self.external

@@ -83,11 +83,22 @@ class AdmissionGate(RendezvousHandler):
         """Check the escalation key of ``generation`` in ``coord`` from now on."""
         self.coord, self.generation = coord, generation
 
+    def pause(self) -> None:
+        """Stop checking (this node is cut off from the coordination store) until the next
+        :meth:`follow`."""
+        self.coord = None
+
     def escalated(self) -> bool:
-        """True when the current generation's whole-job restart was asked for (one ``check``)."""
-        if self.coord is None or self.generation is None:
+        """True when the current generation's whole-job restart was asked for (one ``check``);
+        False when the coordination store does not answer (the agent's fence deals with it)."""
+        coord = self.coord
+        if coord is None or self.generation is None:
             return False
-        return bool(self.coord.check([escalate_key(self.get_run_id(), self.generation)]))
+        try:
+            return bool(coord.check([escalate_key(self.get_run_id(), self.generation)]))
+        except Exception as exc:
+            logger.warning("the admission gate could not read the escalation key (%s)", exc)
+            return False
 
     def num_nodes_waiting(self) -> int:
         """0 unless :meth:`escalated`; then the inner handler's count."""

@@ -180,15 +180,24 @@ class NodeWatch:
         self.place: Place | None = None  # this node in the current generation
         #: why this node must stop (another node declared it lost), or None.
         self.eviction: str | None = None
+        #: set when the heartbeat reached the store again after failed beats (the agent
+        #: lifts its fence and clears it).
+        self.reached_again = False
 
-    def take_vacancy(self, group: WorkerGroup) -> tuple[Generation, int] | None:
+    def take_vacancy(
+        self, group: WorkerGroup, *, fresh: bool = False
+    ) -> tuple[Generation, int] | None:
         """Claim a lost node's place and set ``group`` up as that node (group rank, ranks,
         master address, the store and generation of the vacancy); returns the generation and
         the workers' incarnation. ``None`` (rendezvous as usual) when there is no vacancy or
-        the generation it belongs to is over."""
+        the generation it belongs to is over. ``fresh``: claim over a new connection to the
+        rendezvous store (an evicted node's old one may hold a late reply)."""
         if self.gate is None:
             return None
-        vacancy = claim_vacancy(self.gate.store, self.run_id)
+        store = self.gate.store
+        if fresh and callable(getattr(store, "clone", None)):
+            store = store.clone()
+        vacancy = claim_vacancy(store, self.run_id)
         if vacancy is None:
             return None
         try:
@@ -204,7 +213,7 @@ class NodeWatch:
             )
             reopen(client, self.run_id, vacancy.generation, vacancy.node)
         except ConfigError:
-            mark_vacant(self.gate.store, self.run_id, vacancy)  # for a node that fits
+            mark_vacant(store, self.run_id, vacancy)  # for a node that fits
             raise
         except Exception as exc:  # the job's store is gone: nothing left to join
             logger.warning("cannot take the place of lost node %d (%s)", vacancy.node, exc)
@@ -244,6 +253,7 @@ class NodeWatch:
             master_port=int(group.master_port or 0),
         )
         self.eviction = None
+        self.reached_again = False
         publish_ranks(client, self.run_id, joined.generation, node, self.place.ranks)
         if self.gate is not None:
             self.gate.follow(client, joined.generation)
@@ -266,7 +276,11 @@ class NodeWatch:
             on_lost=lambda node: self.lost(place, node),
             on_back=lambda node: self.back(place, node),
             on_evicted=lambda: self.evicted(place),
+            on_reachable=self._reachable,
         )
+
+    def _reachable(self) -> None:
+        self.reached_again = True
 
     def lost(self, place: Place, node: int) -> None:
         """This agent declared ``node`` of ``place.generation`` lost (exactly one agent does):
@@ -297,15 +311,17 @@ class NodeWatch:
         logger.info("node %d is back (a replacement took its place)", node)
 
     def evicted(self, place: Place) -> None:
-        """Another agent declared this node lost while it was only slow: its ranks were
-        counted out, so the agent stops its workers on its next tick and asks for a whole-job
-        restart (:attr:`eviction` says why)."""
+        """Another agent declared this node lost (it was cut off, or only slow): its ranks were
+        counted out and the job went on without them. The agent stops its workers on its next
+        tick and rejoins as a new node or leaves (``--tg-on-evicted``); it never restarts or
+        ends the rest of the job (:attr:`eviction` says why)."""
         self.eviction = (
             f"node {place.node} was declared lost by another node (no heartbeat reached the "
-            f"store for {self.options.heartbeat_timeout:g} s) while it was only slow; its ranks "
-            "were counted out"
+            f"store for {self.options.heartbeat_timeout:g} s); its ranks were counted out and "
+            "the job went on without them"
         )
-        logger.error("%s: stopping its workers and restarting the whole job", self.eviction)
+        then = "rejoin as a new node" if self.options.on_evicted == "rejoin" else "leave the job"
+        logger.error("%s: this node stops its workers to %s", self.eviction, then)
 
     def exit_barrier(self) -> None:
         """:func:`exit_barrier` for this node, with what it waited for in the log."""

@@ -25,8 +25,9 @@ Nodes (with the node heartbeat and, for the c10d rendezvous, the admission gate;
    ranks and starts its heartbeat; group rank 0 drops the vacancies of older generations.
 5. The agent that declares a node lost tells the sidecar service that each of its ranks is
    gone, emits ``launch_node_lost``, marks the node lost for the exit barrier and offers its
-   group rank as a vacancy. A node declared lost while it was only slow stops its workers and
-   asks for a whole-job restart (its ranks were counted out).
+   group rank as a vacancy. A node cut off from the store fences itself before it can be
+   declared lost; a node that was declared lost rejoins through a vacancy or leaves the job,
+   and never restarts or ends the rest of it (:mod:`trainguard.launch._partition`).
 6. An agent that starts while the job runs first claims a vacancy: it then takes the lost
    node's group rank and ranks without a rendezvous round, its workers start as newcomers
    (``TRAINGUARD_INCARNATION`` >= 1) and its heartbeat makes the node live again.
@@ -35,8 +36,10 @@ Nodes (with the node heartbeat and, for the c10d rendezvous, the admission gate;
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import time
@@ -62,6 +65,7 @@ from trainguard.launch._coordstore import CoordStore, Generation
 from trainguard.launch._gate import AdmissionGate
 from trainguard.launch._logs import AgentLogsSpecs, incarnation_files, tail
 from trainguard.launch._nodes import NodeWatch
+from trainguard.launch._partition import Partition, Verdict
 from trainguard.launch._slots import Escalate, Respawn, SlotPolicy, SlotTable
 from trainguard.launch.heartbeat import NodeHeartbeat
 from trainguard.launch.options import LaunchOptions
@@ -159,6 +163,14 @@ class TrainguardAgent(LocalElasticAgent):
             log=self.events,
             gone=self._service_gone,
         )
+        self.partition = Partition(
+            options=options,
+            nodes=self.nodes,
+            coord=self.coord,
+            log=self.events,
+            kill_workers=self._kill_workers,
+        )
+        self._taken: tuple[Generation, int] | None = None  # the vacancy an evicted node took
         self._tails: list[TailLog] = []
         self._error_files: dict[int, str] = {}
         self._died_at: dict[int, float] = {}
@@ -169,6 +181,8 @@ class TrainguardAgent(LocalElasticAgent):
         """torch's rendezvous round, then the coordination store and the generation; or, for
         a node that starts while the job runs, a lost node's place (no rendezvous round)."""
         taken = self.nodes.take_vacancy(worker_group) if self._first_rendezvous else None
+        if self._taken is not None:  # an evicted node rejoins in the place it claimed
+            taken, self._taken = self._taken, None
         self._first_rendezvous = False
         if taken is None:
             super()._rendezvous(worker_group)
@@ -234,20 +248,29 @@ class TrainguardAgent(LocalElasticAgent):
         stuck = _compat.check_uninterruptible(self, worker_group)
         if stuck is not None:
             return stuck
-        if self.nodes.eviction is not None:
-            return self._escalate(self.nodes.eviction, {})
+        verdict = self.partition.tick()
+        if verdict is Verdict.EVICTED:
+            return self._evicted(worker_group)
+        if verdict is Verdict.LEAVE:
+            return self._leave(self.partition.left or "this node left the job")
+        if verdict is Verdict.FENCED:
+            return RunResult(state=WorkerState.HEALTHY)
         reason = self._escalation_requested()
         if reason is not None:  # already in the store (or the store is gone): nothing to set
             return self._escalate(reason, {}, announce=False)
         context = _compat.pcontext(self)
         assert self.slots is not None
         for local_rank in self.slots.running():
+            if self.partition.fenced:  # the fence came down during this tick
+                return RunResult(state=WorkerState.HEALTHY)
             code = _compat.handler(context, local_rank).proc.poll()
             if code is not None:
                 result = self._on_exit(worker_group, local_rank, code)
                 if result is not None:
                     return result
         for local_rank in self.slots.due():
+            if self.partition.fenced:
+                break
             self._respawn(worker_group, local_rank)
         if self.slots.all_done:
             done = {w.global_rank: None for w in worker_group.workers}
@@ -258,9 +281,53 @@ class TrainguardAgent(LocalElasticAgent):
         assert self.generation is not None
         try:
             return self.coord.escalation(self.run_id, self.generation)
-        except Exception as exc:  # the store went away with its agent: the job cannot go on
-            logger.error("coordination store unreachable (%s): restarting the whole job", exc)
-            return f"coordination store unreachable: {exc}"
+        except Exception as exc:  # cut off, or the store is gone: the fence decides
+            self.partition.store_failed(exc)
+            return None
+
+    def _kill_workers(self) -> list[int]:
+        """SIGKILL every running worker's process group (the fence; any thread)."""
+        slots, context = self.slots, getattr(self, "_pcontext", None)
+        if slots is None or context is None:
+            return []
+        killed = []
+        for local_rank in slots.running():
+            try:
+                pid = _compat.handler(context, local_rank).proc.pid
+            except (KeyError, AttributeError):
+                continue
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+                killed.append(pid)
+        return killed
+
+    def _evicted(self, group: WorkerGroup) -> RunResult:
+        """This node was declared lost: stop its workers, then take a free place of the job
+        again (``--tg-on-evicted rejoin``) or leave it. Never a whole-job restart."""
+        reason = self.nodes.eviction or "declared lost"
+        self.events.emit("launch_evicted", reason=reason, then=self.options.on_evicted)
+        if self.options.on_evicted != "rejoin":
+            return self._leave(f"{reason}; it leaves the job (--tg-on-evicted exit)")
+        self._stop_workers(group)
+        taken = None
+        try:
+            taken = self.nodes.take_vacancy(group, fresh=True)
+        except Exception as exc:
+            logger.warning("cannot take a free place of the job (%s)", exc)
+        if taken is None:
+            return self._leave(f"{reason}; no free place of the job was left to rejoin")
+        self._taken = taken
+        self._initialize_workers(group)
+        self.events.emit("launch_rejoined", node=group.group_rank, generation=taken[0].generation)
+        return RunResult(state=WorkerState.HEALTHY)
+
+    def _leave(self, reason: str) -> RunResult:
+        """This node leaves the job; the job goes on without it (exit status 3)."""
+        self.partition.left = reason
+        self.events.emit("launch_left", reason=reason)
+        logger.error("%s", reason)
+        _compat.no_more_restarts(self)
+        return RunResult(state=WorkerState.FAILED)
 
     def _on_exit(self, group: WorkerGroup, local_rank: int, code: int) -> RunResult | None:
         assert self.slots is not None
@@ -366,6 +433,7 @@ class TrainguardAgent(LocalElasticAgent):
         if self.heartbeat_factory is not None:
             self.heartbeat = self.heartbeat_factory(self)
             self.heartbeat.start()
+            self.partition.start(self.heartbeat)
 
     def node_heartbeat(self) -> NodeHeartbeat:
         """This node's heartbeat in the current generation (the usual ``heartbeat_factory``):
@@ -374,6 +442,7 @@ class TrainguardAgent(LocalElasticAgent):
         return self.nodes.heartbeat()
 
     def _close_heartbeat(self) -> None:
+        self.partition.close()
         if self.heartbeat is not None:
             heartbeat, self.heartbeat = self.heartbeat, None
             heartbeat.close()

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from trainguard.errors import ConfigError, RestartError
+from trainguard.errors import ConfigError, NodeLeftError, RestartError
 from trainguard.launch.options import LaunchOptions
 
 if TYPE_CHECKING:
@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 __all__ = ["build_agent", "build_parser", "launch_agent", "main", "normalize", "options_from_args"]
 
 logger = logging.getLogger(__name__)
+
+#: exit status of a node that left a running job (:class:`~trainguard.errors.NodeLeftError`):
+#: the job goes on without it.
+EXIT_LEFT = 3
 
 #: torchrun's default master port (static rendezvous).
 DEFAULT_MASTER_PORT = 29500
@@ -50,6 +54,10 @@ TG_OPTIONS: list[tuple[str, type, Any, str, str]] = [
      "waits for the other agents (default 30; torch's is 300)"),
     ("events_dir", str, None, "DIR", "event log directory of the agents and their workers "
      "(default: TRAINGUARD_EVENTS_DIR)"),
+    ("on_evicted", str, "rejoin", "{rejoin,exit}", "what a node declared lost does when it "
+     "reaches the store again: rejoin as a new node (default) or exit with status 3"),
+    ("fence_timeout", float, 300.0, "S", "how long a node that cannot reach the coordination "
+     "store (it stopped its workers) waits for it before it leaves the job (default 300)"),
 ]  # fmt: skip
 
 
@@ -210,6 +218,8 @@ def launch_agent(
         torch_events.record(agent.get_event_succeeded(), config.event_log_handler)
         if result is None:  # the rendezvous was closed: nothing to run
             return {}
+        if agent.partition.left is not None:
+            raise NodeLeftError(agent.partition.left)
         if result.is_failed() and result.failures:
             raise ChildFailedError(
                 name=_entrypoint_name(entrypoint, args), failures=result.failures
@@ -264,6 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    except NodeLeftError as exc:
+        print(f"trainguard launch: this node left the job: {exc}", file=sys.stderr)
+        return EXIT_LEFT
     except SignalException as exc:
         print(f"trainguard launch: stopped by {signal.Signals(exc.sigval).name}", file=sys.stderr)
         return 1

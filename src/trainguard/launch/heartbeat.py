@@ -25,6 +25,12 @@ after the rendezvous, with the same ``run_id``, ``generation``, ``nodes``, ``int
 If this process itself saw nothing for a while (the store did not answer, or it got no CPU), that
 time says nothing about the others: it starts every clock afresh, as the rank sidecars do.
 
+A beat that failed (the store did not answer in time: a partition, a store gone) leaves its
+connection behind: a reply that comes late would be read as the answer to the next request, so
+the next beat connects afresh. :attr:`NodeHeartbeat.last_ok` is when the last beat that reached
+the store started (the agent's fence, :mod:`trainguard.launch._fence`, judges it); the first beat
+that reaches the store after failed ones calls ``on_reachable()``.
+
 Ranks of a node: every agent publishes the global ranks of its workers with :func:`publish_ranks`
 so that whoever sees the node lost can name them (:func:`node_ranks`).
 """
@@ -71,6 +77,7 @@ class NodeHeartbeat:
         on_back: called with a node's group rank when a node this heartbeat saw gone beats
             again as its target (a replacement node took its place).
         on_evicted: called once when this node finds itself declared lost by another.
+        on_reachable: called when a beat reached the store after one or more failed.
         clock: monotonic clock in seconds (tests give a fake one and call :meth:`beat`).
 
     Callbacks run on the heartbeat's callback thread (``tg-node-calls``), never on the beat
@@ -91,6 +98,7 @@ class NodeHeartbeat:
         on_lost: Callable[[int], None],
         on_back: Callable[[int], None] | None = None,
         on_evicted: Callable[[], None] | None = None,
+        on_reachable: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not run_id:
@@ -111,8 +119,13 @@ class NodeHeartbeat:
         )
         self.run_id, self.generation, self.node, self.nodes = run_id, generation, node, nodes
         self._on_lost, self._on_back, self._on_evicted = on_lost, on_back, on_evicted
+        self._on_reachable = on_reachable
         self._clock = clock
-        self._store = store.clone() if callable(getattr(store, "clone", None)) else store
+        self._base = store
+        self._store = self._connection()
+        self._failed = False  # the last beat failed: the next one connects afresh
+        #: when (by ``clock``) the last beat that reached the store started; None before.
+        self.last_ok: float | None = None
         self._key = node_key(run_id, generation, node)
         self._instance = uuid.uuid4().hex[:12].encode() + b"/"
         self._sent = 0
@@ -136,6 +149,10 @@ class NodeHeartbeat:
         self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._beats: threading.Thread | None = None
         self._caller: threading.Thread | None = None
+
+    def _connection(self) -> Any:
+        clone = getattr(self._base, "clone", None)
+        return clone() if callable(clone) else self._base
 
     # lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -175,6 +192,7 @@ class NodeHeartbeat:
             try:
                 self.beat()
             except Exception as exc:
+                self._failed = True
                 logger.warning("node %d heartbeat failed: %s", self.node, exc)
 
     def _run_calls(self) -> None:
@@ -203,8 +221,15 @@ class NodeHeartbeat:
         goes on until two live nodes are found) and once per new successor (its key is made
         sure to exist)."""
         asked = self._clock()
+        if self._failed:
+            self._store = self._connection()  # raises while the store is out of reach
         if not self._beat_own():
             return
+        self.last_ok = asked
+        if self._failed:
+            self._failed = False
+            logger.warning("node %d reached the coordination store again", self.node)
+            self._call(self._on_reachable)
         lives, start, end = 0, 0, self._window
         self.target = None
         while start < end:

@@ -13,7 +13,10 @@ from datetime import timedelta
 from trainguard._timeouts import Timeout, seconds, shorter
 from trainguard.errors import ConfigError
 
-__all__ = ["LaunchOptions"]
+__all__ = ["ON_EVICTED", "LaunchOptions"]
+
+#: the values of ``on_evicted`` (``--tg-on-evicted``)
+ON_EVICTED = ("rejoin", "exit")
 
 
 def _backoff(value: Timeout) -> float:
@@ -43,6 +46,13 @@ class LaunchOptions:
             agents (``--tg-exit-barrier-timeout``; torch's own default is 300 s).
         events_dir: directory of the event log of the agents and workers (``--tg-events-dir``;
             default ``TRAINGUARD_EVENTS_DIR``).
+        on_evicted: what a node that was declared lost (cut off, or too slow) does once it
+            reaches the store again: ``"rejoin"`` (default: it takes a free place of the job
+            as a new node, its workers admitted at a round boundary) or ``"exit"`` (it leaves
+            the job: exit status 3) (``--tg-on-evicted``).
+        fence_timeout: how long a node that fenced itself (it could not reach the coordination
+            store) waits for the store before it leaves the job (``--tg-fence-timeout``,
+            default 300 s).
 
     Timeouts are keyword-only, in seconds or as a ``timedelta``.
     """
@@ -55,6 +65,8 @@ class LaunchOptions:
     heartbeat_timeout: float
     exit_barrier_timeout: float
     events_dir: str | None
+    on_evicted: str
+    fence_timeout: float
 
     def __init__(
         self,
@@ -67,6 +79,8 @@ class LaunchOptions:
         heartbeat_timeout: Timeout = 10.0,
         exit_barrier_timeout: Timeout = 30.0,
         events_dir: str | None = None,
+        on_evicted: str = "rejoin",
+        fence_timeout: Timeout = 300.0,
     ) -> None:
         def put(name: str, value: object) -> None:
             object.__setattr__(self, name, value)
@@ -106,3 +120,17 @@ class LaunchOptions:
         if events_dir is not None and not isinstance(events_dir, str):
             raise ConfigError(f"events_dir={events_dir!r} must be a directory path (a str)")
         put("events_dir", events_dir or None)
+        if on_evicted not in ON_EVICTED:
+            raise ConfigError(
+                f"on_evicted={on_evicted!r}: pass --tg-on-evicted rejoin (take a free place "
+                "again) or exit (leave the job)"
+            )
+        put("on_evicted", on_evicted)
+        put("fence_timeout", seconds("fence_timeout", fence_timeout))
+        shorter(
+            "heartbeat_timeout",
+            self.heartbeat_timeout,
+            "fence_timeout",
+            self.fence_timeout,
+            "a node cut off from the store waits at least one heartbeat timeout for it",
+        )

@@ -1,0 +1,95 @@
+"""``trainguard launch`` with the Wrapper on emulated hosts: deaths, replacements, partitions.
+
+3 hosts x 2 workers, ``FillGaps`` + ``MaxActiveWorldSize(4)`` (2 spares), node heartbeat timeout
+3 s. Every scenario checks every active rank's result, the agents' exit codes and that no process
+is left (the ``cluster`` fixture).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.cluster._hosts import Cluster
+from tests.cluster._job import HostJob, records
+
+pytestmark = pytest.mark.timeout(150)
+
+HB = ["--tg-heartbeat-interval=0.5", "--tg-heartbeat-timeout=3", "--tg-exit-barrier-timeout=20"]
+
+
+def _job(c: Cluster, tmp_path: Path, steps: int = 60, **kw: object) -> tuple[HostJob, Path]:
+    out = tmp_path / "out"
+    out.mkdir()
+    worker = ["wrapper", str(out), "--active=4", f"--steps={steps}", "--step=0.1"]
+    job = HostJob(c, tmp_path, nproc=2, worker=worker, extra=[*HB, "--max-restarts=0"], **kw)  # type: ignore[arg-type]
+    return job, out
+
+
+def _round(out: Path, n: int, step: int = 3, world: int = 4) -> bool:
+    """Every active rank of round ``n`` reached ``step`` in a world of ``world``."""
+    got = {
+        s["rank"]
+        for s in records(out / "steps.jsonl")
+        if s["round"] >= n and s["step"] >= step and s["world"] == world
+    }
+    return len(got) >= world
+
+
+def _results(out: Path) -> list[str]:
+    return sorted(p.read_text() for p in out.glob("result-*"))
+
+
+def _starts(out: Path) -> list[dict[str, object]]:
+    return records(out / "starts.jsonl")
+
+
+def test_partition_and_heal_of_a_host_that_is_not_the_store_s(
+    cluster: Callable[[int], Cluster], tmp_path: Path
+) -> None:
+    """h2 (active ranks 2 and 3) cut off for 12 s: h3's spares take its ranks, h2 fences
+    itself, and after the heal it rejoins as a new node: no whole-job restart, every agent
+    ends with 0, every rank's result is right."""
+    c = cluster(3)
+    job, out = _job(c, tmp_path, steps=100)
+    job.start()
+    job.wait_for(lambda: _round(out, 0), what="round 0 running on 4 ranks", timeout=90)
+    h2 = c.hosts[1]
+    before = {s["pid"] for s in _starts(out) if s["rank"] in (2, 3)}
+    cut_at = time.monotonic()
+    c.cut(h2)
+    job.wait_for(lambda: _round(out, 1), what="the others training again without h2", timeout=40)
+    again = time.monotonic() - cut_at
+    # h2 fenced itself: its workers are gone while it is still cut off
+    job.wait_for(
+        lambda: not any(_alive(p) for p in before), what="h2's workers stopped", timeout=10
+    )
+    time.sleep(max(0.0, 12 - (time.monotonic() - cut_at)))
+    c.heal(h2)
+    healed = time.monotonic()
+    job.wait_for(
+        lambda: len([s for s in _starts(out) if s["incarnation"] not in ("0", None)]) >= 2,
+        what="h2's workers started again as newcomers",
+        timeout=40,
+    )
+    back = time.monotonic() - healed
+    codes = job.wait(timeout=100)
+    out_text = job.output()
+    assert codes == {"h1": 0, "h2": 0, "h3": 0}, out_text
+    assert {s["generation"] for s in _starts(out)} == {"0"}, "the job was restarted"
+    assert _results(out) == ["4", "4", "4", "4", "spare", "spare"], out_text
+    assert "whole-job restart" not in out_text
+    print(f"training again {again:.1f} s after the cut; h2 back {back:.1f} s after the heal")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
