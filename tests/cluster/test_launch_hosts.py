@@ -8,6 +8,7 @@ is left (the ``cluster`` fixture).
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -93,3 +94,83 @@ def _alive(pid: int) -> bool:
         return False
     stat = Path(f"/proc/{pid}/stat")
     return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _worker_pids(out: Path, ranks: tuple[int, ...]) -> set[int]:
+    return {int(s["pid"]) for s in _starts(out) if s["rank"] in ranks}  # type: ignore[call-overload]
+
+
+def test_a_worker_killed_on_a_host_is_respawned_and_the_job_ends_right(
+    cluster: Callable[[int], Cluster], tmp_path: Path
+) -> None:
+    c = cluster(3)
+    job, out = _job(c, tmp_path, steps=40)
+    job.start()
+    job.wait_for(lambda: _round(out, 0), what="round 0 running on 4 ranks", timeout=90)
+    (victim,) = _worker_pids(out, (2,))
+    os.kill(victim, signal.SIGKILL)
+    job.wait_for(
+        lambda: any(s["rank"] == 2 and s["incarnation"] == "1" for s in _starts(out)),
+        what="rank 2 respawned on h2",
+        timeout=30,
+    )
+    codes = job.wait(timeout=100)
+    assert codes == {"h1": 0, "h2": 0, "h3": 0}, job.output()
+    assert {s["generation"] for s in _starts(out)} == {"0"}
+    assert _results(out) == ["4", "4", "4", "4", "spare", "spare"], job.output()
+
+
+def test_a_dead_host_is_replaced_by_a_new_host_while_the_others_train(
+    cluster: Callable[[int], Cluster], tmp_path: Path
+) -> None:
+    """Every process of h2 SIGKILLed: h1 and h3 go on (h3's spares take ranks 2 and 3); a new
+    host h4 started for it takes its place and its workers join as newcomers."""
+    c = cluster(4)
+    job, out = _job(c, tmp_path, steps=70, hosts=c.hosts[:3])
+    job.start()
+    job.wait_for(lambda: _round(out, 0), what="round 0 running on 4 ranks", timeout=90)
+    c.kill_host(c.hosts[1])
+    job.wait_for(lambda: _round(out, 1), what="the others training again without h2", timeout=40)
+    job.add(c.hosts[3])
+    job.wait_for(
+        lambda: len([s for s in _starts(out) if s["incarnation"] not in ("0", None)]) >= 2,
+        what="h4's workers started in h2's place",
+        timeout=60,
+    )
+    codes = job.wait(["h1", "h3", "h4"], timeout=100)
+    assert codes == {"h1": 0, "h3": 0, "h4": 0}, job.output()
+    assert job.agents["h2"].poll() == -signal.SIGKILL
+    assert {s["generation"] for s in _starts(out)} == {"0"}
+    assert _results(out) == ["4", "4", "4", "4", "spare", "spare"], job.output()
+
+
+def test_partition_of_the_store_s_host_the_store_s_side_goes_on_the_other_side_fences(
+    cluster: Callable[[int], Cluster], tmp_path: Path
+) -> None:
+    """h1 hosts the store (the first agent) and is cut off for 12 s: h1 is the job and goes on
+    with its own ranks; h2 and h3 fence themselves before h1 counts them out (no step of
+    theirs after h1 trains alone: never two sides at once), then rejoin after the heal."""
+    c = cluster(3)
+    job, out = _job(c, tmp_path, steps=100)
+    job.start()
+    job.wait_for(lambda: _round(out, 0), what="round 0 running on 4 ranks", timeout=90)
+    others = _worker_pids(out, (2, 3, 4, 5))
+    cut_at = time.time()
+    c.cut(c.hosts[0])
+    job.wait_for(
+        lambda: _round(out, 1, world=2), what="h1 training alone with 2 ranks", timeout=40
+    )
+    alone = min(
+        s["time"] for s in records(out / "steps.jsonl") if s["round"] >= 1 and s["world"] == 2
+    )
+    time.sleep(max(0.0, 12 - (time.time() - cut_at)))
+    c.heal(c.hosts[0])
+    codes = job.wait(timeout=110)
+    steps = records(out / "steps.jsonl")
+    late = [s for s in steps if s["pid"] in others and s["time"] >= alone]
+    assert late == [], "h2 or h3 trained while h1 trained alone"
+    assert codes == {"h1": 0, "h2": 0, "h3": 0}, job.output()
+    assert {s["generation"] for s in _starts(out)} == {"0"}
+    rejoined = [s for s in _starts(out) if s["incarnation"] not in ("0", None)]
+    assert len(rejoined) == 4, job.output()
+    print(f"h1 alone {alone - cut_at:.1f} s after the cut; results {_results(out)}")
