@@ -151,20 +151,19 @@ def test_partition_of_the_store_s_host_the_store_s_side_goes_on_the_other_side_f
     with its own ranks; h2 and h3 fence themselves before h1 counts them out (no step of
     theirs after h1 trains alone: never two sides at once), then rejoin after the heal."""
     c = cluster(3)
-    job, out = _job(c, tmp_path, steps=100)
+    job, out = _job(c, tmp_path, steps=250)
     job.start()
     job.wait_for(lambda: _round(out, 0), what="round 0 running on 4 ranks", timeout=90)
     others = _worker_pids(out, (2, 3, 4, 5))
     cut_at = time.time()
     c.cut(c.hosts[0])
-    job.wait_for(
-        lambda: _round(out, 1, world=2), what="h1 training alone with 2 ranks", timeout=40
-    )
+    job.wait_for(lambda: _round(out, 1, world=2), what="h1 training alone with 2 ranks", timeout=40)
     alone = min(
         s["time"] for s in records(out / "steps.jsonl") if s["round"] >= 1 and s["world"] == 2
     )
     time.sleep(max(0.0, 12 - (time.time() - cut_at)))
     c.heal(c.hosts[0])
+    job.wait_for(lambda: _round(out, 2), what="the job back at 4 active ranks", timeout=60)
     codes = job.wait(timeout=110)
     steps = records(out / "steps.jsonl")
     late = [s for s in steps if s["pid"] in others and s["time"] >= alone]
@@ -173,4 +172,5 @@ def test_partition_of_the_store_s_host_the_store_s_side_goes_on_the_other_side_f
     assert {s["generation"] for s in _starts(out)} == {"0"}
     rejoined = [s for s in _starts(out) if s["incarnation"] not in ("0", None)]
     assert len(rejoined) == 4, job.output()
+    assert _results(out) == ["4", "4", "4", "4", "spare", "spare"], job.output()
     print(f"h1 alone {alone - cut_at:.1f} s after the cut; results {_results(out)}")
