@@ -33,8 +33,8 @@ import shlex
 import sys
 from collections.abc import Mapping
 
+from trainguard._hostlist import first_host
 from trainguard.errors import ConfigError
-from trainguard.restart._launch import first_host
 
 __all__ = ["DEFAULT_PORT", "slurm_launch_args"]
 

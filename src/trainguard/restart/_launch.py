@@ -24,6 +24,7 @@ import sys
 from collections.abc import Iterator, Mapping
 
 from trainguard import _env
+from trainguard._hostlist import first_host
 from trainguard.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -52,18 +53,6 @@ def attempt_suffix(env: Mapping[str, str], generation: int | None) -> str:
             f"TORCHELASTIC_RESTART_COUNT={restarts!r} must be an integer >= 0; unset it"
         )
     return f"-a{restarts}" if restarts else ""
-
-
-def first_host(nodelist: str) -> str:
-    """The first host of a Slurm node list such as ``node[03-05,9],gpu1``."""
-    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not m:
-        raise ConfigError(f"cannot read SLURM_JOB_NODELIST={nodelist!r}; set MASTER_ADDR")
-    prefix, ranges = m.group(1), m.group(2)
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
 
 
 def detect(environ: Mapping[str, str] | None = None) -> Launch:
