@@ -58,11 +58,14 @@ class HostJob:
         hosts: Sequence[Host] | None = None,
         rdzv_host: Host | None = None,
         timeout: float = 120.0,
+        module: str = "trainguard.launch",
+        nodes: str | None = None,
     ) -> None:
         self.cluster, self.tmp = cluster, tmp
         self.hosts = list(cluster.hosts if hosts is None else hosts)
         self.rdzv_host = rdzv_host or self.hosts[0]
         self.nproc, self.worker, self.extra = nproc, list(worker), list(extra)
+        self.module, self.nodes = module, nodes  # torchrun: "torch.distributed.run", "2:3"
         self.run_id = f"tgcl-{uuid.uuid4().hex[:10]}"
         self.env = dict(os.environ, TG_TEST_RUN=self.run_id, **(env or {}))
         self.env["PYTHONPATH"] = os.pathsep.join(
@@ -72,13 +75,13 @@ class HostJob:
         self.agents: dict[str, subprocess.Popen[bytes]] = {}  # log name -> process
         self.logs: list[Path] = []
 
-    def command(self, host: Host, *, nodes: str | int | None = None) -> list[str]:
+    def command(self, host: Host) -> list[str]:
         is_host = int(host == self.rdzv_host)
         return [
             sys.executable,
             "-m",
-            "trainguard.launch",
-            f"--nnodes={nodes if nodes is not None else len(self.hosts)}",
+            self.module,
+            f"--nnodes={self.nodes or len(self.hosts)}",
             f"--nproc-per-node={self.nproc}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={self.rdzv_host.name}:{RDZV_PORT}",

@@ -11,7 +11,8 @@ Modes:
 - ``env``: write the environment to ``OUT/env-<rank>.json`` and exit 0.
 - ``gloo``: (imports torch) init a gloo group from torchrun's variables, ``--steps`` all_reduces
   (rank ``--crash-rank`` of generation ``--crash-gen`` exits 3 after the first), write the sum
-  of the last one to ``OUT/sum-<rank>``.
+  of the last one to ``OUT/sum-<rank>``; ``--log-steps``: append each step to
+  ``OUT/steps.jsonl`` (``round`` is torchrun's restart count).
 - ``wrapper``: (imports torch) a :class:`trainguard.restart.Wrapper` job (``FillGaps`` and
   ``MaxActiveWorldSize(--active)``): each round inits gloo and runs ``--steps`` all_reduces of
   ones, appending ``{rank, initial, pid, round, world, step, sum}`` to ``OUT/steps.jsonl``;
@@ -74,6 +75,12 @@ def gloo(out: Path, rank: int, args: argparse.Namespace) -> int:
     for step in range(args.steps or 3):
         total = torch.ones(1)
         dist.all_reduce(total)
+        if args.log_steps:
+            restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            record = {"rank": rank, "pid": os.getpid(), "round": restarts, "step": step}
+            _append(
+                out / "steps.jsonl", {**record, "world": dist.get_world_size(), "time": time.time()}
+            )
         crash = args.crash_rank == rank and os.environ.get("TRAINGUARD_GENERATION") == str(
             args.crash_gen
         )
@@ -148,6 +155,7 @@ def main() -> int:
     parser.add_argument("--raise-gen", type=int, default=None)
     parser.add_argument("--gil-hang-rank", type=int, default=None)
     parser.add_argument("--hard-timeout", type=float, default=20.0)
+    parser.add_argument("--log-steps", action="store_true")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     _append(
