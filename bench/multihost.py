@@ -119,15 +119,17 @@ def partition(kind: str, cut: float, limit: float) -> dict[str, Any]:
         healed = time.time()
         row: dict[str, Any] = {"training_again_s": None if got is None else got - t}
         if kind == "trainguard":
-            ready = _wait(
-                lambda: sorted(
+
+            def back() -> list[float] | None:
+                ready = sorted(
                     r["time"] for r in records(out / "ready.jsonl") if r["time"] > healed
-                ),
-                limit,
-            )
-            row["heal_to_workers_back_s"] = (
-                ready[-1] - healed if ready and len(ready) >= 2 else None
-            )
+                )
+                return ready if len(ready) >= 2 else None
+
+            ready = _wait(back, limit)
+            if ready is None:
+                print(f"{kind}: h2's workers not back within {limit:g} s\n{job.output(25)}")
+            row["heal_to_workers_back_s"] = None if ready is None else ready[1] - healed
         return row
 
 

@@ -26,6 +26,8 @@ VARIABLES: dict[str, str] = {
     "TRAINGUARD_JOB_ID": "job token that separates two jobs sharing one store",
     "TRAINGUARD_JOB_SECRET": "per-job secret in every store key (16+ of A-Z a-z 0-9 _ -); the "
     "same on every node",
+    "TRAINGUARD_INSECURE": "'1': let a job on several hosts run without TRAINGUARD_JOB_SECRET (the "
+    "secret is then handed over in the store, where any host that reaches it can read it)",
     "TRAINGUARD_GENERATION": "global generation of a job under `trainguard launch` (0, 1, ..: "
     "bumped at each whole-job restart); set by the launcher",
     "TRAINGUARD_INCARNATION": "how many times the launcher respawned this worker's slot in this "
@@ -47,6 +49,7 @@ class Settings:
     store_addr: tuple[str, int] | None = None
     job_id: str | None = None
     job_secret: str | None = None
+    insecure: bool = False
     generation: int | None = None
     incarnation: int = 0
     agent: str | None = None
@@ -82,6 +85,14 @@ def _count(name: str, value: str, setter: str = "the launcher") -> int:
             f"{name}={value!r} must be a whole number >= 0 ({setter} sets it); unset it"
         )
     return int(value)
+
+
+def _flag(name: str, value: str | None) -> bool:
+    if value in (None, "0"):
+        return False
+    if value == "1":
+        return True
+    raise ConfigError(f"{name}={value!r} must be 1 or 0; set one of them or unset it")
 
 
 def _sidecar(value: str) -> str:
@@ -120,6 +131,7 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
         store_addr=_parse_addr(addr) if addr else None,
         job_id=get("TRAINGUARD_JOB_ID"),
         job_secret=_check_secret(secret) if (secret := get("TRAINGUARD_JOB_SECRET")) else None,
+        insecure=_flag("TRAINGUARD_INSECURE", get("TRAINGUARD_INSECURE")),
         generation=_count("TRAINGUARD_GENERATION", generation) if generation else None,
         incarnation=_count("TRAINGUARD_INCARNATION", incarnation) if incarnation else 0,
         agent=get("TRAINGUARD_AGENT"),

@@ -67,7 +67,10 @@ class HostJob:
         self.nproc, self.worker, self.extra = nproc, list(worker), list(extra)
         self.module, self.nodes = module, nodes  # torchrun: "torch.distributed.run", "2:3"
         self.run_id = f"tgcl-{uuid.uuid4().hex[:10]}"
-        self.env = dict(os.environ, TG_TEST_RUN=self.run_id, **(env or {}))
+        # a job on several hosts needs a secret (the launcher refuses to start without one)
+        secret = {"TRAINGUARD_JOB_SECRET": uuid.uuid4().hex}
+        self.env = dict(os.environ, TG_TEST_RUN=self.run_id, **{**secret, **(env or {})})
+        self.env = {k: v for k, v in self.env.items() if v != "-"}  # "-": leave it out
         self.env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(ROOT / "src"), str(ROOT), self.env.get("PYTHONPATH", "")) if p
         )

@@ -174,3 +174,19 @@ def test_partition_of_the_store_s_host_the_store_s_side_goes_on_the_other_side_f
     assert len(rejoined) == 4, job.output()
     assert _results(out) == ["4", "4", "4", "4", "spare", "spare"], job.output()
     print(f"h1 alone {alone - cut_at:.1f} s after the cut; results {_results(out)}")
+
+
+def test_a_job_on_several_hosts_without_a_job_secret_does_not_start(
+    cluster: Callable[[int], Cluster], tmp_path: Path
+) -> None:
+    c = cluster(2)
+    out = tmp_path / "out"
+    out.mkdir()
+    job = HostJob(
+        c, tmp_path, nproc=1, worker=["run", str(out)], env={"TRAINGUARD_JOB_SECRET": "-"}
+    )
+    job.start()
+    codes = job.wait(timeout=60)
+    assert codes == {"h1": 2, "h2": 2}, job.output()
+    assert job.output().count("TRAINGUARD_JOB_SECRET to the same random value") == 2
+    assert not (out / "starts.jsonl").exists()

@@ -11,9 +11,11 @@ Where it comes from (decided by :func:`source`, the same on every rank):
   private directory (:func:`trainguard._private.private_dir`, mode 0600) named after a digest
   of it, and puts only the digest in the store (:attr:`Keyspace.handover`); the others read
   the digest and then the file. Other users of the machine never see the secret.
-- ``store``: otherwise (ranks on several hosts, no variable): rank 0 creates it and puts it
-  in the store itself, so anyone who can reach the store and knows this protocol can read it:
-  it only keeps out blind writes. Rank 0 logs a warning that says to set the variable.
+- ``store``: otherwise (ranks on several hosts, no variable), and only when
+  ``TRAINGUARD_INSECURE=1`` says so: rank 0 creates it and puts it in the store itself, so
+  anyone who can reach the store and knows this protocol can read it: it only keeps out blind
+  writes. Rank 0 logs a warning that says to set the variable. Without ``TRAINGUARD_INSECURE``
+  such a job refuses to start (:class:`~trainguard.errors.ConfigError` naming the fix).
 
 The secret travels to the library's helper processes on their stdin, never on a command line.
 """
@@ -34,7 +36,7 @@ from trainguard import _env, _private
 from trainguard.coord import barrier
 from trainguard.coord._bind import is_loopback
 from trainguard.coord.keys import Keyspace
-from trainguard.errors import CoordinationError
+from trainguard.errors import ConfigError, CoordinationError
 
 __all__ = ["Handover", "current", "source"]
 
@@ -74,6 +76,15 @@ class Handover:
     :meth:`close` at the end of the call (rank 0 removes its file)."""
 
     def __init__(self, keys: Keyspace, how: Source) -> None:
+        if how == "store" and not _env.settings().insecure:
+            raise ConfigError(
+                "this job runs on several hosts (MASTER_ADDR is not a loopback address) and "
+                "TRAINGUARD_JOB_SECRET is not set: without it the job secret would travel "
+                "through the store, where any host that reaches it can read it. Set "
+                "TRAINGUARD_JOB_SECRET to the same random value on every node (e.g. the output "
+                "of `openssl rand -hex 16`; `trainguard launch` hands its own to its workers), "
+                "or set TRAINGUARD_INSECURE=1 to run without that protection"
+            )
         self.keys = keys
         self.how = how
         self.secret = _env.settings().job_secret if how == "env" else None

@@ -9,7 +9,7 @@ torch's rendezvous, before the workers start):
    counter with ``add`` (the generation never repeats for a run id in one store, even when
    another agent hosts the store after a membership change: it starts from the last generation
    it saw plus one).
-2. It publishes ``{"addr": "host:port", "generation": g}`` under :data:`PUBLISHED` in the
+2. It publishes ``{"addr": "host:port", "generation": g}`` under ``published_key()`` in the
    round's rendezvous store (a fresh key prefix each round, so no agent reads an old one).
 3. Every other agent reads that key (blocking, with the rendezvous store's timeout) and
    connects to the address.
@@ -30,19 +30,15 @@ from typing import Any
 from trainguard.coord import _bind
 from trainguard.coord.store import connect, parse_addr
 from trainguard.errors import CoordinationError
-from trainguard.launch._keys import escalate_key, generation_key
+from trainguard.launch._keys import escalate_key, generation_key, published_key
 
 __all__ = [
-    "PUBLISHED",
     "CoordStore",
     "Generation",
     "format_addr",
 ]
 
 logger = logging.getLogger(__name__)
-
-#: key in the round's rendezvous store where agent 0 publishes the store and the generation.
-PUBLISHED = "trainguard/launch/coord"
 
 
 def format_addr(host: str, port: int) -> str:
@@ -84,10 +80,10 @@ class CoordStore:
         if group_rank == 0:
             addr = self._open(advertise, bind)
             generation = self._bump(run_id)
-            rdzv_store.set(PUBLISHED, json.dumps({"addr": addr, "generation": generation}))
+            rdzv_store.set(published_key(), json.dumps({"addr": addr, "generation": generation}))
         else:
             try:
-                published = json.loads(rdzv_store.get(PUBLISHED))
+                published = json.loads(rdzv_store.get(published_key()))
                 addr, generation = str(published["addr"]), int(published["generation"])
             except Exception as exc:
                 raise CoordinationError(

@@ -11,12 +11,17 @@ replacement node may take).
 
 from __future__ import annotations
 
+import hashlib
+
+from trainguard import _env
+
 __all__ = [
     "escalate_key",
     "exit_key",
     "generation_key",
     "node_key",
     "prefix",
+    "published_key",
     "ranks_key",
     "replaced_key",
     "vacant_key",
@@ -24,8 +29,15 @@ __all__ = [
 
 
 def prefix(run_id: str) -> str:
-    """``trainguard/launch/<run_id>/``: every launcher key of one run starts with it."""
-    return f"trainguard/launch/{run_id}/"
+    """``trainguard/launch/<run_id>/[<secret digest>/]``: every launcher key of one run starts
+    with it. With ``TRAINGUARD_JOB_SECRET`` set (required for a job on several hosts; the launcher
+    hands it to its workers) the prefix carries a digest of it, so that nobody who can reach the
+    stores but does not know the secret can name, read or forge a key of the job."""
+    secret = _env.settings().job_secret
+    if secret is None:
+        return f"trainguard/launch/{run_id}/"
+    digest = hashlib.sha256(f"trainguard-launch/{run_id}/{secret}".encode()).hexdigest()[:32]
+    return f"trainguard/launch/{run_id}/{digest}/"
 
 
 def generation_key(run_id: str) -> str:
@@ -54,3 +66,9 @@ def replaced_key(run_id: str, generation: int, node: int) -> str:
 
 def vacant_key(run_id: str) -> str:
     return prefix(run_id) + "vacant"
+
+
+def published_key() -> str:
+    """Where agent 0 publishes the coordination store and the generation, in the round's
+    rendezvous store (torch gives each round a prefix of its own)."""
+    return prefix("coord")

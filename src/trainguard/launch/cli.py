@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from trainguard.errors import ConfigError, NodeLeftError, RestartError
+from trainguard.launch._jobsecret import establish
 from trainguard.launch.options import LaunchOptions
 
 if TYPE_CHECKING:
@@ -56,6 +57,10 @@ TG_OPTIONS: list[tuple[str, type, Any, str, str]] = [
      "(default: TRAINGUARD_EVENTS_DIR)"),
     ("on_evicted", str, "rejoin", "{rejoin,exit}", "what a node declared lost does when it "
      "reaches the store again: rejoin as a new node (default) or exit with status 3"),
+    ("secret_file", str, None, "PATH", "file (mode 600, the same on every node) whose first line "
+     "is the job secret; default TRAINGUARD_JOB_SECRET; a job on several hosts needs one"),
+    ("insecure", bool, False, "", "let a job on several hosts run without a job secret (any "
+     "host that reaches its stores can read and forge its keys)"),
     ("fence_timeout", float, 300.0, "S", "how long a node that cannot reach the coordination "
      "store (it stopped its workers) waits for it before it leaves the job (default 300)"),
 ]  # fmt: skip
@@ -75,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     tg = parser.add_argument_group("trainguard", "what trainguard launch adds to torchrun")
     for field, kind, default, metavar, text in TG_OPTIONS:
         flag = "--tg-" + field.replace("_", "-")
+        if kind is bool:
+            tg.add_argument(flag, dest=f"tg_{field}", action="store_true", help=text)
+            continue
         tg.add_argument(
             flag, dest=f"tg_{field}", type=kind, default=default, metavar=metavar, help=text
         )
@@ -262,6 +270,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         parser.error(str(exc))
     normalize(args)
+    try:
+        establish(
+            endpoint=args.rdzv_endpoint or "",
+            secret_file=options.secret_file,
+            insecure=options.insecure,
+        )
+    except ConfigError as exc:
+        parser.error(str(exc))
     config, cmd, cmd_args = config_from_args(args)
     if not isinstance(cmd, str):  # pragma: no cover - only --run-path gives a function
         parser.error("trainguard launch runs a command per worker; drop --run-path")

@@ -50,6 +50,10 @@ class LaunchOptions:
             reaches the store again: ``"rejoin"`` (default: it takes a free place of the job
             as a new node, its workers admitted at a round boundary) or ``"exit"`` (it leaves
             the job: exit status 3) (``--tg-on-evicted``).
+        secret_file: a file (mode 600, the same on every node) whose first line is the job
+            secret (``--tg-secret-file``; default ``TRAINGUARD_JOB_SECRET``). A job on several
+            hosts needs a secret (:mod:`trainguard.launch._jobsecret`).
+        insecure: let a job on several hosts run without one (``--tg-insecure``).
         fence_timeout: how long a node that fenced itself (it could not reach the coordination
             store) waits for the store before it leaves the job (``--tg-fence-timeout``,
             default 300 s).
@@ -67,6 +71,8 @@ class LaunchOptions:
     events_dir: str | None
     on_evicted: str
     fence_timeout: float
+    secret_file: str | None
+    insecure: bool
 
     def __init__(
         self,
@@ -81,6 +87,8 @@ class LaunchOptions:
         events_dir: str | None = None,
         on_evicted: str = "rejoin",
         fence_timeout: Timeout = 300.0,
+        secret_file: str | None = None,
+        insecure: bool = False,
     ) -> None:
         def put(name: str, value: object) -> None:
             object.__setattr__(self, name, value)
@@ -126,6 +134,10 @@ class LaunchOptions:
                 "again) or exit (leave the job)"
             )
         put("on_evicted", on_evicted)
+        if secret_file is not None and not isinstance(secret_file, str):
+            raise ConfigError(f"secret_file={secret_file!r} must be a file path (a str)")
+        put("secret_file", secret_file or None)
+        put("insecure", bool(insecure))
         put("fence_timeout", seconds("fence_timeout", fence_timeout))
         shorter(
             "heartbeat_timeout",
