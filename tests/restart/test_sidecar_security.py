@@ -174,3 +174,15 @@ def test_the_sidecar_runs_without_torch_and_writes_the_death_notice(store, watch
         assert outcome["type"] == "RankGone" and outcome["rank"] == 0, outcome
     finally:
         sidecar.stop(10)
+
+
+def test_a_forged_complete_outcome_never_swallows_a_ranks_exception() -> None:
+    from tests._dist import run_ranks
+    from tests.restart._secjobs import forged_complete_job
+
+    env = {"TRAINGUARD_JOB_ID": "forged", "TRAINGUARD_JOB_SECRET": "known-to-the-forger-0123"}
+    results = run_ranks(forged_complete_job, 2, env=env, timeout=120)
+    assert results[0].get() == 7  # it returned: the store said the round completed
+    assert not results[1].returned or results[1].exc_type is not None, "rank 1 returned normally"
+    assert results[1].exc_type == "builtins.ValueError", (results[1].exc_type, results[1].error)
+    assert "rank 1 failed in round 0" in (results[1].error or "")

@@ -75,6 +75,7 @@ class WrappedCall:
         self.left_early = False
         self.entered = False  # this process entered a round (a newcomer may never)
         self.round_store: str | None = None  # the round store's "host:port" (ready["pg"])
+        self.raised: Exception | None = None  # what the function raised in this round
         self.state = RoundState(
             round=0, initial_rank=self.launch.rank, initial_world_size=self.launch.world_size
         )
@@ -197,6 +198,7 @@ class WrappedCall:
                 raise leaving
             self._enter(n, ready)
             outcome, value, fault = self._round(n, ready)
+            self._check_raised(n, outcome)
             if self.preconnect is not None:
                 self.preconnect.forget(n)
             if outcome.why == "complete":
@@ -283,6 +285,7 @@ class WrappedCall:
         value: Any = None
         fault: str | None = None
         returned = False
+        self.raised = None
         try:
             with _launch.round_environment(self._round_env(ready["pg"])):
                 try:
@@ -298,6 +301,7 @@ class WrappedCall:
                     self._leave_fn()
                 except Exception as exc:
                     self._leave_fn()
+                    self.raised = exc
                     fault = self._fault(n, exc)
                 except BaseException as exc:
                     self._leave_fn()
@@ -313,6 +317,25 @@ class WrappedCall:
             self.session.complete(n, state.world_size)
             return self._wait(n, self.cfg.completion_timeout, "completion"), value, None
         return self._wait(n, self.cfg.barrier_timeout, "abort"), None, fault
+
+    def _check_raised(self, n: int, outcome: RoundOutcome) -> None:
+        """The function raised in round ``n`` on this rank, yet the round's outcome says it
+        completed: only a write by someone else says that (a round completes when every
+        active rank returned, and this one did not). The rank never returns normally then:
+        it re-raises its own exception (the job cannot restart a round the others left)."""
+        exc, self.raised = self.raised, None
+        if exc is None or outcome.why != "complete":
+            return
+        logger.error(
+            "rank %d: the function raised %s in round %d but the store says the round "
+            "completed; something other than this job wrote the round's outcome (give each job "
+            "its own store and set TRAINGUARD_JOB_SECRET): raising the function's exception",
+            self.launch.rank,
+            describe(exc),
+            n,
+        )
+        events.emit("outcome_contradicted", error=describe(exc))
+        raise exc
 
     def _round_env(self, pg: str) -> dict[str, str]:
         """The launcher's variables for this round (the round's own store at ``pg``)."""
