@@ -4,14 +4,17 @@ be planted, and garbage in a heartbeat key does not stop it judging the other ra
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,9 +22,11 @@ from typing import Any
 import pytest
 
 from trainguard.coord import Keyspace
+from trainguard.errors import CoordinationError
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.policy import ShiftRanks
-from trainguard.restart.sidecar import Sidecar, SidecarConfig
+from trainguard.restart.sidecar import AgentSidecar, Sidecar, SidecarConfig, _node
+from trainguard.restart.sidecar._nodeclient import NodeSidecar
 
 
 @pytest.fixture()
@@ -186,3 +191,74 @@ def test_a_forged_complete_outcome_never_swallows_a_ranks_exception() -> None:
     assert not results[1].returned or results[1].exc_type is not None, "rank 1 returned normally"
     assert results[1].exc_type == "builtins.ValueError", (results[1].exc_type, results[1].error)
     assert "rank 1 failed in round 0" in (results[1].error or "")
+
+
+def _squat(name: str, user: int | None, out: int) -> None:
+    """The forked child of :func:`_squatter`: it never returns."""
+    try:
+        if user is not None:
+            os.setuid(user)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind("\0" + name)
+        sock.listen(8)
+        os.write(out, b"ready\n")
+        data = b""
+        if select.select([sock], [], [], 30)[0]:
+            conn, _ = sock.accept()
+            conn.settimeout(5)
+            with contextlib.suppress(OSError):
+                while chunk := conn.recv(65536):
+                    data += chunk
+        os.write(out, data.hex().encode() + b"\n")
+    finally:
+        os._exit(0)
+
+
+@contextlib.contextmanager
+def _squatter(name: str, *, user: int | None) -> Iterator[Callable[[], bytes]]:
+    """A process that took the abstract socket name ``name`` first (forked, then running as
+    ``user``); yields a call that returns every byte it was sent, once its connection closed."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        _squat(name, user, w)
+    os.close(w)
+    reader = os.fdopen(r, "rb")
+    try:
+        assert reader.readline() == b"ready\n"
+        yield lambda: bytes.fromhex(reader.readline().decode().strip())
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        reader.close()
+
+
+def _secret_config(store: Any) -> SidecarConfig:
+    config = _config(store, os.getpid())
+    secret = "a-secret-the-squatter-must-not-see-0123"
+    return dataclasses.replace(config, job="sq", secret=secret)
+
+
+def test_a_node_watcher_socket_held_by_another_user_gets_nothing(store) -> None:
+    config = _secret_config(store)
+    with _squatter(_node.address(config.keys), user=65534) as received:  # binds it first
+        sidecar = NodeSidecar(config).start()
+        with pytest.raises(CoordinationError) as refused:
+            sidecar.handshake(5)
+        assert config.secret.encode() not in received()
+        assert "runs as user 65534, not as" in str(refused.value)
+
+
+@pytest.mark.parametrize("user", [65534, None])
+def test_an_agent_socket_held_by_another_process_gets_nothing(store, user) -> None:
+    # another user's listener, or one of this user that is not the rank's parent (its child)
+    config = _secret_config(store)
+    name = f"trainguard-agent-squatted-{os.getpid()}"
+    with _squatter(name, user=user) as received:
+        sidecar = AgentSidecar(config, name).start()
+        why = "runs as user 65534" if user else "is not this process's parent"
+        with pytest.raises(CoordinationError) as refused:
+            sidecar.handshake(5)
+        assert received() == b""
+        assert why in str(refused.value)
