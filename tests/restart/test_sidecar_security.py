@@ -26,6 +26,7 @@ from trainguard.errors import CoordinationError
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.policy import ShiftRanks
 from trainguard.restart.sidecar import AgentSidecar, Sidecar, SidecarConfig, _node
+from trainguard.restart.sidecar._handle import log_path
 from trainguard.restart.sidecar._nodeclient import NodeSidecar
 
 
@@ -92,10 +93,12 @@ def test_hard_timeout_kills_the_watched_process_through_its_pidfd(store, watched
         sidecar.stop(10)
 
 
-def test_garbage_in_a_heartbeat_key_does_not_stop_liveness_checks(store, watched) -> None:
+@pytest.mark.parametrize("garbage", [b"\xffnot a counter", b"7" * 5000], ids=["bytes", "digits"])
+def test_garbage_in_a_heartbeat_key_does_not_stop_liveness_checks(store, watched, garbage) -> None:
+    # 5,000 digits: more than Python reads as an int (it raised in every look at the others)
     config = _config(store, watched.pid, heartbeat_interval=0.1, heartbeat_timeout=1.0)
     keys = config.keys
-    store.set(f"{keys.prefix}hb/1", b"\xffnot a counter")
+    store.set(f"{keys.prefix}hb/1", garbage)
     store.add(f"{keys.prefix}hb/2", 1)  # rank 2 beat once, then went silent
     sidecar = _start(config)
     try:
@@ -114,6 +117,9 @@ def test_garbage_in_a_heartbeat_key_does_not_stop_liveness_checks(store, watched
         assert outcome["type"] == "RankGone", outcome
     finally:
         sidecar.stop(10)
+    assert f"rank 1's heartbeat in the store is no counter ({len(garbage)} bytes" in (
+        log_path(config).read_text()
+    )
 
 
 def test_planted_log_paths_in_tmp_are_not_used(store, watched, tmp_path, monkeypatch) -> None:

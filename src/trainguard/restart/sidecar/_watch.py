@@ -335,6 +335,8 @@ class Watch:
             if counter == 0:
                 continue  # judged only once it beat
             previous = self.seen.get(r)
+            if counter < 0 and (previous is None or previous[0] >= 0):
+                _bad_counter(r, bytes(raw))
             if previous is None or previous[0] != counter:
                 self.seen[r] = (counter, now)
             elif now - previous[1] >= timeout:
@@ -449,6 +451,21 @@ def notify(
     return done
 
 
+def _bad_counter(r: int, raw: bytes) -> None:
+    why = f"no counter ({len(raw)} bytes: {raw[:40]!r})"
+    logger.warning(
+        "rank %d's heartbeat in the store is %s: judged as silent unless it moves", r, why
+    )
+
+
+#: the most digits a heartbeat counter has (a beat every millisecond for a billion years has 20;
+#: Python refuses to read an int of more than 4,300 digits)
+_MAX_DIGITS = 20
+
+
 def _counter(raw: bytes) -> int:
-    """A heartbeat counter read from the store; -1 for a value that is no counter."""
-    return int(raw) if raw.isdigit() else (0 if not raw else -1)
+    """A heartbeat counter read from the store: 0 for none yet, -1 for a value that is no
+    counter (not digits, or more than :data:`_MAX_DIGITS` of them)."""
+    if not raw:
+        return 0
+    return int(raw) if len(raw) <= _MAX_DIGITS and raw.isdigit() else -1
