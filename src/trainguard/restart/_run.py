@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from trainguard import _env, _progress, events
+from trainguard import _progress, events
 from trainguard.errors import BarrierTimeoutError, JobEndedError, RetryLimitError, SidecarLostError
 from trainguard.restart import _launch
 from trainguard.restart._interrupt import Kick
@@ -39,9 +39,7 @@ from trainguard.restart.abort import GroupSockets, destroy_groups, shutdown_conn
 from trainguard.restart.call import CallWrapper
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.monitor import Monitor, MonitorHooks
-from trainguard.restart.sidecar import Sidecar, SidecarConfig
-from trainguard.restart.sidecar._agent import AgentSidecar, agent_address
-from trainguard.restart.sidecar._nodeclient import NodeSidecar
+from trainguard.restart.sidecar import AgentSidecar, Sidecar, SidecarConfig, start_helper
 from trainguard.restart.state import RestartInterrupt, RoundOutcome, RoundState, describe
 from trainguard.restart.watchdog import Watchdog
 from trainguard.stragglers._watch import StragglerWatch
@@ -245,7 +243,7 @@ class WrappedCall:
     def _enter(self, n: int, ready: dict[str, Any]) -> None:
         """Take round ``n`` as published; raise if the job stops there."""
         self.entered = True
-        self.state = self._state(n, ready)
+        self.state = RoundState.of_layout(ready, self.launch.rank, self.launch.world_size)
         if self.sidecar is not None:
             self.sidecar.send({"round": n, "roster": list(self.session.roster)})
         events.set_context(round=n)
@@ -448,21 +446,6 @@ class WrappedCall:
         )
 
     # helpers ------------------------------------------------------------------------------
-    def _state(self, n: int, ready: dict[str, Any]) -> RoundState:
-        active = tuple(ready["active"])
-        irank = self.launch.rank
-        return RoundState(
-            round=n,
-            initial_rank=irank,
-            initial_world_size=self.launch.world_size,
-            rank=active.index(irank) if irank in active else None,
-            world_size=len(active),
-            active_ranks=active,
-            spare_ranks=tuple(ready["spare"]),
-            gone={int(k): v for k, v in ready["gone"].items()},
-            faults={int(k): v for k, v in ready["faults"].items()},
-        )
-
     def _hook(self, name: str, state: RoundState, hook: Any = None) -> BaseException | None:
         hook = hook or getattr(self.cfg, name)
         if hook is None:
@@ -476,9 +459,7 @@ class WrappedCall:
         return None
 
     def _start_sidecar(self, log_dir: Any) -> Sidecar | AgentSidecar:
-        """This rank's sidecar: a process of its own, this node's watcher
-        (``TRAINGUARD_SIDECAR=node``), or under ``trainguard launch`` the agent's sidecar
-        service (``TRAINGUARD_AGENT``)."""
+        """This rank's helper (:func:`~trainguard.restart.sidecar.start_helper`)."""
         session = self.session
         assert session.coord_addr is not None
         config = SidecarConfig.build(
@@ -489,12 +470,7 @@ class WrappedCall:
             addr=session.coord_addr,
             log_dir=log_dir,
         )
-        agent = agent_address()
-        if agent is not None:
-            return AgentSidecar(config, agent).start()
-        if _env.settings().sidecar == "node":
-            return NodeSidecar(config).start()
-        return Sidecar(config).start()
+        return start_helper(config)
 
     def _leave_fn(self) -> None:
         """Leave the function; a restart interrupt arriving meanwhile is absorbed."""
