@@ -268,3 +268,72 @@ def test_an_agent_socket_held_by_another_process_gets_nothing(store, user) -> No
             sidecar.handshake(5)
         assert received() == b""
         assert why in str(refused.value)
+
+
+def _holds_pidfd(holder: int, pid: int) -> bool:
+    """Whether process ``holder`` has a pidfd of ``pid`` open."""
+    for info in Path(f"/proc/{holder}/fdinfo").iterdir():
+        with contextlib.suppress(OSError):
+            if f"\nPid:\t{pid}\n" in info.read_text():
+                return True
+    return False
+
+
+def _connect_and_hand_over(address: str, go: socket.socket, out: socket.socket) -> None:
+    """Forked child: connect to the node watcher, hand the connection to the test process
+    (``out``), exit when told (``go``). Never returns."""
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect("\0" + address)
+        socket.send_fds(out, [b"c"], [sock.fileno()])
+        go.recv(1)
+    finally:
+        os._exit(0)
+
+
+def test_the_node_watcher_never_signals_the_next_owner_of_a_dead_ranks_pid(store) -> None:
+    # a rank connects, hands its connection on and dies; its pid goes to another process
+    # before its configuration arrives: the watch is of the process that connected
+    from tests._dist import process_with_pid
+
+    first = _config(store, os.getpid())  # keeps the watcher up; its hard timeout is far
+    watcher = NodeSidecar(first).start()
+    watcher.handshake(30)
+    assert watcher.watcher_pid is not None
+    go, go_child = socket.socketpair()
+    fds, fds_child = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        _connect_and_hand_over(_node.address(first.keys), go_child, fds_child)
+    _, [fd], _, _ = socket.recv_fds(fds, 1, 1)
+    conn = socket.socket(fileno=fd)
+    deadline = time.monotonic() + 5  # until the watcher holds a pidfd of it (its accept)
+    while not _holds_pidfd(watcher.watcher_pid, pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    go.send(b"x")
+    os.waitpid(pid, 0)  # the rank is gone and reaped: its pid is free
+    victim = process_with_pid(pid, time.monotonic() + 5)
+    try:
+        assert victim is not None, f"pid {pid} could not be had"
+        config = _config(
+            store,
+            pid,
+            rank=1,
+            soft_timeout=0.5,
+            hard_timeout=1.5,
+            termination_grace_time=0.5,
+            heartbeat_interval=0.1,
+        )
+        conn.sendall(json.dumps(config.to_json()).encode() + b"\n")
+        deadline = time.monotonic() + 1.5 + 0.5 + 2.0  # past its hard timeout and grace
+        while victim.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert victim.poll() is None, f"the watcher signalled pid {pid}'s next owner"
+        assert watcher.alive()
+    finally:
+        if victim is not None:
+            victim.kill()
+            victim.wait()
+        for sock in (conn, go, go_child, fds, fds_child):
+            sock.close()
+        watcher.stop(10)

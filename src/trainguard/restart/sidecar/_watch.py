@@ -99,6 +99,9 @@ class Watch:
         shared: ``store`` serves other watches too (the node watcher's ranks beat on one
             connection): this rank's death notice, which may wait for a barrier, then goes on
             a connection of its own, so that it never holds up the others' beats.
+        pidfd: a pidfd of the watched process, opened when it connected (the watch owns it
+            from then on); default one opened here (the sidecar's parent cannot have been
+            replaced: it is not reaped while its child lives).
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class Watch:
         killer: str = "its sidecar",
         store: Any = None,
         shared: bool = False,
+        pidfd: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.shared = shared
@@ -125,7 +129,7 @@ class Watch:
             store = connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
         self.coord: Any = store
         self.beat_store: Any = self.coord if heartbeats else None  # one connection for both
-        self.pidfd = os.pidfd_open(self.parent)
+        self.pidfd = os.pidfd_open(self.parent) if pidfd is None else pidfd
         self.lock = threading.Lock()  # guards the fields below, shared by the threads
         self.round = -1
         self.roster: tuple[int, ...] = tuple(range(self.world))
