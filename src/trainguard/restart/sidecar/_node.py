@@ -15,8 +15,9 @@ Protocol:
    (:func:`lock_path`): a rank takes the lock, connects (or starts the watcher, detached in a
    session of its own so that it outlives that rank, and connects), sends its configuration,
    and releases the lock.
-2. Each connection: the peer must be this user's (``SO_PEERCRED``) and its configuration must
-   name the peer's pid; the watcher connects the rank's watch to the store and replies
+2. Each connection: the peer must be this user's (``SO_PEERCRED``; the rank checks the
+   watcher the same way before it sends anything), its pidfd is taken at the accept
+   (:func:`accept_own`) and its configuration must name the peer's pid; the watcher connects the rank's watch to the store and replies
    ``{"ok": true, "pid": ..., "relay": true}``; then the rank's lines (round, hb, bye) follow,
    as on a sidecar's stdin, and its asks of the node's relay (:mod:`._relay`: each round's
    outcome and layout, read from the store once for all the node's ranks; the replies are the
