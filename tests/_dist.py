@@ -35,9 +35,11 @@ import multiprocessing.connection
 import os
 import signal
 import socket
+import subprocess
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 #: imported once by the forkserver, so that each rank starts in milliseconds; trainguard is not
@@ -133,6 +135,28 @@ def proc_stat(pid: int | str) -> list[str] | None:
     except OSError:
         return None
     return stat[stat.rfind(")") + 2 :].split()
+
+
+def process_with_pid(pid: int, until: float) -> subprocess.Popen[bytes] | None:
+    """A process (``sleep 60``) that leads a session and process group of its own and has pid
+    ``pid``, made as soon as ``pid`` is free: the kernel's next pid is set (``ns_last_pid``,
+    as root) before each try. None if it could not be had by ``until`` (``time.monotonic``);
+    skips the test where the next pid cannot be set."""
+    last = Path("/proc/sys/kernel/ns_last_pid")
+    while time.monotonic() < until:
+        try:
+            last.write_text(str(pid - 1))
+        except OSError:
+            import pytest
+
+            pytest.skip("cannot set the next pid here (/proc/sys/kernel/ns_last_pid)")
+        proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        if proc.pid == pid:
+            return proc
+        proc.kill()  # the pid was still held (not reaped yet), or another process took it
+        proc.wait()
+        time.sleep(0.005)
+    return None
 
 
 def live_processes() -> dict[int, list[str]]:

@@ -47,3 +47,15 @@ def in_threads(fn: Callable[[int], Any], n: int) -> dict[int, Any]:
     for t in threads:
         t.join(60)
     return out
+
+
+def launch_rank0_then_hang(job: str, port: int, conn: Any) -> None:
+    """A launcher (the store process's owner): starts a rank 0 that starts the store process
+    (:func:`host_store_then_hang`); sends that rank's pid, then the store process's."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    rank0 = ctx.Process(target=host_store_then_hang, args=(job, port, conn))
+    rank0.start()
+    conn.send(rank0.pid)
+    time.sleep(600)  # killed by the test

@@ -175,6 +175,37 @@ def test_store_survives_the_process_that_started_it() -> None:
             starter.join()
 
 
+def test_an_orphaned_store_process_exits_whatever_outside_connections_hold_it() -> None:
+    # rank 0 and its launcher die; someone who reached the port holds a connection open
+    port = free_port()
+    ctx = multiprocessing.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    launcher = ctx.Process(target=_helpers.launch_rank0_then_hang, args=("o", port, send))
+    launcher.start()
+    store_pid = None
+    try:
+        assert recv.poll(60), "rank 0 did not start"
+        rank0 = recv.recv()
+        assert recv.poll(60), "the store process did not start"
+        store_pid = recv.recv()
+        outside = connect("127.0.0.1", port, timeout=10)  # no secret needed to connect
+        outside.set("outside", b"here")
+        os.kill(rank0, signal.SIGKILL)
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.join(10)
+        deadline = time.monotonic() + 10
+        while _alive(store_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(store_pid), "an outside connection kept the orphaned store up"
+        del outside
+    finally:
+        if launcher.is_alive():
+            launcher.kill()
+            launcher.join()
+        if store_pid is not None and _alive(store_pid):
+            os.kill(store_pid, signal.SIGKILL)
+
+
 def test_store_process_reports_a_taken_port(make_store_process) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

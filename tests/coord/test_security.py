@@ -11,7 +11,7 @@ import pytest
 
 from tests._dist import free_port
 from tests.coord import _helpers
-from trainguard.coord import Keyspace, connect
+from trainguard.coord import Keyspace, _bind, connect
 from trainguard.errors import ConfigError, CoordinationError
 
 
@@ -54,6 +54,18 @@ def test_stores_bound_to_loopback_are_not_reachable_on_other_interfaces() -> Non
     finally:
         client.set(keys.exit, b"test over")
         server.close(timeout=10)
+
+
+def test_a_host_name_of_no_address_here_binds_all_interfaces_with_a_warning(caplog) -> None:
+    # rank 0 does not host MASTER_ADDR and its own name resolves to loopback only ("localhost"
+    # stands for a name that /etc/hosts maps to 127.0.1.1): the round stores listen on every
+    # interface, and the user is told how to avoid it
+    with caplog.at_level("INFO", logger="trainguard.coord._bind"):
+        assert _bind.bind_host("localhost", local=False) == ""
+    [record] = caplog.records
+    assert record.levelname == "WARNING"
+    assert "listen on every interface" in record.message
+    assert "set MASTER_ADDR to an address of this machine" in record.message
 
 
 @pytest.mark.parametrize("value", ["h:99999", "h:0", "h:", ":29500", "h:x", "h", "h:\uff12\uff19"])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -149,3 +151,71 @@ def test_importing_the_client_and_the_sidecar_imports_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@contextlib.contextmanager
+def _hostile_server(reply: bytes, *, pace: float = 0.0) -> Iterator[int]:
+    """A server that speaks bytes: it passes the client's validation, then answers the first
+    request with ``reply`` (one byte every ``pace`` seconds when ``pace``), then holds the
+    connection open until the client closes it. Yields its port."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    stop = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            hello = b""
+            while len(hello) < 10:  # VALIDATE + magic, PING + nonce
+                hello += conn.recv(10 - len(hello))
+            conn.sendall(hello[6:10])  # the nonce back
+            conn.recv(4096)  # the request
+            for i in range(len(reply)) if pace else [None]:
+                if stop.wait(pace):
+                    return
+                conn.sendall(reply if i is None else reply[i : i + 1])
+            conn.settimeout(0.1)
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    if not conn.recv(4096):  # the client closed it
+                        return
+
+    def serve_quietly() -> None:
+        with contextlib.suppress(OSError):  # the client reset it: unread bytes at its close
+            serve()
+
+    thread = threading.Thread(target=serve_quietly)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(10)
+        listener.close()
+
+
+@pytest.mark.parametrize("length", [1 << 63, 1 << 36])
+def test_a_hostile_length_is_refused_and_poisons_the_connection(length: int) -> None:
+    # 2^63 overflowed recv(), 2^36 asked for 64 GiB; the bytes after it are never read as a reply
+    leftover = struct.pack("<Q", 3) + b"abc"
+    with _hostile_server(struct.pack("<Q", length) + leftover) as port:
+        wire = WireStore("127.0.0.1", port, timeout=5)
+        with pytest.raises(CoordinationError, match="more than MAX_VALUE"):
+            wire.compare_set("k", "", "v")
+        with pytest.raises(CoordinationError, match=r"unusable.*more than MAX_VALUE"):
+            wire.compare_set("k", "", "v")
+        wire.close()
+
+
+def test_a_trickling_reply_fails_at_the_calls_deadline() -> None:
+    # 8 bytes, one every 0.4 s: each recv is quick, the call is not
+    with _hostile_server(struct.pack("<q", 1), pace=0.4) as port:
+        wire = WireStore("127.0.0.1", port, timeout=1.0)
+        start = time.monotonic()
+        with pytest.raises(CoordinationError, match="no whole reply within 1 s"):
+            wire.add("k", 1)
+        assert time.monotonic() - start < 2.0
+        with pytest.raises(CoordinationError, match="unusable"):
+            wire.add("k", 1)
+        wire.close()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._dist import process_with_pid
 from tests.launch._agents import Agents, alive, leftovers, progress, read_starts
 from trainguard import events
 
@@ -124,3 +125,31 @@ def test_a_respawned_worker_logs_to_files_of_its_own_and_its_tee_reaches_the_con
     assert "incarnation 1" in (attempt / "1" / "inc_1" / "stdout.log").read_text()
     assert "incarnation 0" in (attempt / "0" / "stdout.log").read_text()
     assert not (attempt / "0" / "inc_1").exists()
+
+
+def test_a_respawn_never_signals_the_process_that_reused_the_dead_workers_pid(
+    tmp_path: Path,
+) -> None:
+    # the dead worker's pid goes to another process (leading a group of that id) during the
+    # respawn's back-off: the agent's cleanup of the worker's group must not reach it
+    out = tmp_path / "out"
+    out.mkdir()
+    extra = ["--tg-respawn-backoff=3"]
+    with Agents(tmp_path, nodes=1, nproc=2, worker=["run", str(out)], extra=extra) as job:
+        first = job.wait_for(lambda: len(read_starts(out)) >= 2 and read_starts(out))
+        dead = next(s["pid"] for s in first if s["rank"] == 1)
+        job.wait_for(lambda: progress(out, 1) >= 1, what="rank 1 progress")
+        os.kill(dead, signal.SIGKILL)
+        victim = process_with_pid(dead, time.monotonic() + 2.5)
+        assert victim is not None, f"pid {dead} could not be had within the back-off"
+        try:
+            job.wait_for(
+                lambda: [s for s in read_starts(out) if s["incarnation"] == "1"], what="respawn"
+            )
+            time.sleep(0.2)
+            assert victim.poll() is None, f"the respawn killed pid {dead}'s new owner"
+        finally:
+            victim.kill()
+            victim.wait()
+        (out / "stop").touch()
+        assert job.wait() == [0], job.output()

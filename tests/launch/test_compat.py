@@ -88,8 +88,15 @@ def test_replacing_one_process_leaves_the_other_and_torch_sees_the_new_one(
 ) -> None:
     old = _compat.handler(context, 0)
     other = context.pids()[1]
+    assert _compat.exit_code(old) is None
     os.kill(old.proc.pid, signal.SIGKILL)
-    assert old.proc.wait(10) == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while _compat.exit_code(old) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _compat.exit_code(old) == -signal.SIGKILL
+    assert Path(f"/proc/{old.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    _compat.reap(old, kill_group=True)  # not reaped until then: its group's id stays its own
+    assert old.proc.returncode == -signal.SIGKILL
     _compat.release(old)
     assert old._stdout is not None and old._stdout.closed
     first = _compat.launch_of(context, 0)

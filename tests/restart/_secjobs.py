@@ -36,3 +36,24 @@ def secret_job() -> dict[str, Any]:
 
     value: dict[str, Any] = fn()
     return value
+
+
+def forged_complete_job() -> int:
+    """One round: rank 1 writes a forged "complete" outcome of round 0 into the real store
+    (with the job's secret: what a writer who learned it could do), then raises."""
+    port = int(os.environ["MASTER_PORT"])  # the coordination store (before the round's)
+
+    @tr.Wrapper(store_timeout=30, barrier_timeout=60)
+    def fn(call: tr.CallWrapper) -> int:
+        from trainguard.coord import Keyspace, _secret, connect
+        from trainguard.restart.state import RoundOutcome
+
+        if call.state.initial_rank == 1:
+            keys = Keyspace(os.environ["TRAINGUARD_JOB_ID"], 0, _secret.current())
+            store = connect(os.environ["MASTER_ADDR"], port, timeout=30)
+            store.set(keys.stop(0), RoundOutcome.complete().encode())
+            raise ValueError("rank 1 failed in round 0")
+        return 7
+
+    value: int = fn()
+    return value

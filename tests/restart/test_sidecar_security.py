@@ -4,14 +4,17 @@ be planted, and garbage in a heartbeat key does not stop it judging the other ra
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,9 +22,12 @@ from typing import Any
 import pytest
 
 from trainguard.coord import Keyspace
+from trainguard.errors import CoordinationError
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.policy import ShiftRanks
-from trainguard.restart.sidecar import Sidecar, SidecarConfig
+from trainguard.restart.sidecar import AgentSidecar, Sidecar, SidecarConfig, _node
+from trainguard.restart.sidecar._handle import log_path
+from trainguard.restart.sidecar._nodeclient import NodeSidecar
 
 
 @pytest.fixture()
@@ -87,10 +93,12 @@ def test_hard_timeout_kills_the_watched_process_through_its_pidfd(store, watched
         sidecar.stop(10)
 
 
-def test_garbage_in_a_heartbeat_key_does_not_stop_liveness_checks(store, watched) -> None:
+@pytest.mark.parametrize("garbage", [b"\xffnot a counter", b"7" * 5000], ids=["bytes", "digits"])
+def test_garbage_in_a_heartbeat_key_does_not_stop_liveness_checks(store, watched, garbage) -> None:
+    # 5,000 digits: more than Python reads as an int (it raised in every look at the others)
     config = _config(store, watched.pid, heartbeat_interval=0.1, heartbeat_timeout=1.0)
     keys = config.keys
-    store.set(f"{keys.prefix}hb/1", b"\xffnot a counter")
+    store.set(f"{keys.prefix}hb/1", garbage)
     store.add(f"{keys.prefix}hb/2", 1)  # rank 2 beat once, then went silent
     sidecar = _start(config)
     try:
@@ -109,6 +117,9 @@ def test_garbage_in_a_heartbeat_key_does_not_stop_liveness_checks(store, watched
         assert outcome["type"] == "RankGone", outcome
     finally:
         sidecar.stop(10)
+    assert f"rank 1's heartbeat in the store is no counter ({len(garbage)} bytes" in (
+        log_path(config).read_text()
+    )
 
 
 def test_planted_log_paths_in_tmp_are_not_used(store, watched, tmp_path, monkeypatch) -> None:
@@ -174,3 +185,155 @@ def test_the_sidecar_runs_without_torch_and_writes_the_death_notice(store, watch
         assert outcome["type"] == "RankGone" and outcome["rank"] == 0, outcome
     finally:
         sidecar.stop(10)
+
+
+def test_a_forged_complete_outcome_never_swallows_a_ranks_exception() -> None:
+    from tests._dist import run_ranks
+    from tests.restart._secjobs import forged_complete_job
+
+    env = {"TRAINGUARD_JOB_ID": "forged", "TRAINGUARD_JOB_SECRET": "known-to-the-forger-0123"}
+    results = run_ranks(forged_complete_job, 2, env=env, timeout=120)
+    assert results[0].get() == 7  # it returned: the store said the round completed
+    assert not results[1].returned or results[1].exc_type is not None, "rank 1 returned normally"
+    assert results[1].exc_type == "builtins.ValueError", (results[1].exc_type, results[1].error)
+    assert "rank 1 failed in round 0" in (results[1].error or "")
+
+
+def _squat(name: str, user: int | None, out: int) -> None:
+    """The forked child of :func:`_squatter`: it never returns."""
+    try:
+        if user is not None:
+            os.setuid(user)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind("\0" + name)
+        sock.listen(8)
+        os.write(out, b"ready\n")
+        data = b""
+        if select.select([sock], [], [], 30)[0]:
+            conn, _ = sock.accept()
+            conn.settimeout(5)
+            with contextlib.suppress(OSError):
+                while chunk := conn.recv(65536):
+                    data += chunk
+        os.write(out, data.hex().encode() + b"\n")
+    finally:
+        os._exit(0)
+
+
+@contextlib.contextmanager
+def _squatter(name: str, *, user: int | None) -> Iterator[Callable[[], bytes]]:
+    """A process that took the abstract socket name ``name`` first (forked, then running as
+    ``user``); yields a call that returns every byte it was sent, once its connection closed."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        _squat(name, user, w)
+    os.close(w)
+    reader = os.fdopen(r, "rb")
+    try:
+        assert reader.readline() == b"ready\n"
+        yield lambda: bytes.fromhex(reader.readline().decode().strip())
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        reader.close()
+
+
+def _secret_config(store: Any) -> SidecarConfig:
+    config = _config(store, os.getpid())
+    secret = "a-secret-the-squatter-must-not-see-0123"
+    return dataclasses.replace(config, job="sq", secret=secret)
+
+
+def test_a_node_watcher_socket_held_by_another_user_gets_nothing(store) -> None:
+    config = _secret_config(store)
+    with _squatter(_node.address(config.keys), user=65534) as received:  # binds it first
+        sidecar = NodeSidecar(config).start()
+        with pytest.raises(CoordinationError) as refused:
+            sidecar.handshake(5)
+        assert config.secret.encode() not in received()
+        assert "runs as user 65534, not as" in str(refused.value)
+
+
+@pytest.mark.parametrize("user", [65534, None])
+def test_an_agent_socket_held_by_another_process_gets_nothing(store, user) -> None:
+    # another user's listener, or one of this user that is not the rank's parent (its child)
+    config = _secret_config(store)
+    name = f"trainguard-agent-squatted-{os.getpid()}"
+    with _squatter(name, user=user) as received:
+        sidecar = AgentSidecar(config, name).start()
+        why = "runs as user 65534" if user else "is not this process's parent"
+        with pytest.raises(CoordinationError) as refused:
+            sidecar.handshake(5)
+        assert received() == b""
+        assert why in str(refused.value)
+
+
+def _holds_pidfd(holder: int, pid: int) -> bool:
+    """Whether process ``holder`` has a pidfd of ``pid`` open."""
+    for info in Path(f"/proc/{holder}/fdinfo").iterdir():
+        with contextlib.suppress(OSError):
+            if f"\nPid:\t{pid}\n" in info.read_text():
+                return True
+    return False
+
+
+def _connect_and_hand_over(address: str, go: socket.socket, out: socket.socket) -> None:
+    """Forked child: connect to the node watcher, hand the connection to the test process
+    (``out``), exit when told (``go``). Never returns."""
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect("\0" + address)
+        socket.send_fds(out, [b"c"], [sock.fileno()])
+        go.recv(1)
+    finally:
+        os._exit(0)
+
+
+def test_the_node_watcher_never_signals_the_next_owner_of_a_dead_ranks_pid(store) -> None:
+    # a rank connects, hands its connection on and dies; its pid goes to another process
+    # before its configuration arrives: the watch is of the process that connected
+    from tests._dist import process_with_pid
+
+    first = _config(store, os.getpid())  # keeps the watcher up; its hard timeout is far
+    watcher = NodeSidecar(first).start()
+    watcher.handshake(30)
+    assert watcher.watcher_pid is not None
+    go, go_child = socket.socketpair()
+    fds, fds_child = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        _connect_and_hand_over(_node.address(first.keys), go_child, fds_child)
+    _, [fd], _, _ = socket.recv_fds(fds, 1, 1)
+    conn = socket.socket(fileno=fd)
+    deadline = time.monotonic() + 5  # until the watcher holds a pidfd of it (its accept)
+    while not _holds_pidfd(watcher.watcher_pid, pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    go.send(b"x")
+    os.waitpid(pid, 0)  # the rank is gone and reaped: its pid is free
+    victim = process_with_pid(pid, time.monotonic() + 5)
+    try:
+        assert victim is not None, f"pid {pid} could not be had"
+        config = _config(
+            store,
+            pid,
+            rank=1,
+            soft_timeout=0.5,
+            hard_timeout=1.5,
+            termination_grace_time=0.5,
+            heartbeat_interval=0.1,
+        )
+        conn.sendall(json.dumps(config.to_json()).encode() + b"\n")
+        deadline = time.monotonic() + 1.5 + 0.5 + 2.0  # past its hard timeout and grace
+        while victim.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert victim.poll() is None, f"the watcher signalled pid {pid}'s next owner"
+        assert watcher.alive()
+    finally:
+        if victim is not None:
+            victim.kill()
+            victim.wait()
+        for sock in (conn, go, go_child, fds, fds_child):
+            sock.close()
+        watcher.stop(10)

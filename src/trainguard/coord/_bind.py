@@ -38,15 +38,22 @@ def is_loopback(host: str) -> bool:
 def bind_host(advertise: str, *, local: bool) -> str:
     """Where a store advertised as ``advertise`` listens: ``advertise`` itself when it is the
     ranks' ``MASTER_ADDR`` on this machine (``local``); else (a host name) the first
-    non-loopback address of this machine it resolves to, or ``""`` (every interface) when it
-    resolves to none (a name that maps to ``127.0.1.1`` here but to the real address
-    elsewhere)."""
+    non-loopback address of this machine it resolves to, or ``""`` (every interface, with a
+    warning that says how to avoid it) when it resolves to none (a name that maps to
+    ``127.0.1.1`` here but to the real address elsewhere)."""
     if local:
         return advertise
     for _, address in _addresses(advertise):
         if not ipaddress.ip_address(address.split("%")[0]).is_loopback:
             return address
-    logger.info("%s resolves to no non-loopback address here: stores listen on all", advertise)
+    logger.warning(
+        "%s resolves to no non-loopback address of this machine: the stores trainguard hosts "
+        "here listen on every interface; to have them listen on one, set MASTER_ADDR to an "
+        "address of this machine (rank 0's; under `trainguard launch`, its node's "
+        "--local-addr) or make %s resolve to one (e.g. in /etc/hosts)",
+        advertise,
+        advertise,
+    )
     return ""
 
 

@@ -14,8 +14,11 @@ store up. Every store it hosts listens on one interface only (:mod:`._bind`). Pr
    the next round never waits for a store to start, and each rank connects to it ahead of time
    (:mod:`trainguard.restart._preconnect`), off the restart's critical path.
 4. Exits when the ``exit`` key is set (the last rank left), after deleting the job's keys from
-   an external store; or, once its parent is gone, when no client has been connected to any of
-   its stores for ``orphan_grace`` seconds (nothing is left to serve).
+   an external store. Once its parent (rank 0) is gone it serves the others on, and exits
+   when its owner is gone too (the process that started rank 0: the launcher's agent,
+   torchrun, the batch system's step, a shell; watched through a pidfd), whatever connections
+   are left (anyone who reaches a port can hold one open), or when no client has been
+   connected to any of its stores for ``orphan_grace`` seconds (nothing is left to serve).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import sys
 import threading
 import time
@@ -153,12 +157,21 @@ class _Host:
             and s.remote_port not in own_client_ports
         )
 
-    def watch_orphan(self, parent: int, grace: float) -> None:
+    def watch_orphan(self, parent: int, owner: int, owned: int | None, grace: float) -> None:
+        """Once ``parent`` is gone: exit when ``owner`` (its pidfd ``owned``, None when it
+        was gone at the start) is gone too, or after ``grace`` s without clients."""
         idle_since: float | None = None
         while True:
             time.sleep(1.0)
             if os.getppid() == parent:
                 continue
+            if owned is None or select.select([owned], [], [], 0)[0]:
+                logger.warning(
+                    "store process: parent and owner (pid %d) gone; exiting whatever "
+                    "connections are left",
+                    owner,
+                )
+                break
             if self.external_clients():
                 idle_since = None
                 continue
@@ -166,8 +179,8 @@ class _Host:
             idle_since = idle_since or now
             if now - idle_since >= grace:
                 logger.warning("store process: parent gone and no clients for %.0f s", grace)
-                self.coord.set(self.keys.exit, b"orphan")
-                return
+                break
+        self.coord.set(self.keys.exit, b"orphan")
 
     def cleanup_external(self) -> None:
         n = self.last_round
@@ -183,12 +196,32 @@ class _Host:
             self.coord.set(self.keys.ended, b"1")
 
 
+def _owner(parent: int, owner: int) -> int | None:
+    """A pidfd of ``owner`` (readable once it exited), None when it is no longer the parent
+    of ``parent`` (gone: its pid may be another process's by now). Called while ``parent``
+    waits for the handshake, so ``parent`` is there to ask."""
+    try:
+        fd = os.pidfd_open(owner)
+    except OSError:
+        return None
+    try:
+        with open(f"/proc/{parent}/stat", "rb") as f:
+            stat = f.read()
+        if int(stat[stat.rfind(b")") + 2 :].split()[1]) == owner:
+            return fd
+    except (OSError, ValueError, IndexError):
+        pass
+    os.close(fd)
+    return None
+
+
 def main() -> int:
     try:
         cfg, _ = _subproc.read_config()
         host = _Host(cfg)
         host.open_round(0)
         host.open_round(1)
+        owned = _owner(cfg["parent"], cfg["owner"])
     except Exception as exc:
         print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
         return 1
@@ -196,7 +229,7 @@ def main() -> int:
     threading.Thread(target=host.follow_rounds, name="tg-rounds", daemon=True).start()
     threading.Thread(
         target=host.watch_orphan,
-        args=(cfg["parent"], cfg["orphan_grace"]),
+        args=(cfg["parent"], cfg["owner"], owned, cfg["orphan_grace"]),
         name="tg-orphan",
         daemon=True,
     ).start()

@@ -17,9 +17,17 @@ wait then a get, as in torch; a wait that runs out of time is cancelled on the s
 (the server acknowledges the cancel, or the wait's own answer came first and is skipped).
 
 One request at a time per connection (a lock), like torch's client: use :meth:`WireStore.clone`
-for a connection of its own. A connection whose reply did not come within the store timeout,
-or that the server closed, is unusable afterwards (its stream position is lost): every later
-call raises :class:`CoordinationError`.
+for a connection of its own. The server is not trusted to be sane:
+
+- a value it announces longer than :data:`MAX_VALUE` (64 MiB; the library's values are a few
+  KiB, a round layout of thousands of ranks a few hundred bytes) is refused before anything
+  is read, and a value is read in pieces, so memory follows the bytes that arrived;
+- each call has one deadline, the store timeout from its start (a wait's, from the moment its
+  keys were set): a reply that trickles in a byte at a time fails at that deadline, not once
+  per byte;
+- a call that fails in any way but a wait that ran out of time (:class:`StoreTimeoutError`,
+  cancelled cleanly) leaves the connection unusable (its stream position is lost): it is
+  closed, and every later call raises :class:`CoordinationError` saying why.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 
 from trainguard.errors import CoordinationError, StoreTimeoutError
@@ -45,6 +53,9 @@ _HANDSHAKE_S = 10.0  # the longest the server may take to answer the validation 
 _READY = 0  # CHECK's answer when every key is set (1: not ready)
 _STOP_WAITING = 0  # WAIT's answer when every key is set
 _WAIT_CANCELED = 1  # CANCEL_WAIT's answer
+#: the longest value a reply may announce (bytes): a longer one poisons the connection
+MAX_VALUE = 64 << 20
+_PIECE = 1 << 20  # the most one ``recv`` asks for
 
 Value = str | bytes | bytearray | memoryview
 WaitTime = float | timedelta | None
@@ -145,6 +156,7 @@ class WireStore:
         self._timeout = float(timeout)
         self._lock = threading.Lock()
         self._broken: str | None = None
+        self._deadline = 0.0  # the call under way must be over by then (time.monotonic)
         self._sock = self._open()
 
     # connection ---------------------------------------------------------------------------
@@ -183,7 +195,7 @@ class WireStore:
         why = None
         try:
             sock.sendall(hello)
-            echo = _recv_exact(sock, 4)
+            echo = _recv_exact(sock, 4, time.monotonic() + min(self._timeout, _HANDSHAKE_S))
             if struct.unpack("<I", echo)[0] != nonce:
                 why = f"it answered the ping with {echo.hex()}"
         except TimeoutError:
@@ -230,7 +242,7 @@ class WireStore:
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting up to the store timeout for it to be set."""
-        with self._lock:
+        with self._using():
             self._wait_locked([key], self._timeout)
             self._send(_Request(_Query.GET).key(key))
             return self._recv_blob()
@@ -244,7 +256,7 @@ class WireStore:
         ``expected`` is empty); returns the value it then has (or ``expected`` when it is unset
         and ``expected`` is not empty), as torch's does."""
         request = _Request(_Query.COMPARE_SET).key(key).blob(expected).blob(desired)
-        with self._lock:
+        with self._using():
             self._send(request)
             return self._recv_blob()
 
@@ -255,12 +267,12 @@ class WireStore:
     def wait(self, keys: Sequence[str], timeout: WaitTime = None) -> None:
         """Until every key of ``keys`` is set; :class:`StoreTimeoutError` after ``timeout``
         (seconds or a timedelta; default the store timeout)."""
-        with self._lock:
+        with self._using():
             self._wait_locked(keys, _seconds(timeout, self._timeout))
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """The values of ``keys``, waiting up to the store timeout for all of them."""
-        with self._lock:
+        with self._using():
             self._wait_locked(keys, self._timeout)
             self._send(_Request(_Query.MULTI_GET).keys(keys))
             return [self._recv_blob() for _ in keys]
@@ -284,8 +296,25 @@ class WireStore:
         return int(struct.unpack("<q", reply)[0])
 
     # plumbing (the lock held) -------------------------------------------------------------
-    def _call(self, request: _Request, reply: int | None) -> bytes:
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[None]:
+        """One call: the lock, a usable connection, the call's deadline; whatever goes wrong
+        in it but a clean wait timeout leaves the connection unusable."""
         with self._lock:
+            if self._broken is not None:
+                raise CoordinationError(f"{self!r}: the connection is unusable ({self._broken})")
+            self._deadline = time.monotonic() + self._timeout
+            try:
+                yield
+            except StoreTimeoutError:
+                raise  # cancelled in step: the connection stays usable
+            except BaseException as exc:
+                if self._broken is None:  # not yet failed by _fail: an unforeseen error
+                    self._fail(f"a call failed ({type(exc).__name__}: {exc})")
+                raise
+
+    def _call(self, request: _Request, reply: int | None) -> bytes:
+        with self._using():
             self._send(request)
             return b"" if reply is None else self._recv(reply)
 
@@ -295,6 +324,7 @@ class WireStore:
             ready, _, _ = select.select([self._sock], [], [], max(0.0, timeout))
         except (OSError, ValueError) as exc:
             raise self._fail(f"the connection failed ({exc})") from exc
+        self._deadline = time.monotonic() + self._timeout  # the rest of the call from here
         if ready:
             self._expect(_STOP_WAITING, "WAIT")
             return
@@ -313,15 +343,16 @@ class WireStore:
         if self._broken is not None:
             raise CoordinationError(f"{self!r}: the connection is unusable ({self._broken})")
         try:
+            self._sock.settimeout(max(0.001, self._deadline - time.monotonic()))
             self._sock.sendall(request.data)
         except OSError as exc:
             raise self._fail(f"sending failed ({exc})") from exc
 
     def _recv(self, n: int) -> bytes:
         try:
-            return _recv_exact(self._sock, n)
+            return _recv_exact(self._sock, n, self._deadline)
         except TimeoutError as exc:
-            raise self._fail(f"no reply within {self._timeout:g} s") from exc
+            raise self._fail(f"no whole reply within {self._timeout:g} s") from exc
         except (OSError, EOFError) as exc:
             raise self._fail(
                 f"the server closed the connection ({exc or 'end of stream'})"
@@ -329,6 +360,12 @@ class WireStore:
 
     def _recv_blob(self) -> bytes:
         (size,) = struct.unpack("<Q", self._recv(8))
+        if size > MAX_VALUE:
+            raise self._fail(
+                f"the server announced a value of {size} bytes, more than MAX_VALUE "
+                f"({MAX_VALUE} bytes): it is not a sane TCPStore server, or another program "
+                "writes huge values into this job's store"
+            )
         return self._recv(size) if size else b""
 
     def _fail(self, why: str) -> CoordinationError:
@@ -338,10 +375,16 @@ class WireStore:
         return CoordinationError(f"{self!r}: {why}")
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes, read in pieces of at most :data:`_PIECE`; ``TimeoutError`` once
+    ``deadline`` (``time.monotonic``) passed, however the bytes trickle in."""
     data = bytearray()
     while len(data) < n:
-        chunk = sock.recv(n - len(data))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the call's deadline passed")
+        sock.settimeout(left)
+        chunk = sock.recv(min(n - len(data), _PIECE))
         if not chunk:
             raise EOFError("end of stream")
         data += chunk

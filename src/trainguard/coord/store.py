@@ -79,7 +79,9 @@ class StoreProcess:
             every interface), see :func:`trainguard.coord._bind.bind_host`.
         world_size: initial world size (for deleting keys from an external store).
         timeout: store operation timeout in seconds.
-        orphan_grace: seconds without clients, once the parent is gone, before it exits.
+        orphan_grace: seconds without clients, once the parent is gone, before it exits;
+            once this process's parent (its owner) is gone too, it exits whatever
+            connections are left.
         new_session: start it in a session of its own, so that a kill of this process's group
             does not reach it (under ``trainguard launch`` the agent kills a dead worker's
             group before it respawns the slot; the store serves the others meanwhile).
@@ -114,6 +116,7 @@ class StoreProcess:
             "timeout": timeout,
             "orphan_grace": orphan_grace,
             "parent": os.getpid(),
+            "owner": os.getppid(),
         }
         self.timeout = timeout
         self.new_session = new_session

@@ -145,11 +145,36 @@ def replace(
     return new
 
 
+def exit_code(handler: SubprocessHandler) -> int | None:
+    """The exit code of ``handler``'s process as ``Popen.returncode`` has it (a signal as its
+    negative number), None while it runs. Never reaps it: while the exited process is not
+    reaped its pid, and so its process group's id, cannot be another process's
+    (:func:`reap`)."""
+    proc = handler.proc
+    if proc.returncode is not None:
+        return int(proc.returncode)
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped elsewhere: Popen knows its code
+        return proc.poll()
+    if info is None:
+        return None
+    return int(info.si_status if info.si_code == os.CLD_EXITED else -info.si_status)
+
+
+def reap(handler: SubprocessHandler, *, kill_group: bool) -> None:
+    """Reap ``handler``'s exited process; with ``kill_group`` first kill whatever it left in
+    its process group (its session leader is gone, not its children), while its pid is still
+    its own (a pid signalled after the reap may be another process's)."""
+    if kill_group:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(handler.proc.pid, signal.SIGKILL)
+    handler.proc.wait()
+
+
 def release(old: SubprocessHandler) -> None:
-    """After ``old``'s process exited: kill whatever it left in its process group (its session
-    leader is gone, not its children) and close the log files torch opened for it."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(old.proc.pid, signal.SIGKILL)
+    """After ``old``'s process exited and was reaped (:func:`reap`): close the log files
+    torch opened for it."""
     for name in ("_stdout", "_stderr"):
         stream = getattr(old, name, None)
         if stream is not None:

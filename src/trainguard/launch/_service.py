@@ -66,6 +66,7 @@ class _Conn:
 
     sock: socket.socket
     pid: int
+    pidfd: int  # opened at the accept (:func:`accept_own`); its watch takes it, else closed
     slot: int | None = None
     watch: Watch | None = None
     ended: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -293,12 +294,19 @@ class SidecarService:
             self._refuse(conn, f"its configuration names pid {cfg.parent}")
             return None
         try:
-            watch = Watch(cfg, pid=conn.pid, heartbeats=False, group_kill=True, killer=_KILLER)
+            watch = Watch(
+                cfg,
+                pid=conn.pid,
+                heartbeats=False,
+                group_kill=True,
+                killer=_KILLER,
+                pidfd=conn.pidfd,
+            )
         except Exception as exc:
             self._refuse(conn, f"{type(exc).__name__}: {exc}")
             return None
+        conn.watch, conn.pidfd = watch, -1  # the pidfd is the watch's now
         conn.sock.settimeout(None)
-        conn.watch = watch
         watch.on_relay = self._relay_for(cfg, conn.sock)
         watch.start()  # the hard timeout counts from the handshake
         reply = {"ok": True, "pid": os.getpid(), "relay": True}
@@ -355,6 +363,9 @@ class SidecarService:
         conn.sock.close()
         if conn.watch is not None:
             conn.watch.close()
+        if conn.pidfd >= 0:
+            os.close(conn.pidfd)
+            conn.pidfd = -1
         with contextlib.suppress(ValueError):
             self._conns.remove(conn)
 

@@ -263,7 +263,7 @@ class TrainguardAgent(LocalElasticAgent):
         for local_rank in self.slots.running():
             if self.partition.fenced:  # the fence came down during this tick
                 return RunResult(state=WorkerState.HEALTHY)
-            code = _compat.handler(context, local_rank).proc.poll()
+            code = _compat.exit_code(_compat.handler(context, local_rank))  # not reaped yet
             if code is not None:
                 result = self._on_exit(worker_group, local_rank, code)
                 if result is not None:
@@ -334,6 +334,12 @@ class TrainguardAgent(LocalElasticAgent):
         pid = _compat.handler(_compat.pcontext(self), local_rank).proc.pid
         rank, incarnation = self.slots.rank(local_rank), self.slots.incarnation(local_rank)
         decision = self.slots.exited(local_rank, code)
+        # what the dead worker left in its group dies before its respawn; signalled before the
+        # reap, while the group's id cannot be another process's
+        _compat.reap(
+            _compat.handler(_compat.pcontext(self), local_rank),
+            kill_group=isinstance(decision, Respawn),
+        )
         if decision is None:
             # a normal end; a wrapped call left without goodbye still needs its notice
             self._service_died(rank, pid, code, returning=False)

@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from trainguard import _env, _progress, events
+from trainguard import _progress, events
 from trainguard.errors import BarrierTimeoutError, JobEndedError, RetryLimitError, SidecarLostError
 from trainguard.restart import _launch
 from trainguard.restart._interrupt import Kick
@@ -39,9 +39,7 @@ from trainguard.restart.abort import GroupSockets, destroy_groups, shutdown_conn
 from trainguard.restart.call import CallWrapper
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.monitor import Monitor, MonitorHooks
-from trainguard.restart.sidecar import Sidecar, SidecarConfig
-from trainguard.restart.sidecar._agent import AgentSidecar, agent_address
-from trainguard.restart.sidecar._nodeclient import NodeSidecar
+from trainguard.restart.sidecar import AgentSidecar, Sidecar, SidecarConfig, start_helper
 from trainguard.restart.state import RestartInterrupt, RoundOutcome, RoundState, describe
 from trainguard.restart.watchdog import Watchdog
 from trainguard.stragglers._watch import StragglerWatch
@@ -75,6 +73,7 @@ class WrappedCall:
         self.left_early = False
         self.entered = False  # this process entered a round (a newcomer may never)
         self.round_store: str | None = None  # the round store's "host:port" (ready["pg"])
+        self.raised: Exception | None = None  # what the function raised in this round
         self.state = RoundState(
             round=0, initial_rank=self.launch.rank, initial_world_size=self.launch.world_size
         )
@@ -197,6 +196,7 @@ class WrappedCall:
                 raise leaving
             self._enter(n, ready)
             outcome, value, fault = self._round(n, ready)
+            self._check_raised(n, outcome)
             if self.preconnect is not None:
                 self.preconnect.forget(n)
             if outcome.why == "complete":
@@ -243,7 +243,7 @@ class WrappedCall:
     def _enter(self, n: int, ready: dict[str, Any]) -> None:
         """Take round ``n`` as published; raise if the job stops there."""
         self.entered = True
-        self.state = self._state(n, ready)
+        self.state = RoundState.of_layout(ready, self.launch.rank, self.launch.world_size)
         if self.sidecar is not None:
             self.sidecar.send({"round": n, "roster": list(self.session.roster)})
         events.set_context(round=n)
@@ -283,6 +283,7 @@ class WrappedCall:
         value: Any = None
         fault: str | None = None
         returned = False
+        self.raised = None
         try:
             with _launch.round_environment(self._round_env(ready["pg"])):
                 try:
@@ -298,6 +299,7 @@ class WrappedCall:
                     self._leave_fn()
                 except Exception as exc:
                     self._leave_fn()
+                    self.raised = exc
                     fault = self._fault(n, exc)
                 except BaseException as exc:
                     self._leave_fn()
@@ -313,6 +315,25 @@ class WrappedCall:
             self.session.complete(n, state.world_size)
             return self._wait(n, self.cfg.completion_timeout, "completion"), value, None
         return self._wait(n, self.cfg.barrier_timeout, "abort"), None, fault
+
+    def _check_raised(self, n: int, outcome: RoundOutcome) -> None:
+        """The function raised in round ``n`` on this rank, yet the round's outcome says it
+        completed: only a write by someone else says that (a round completes when every
+        active rank returned, and this one did not). The rank never returns normally then:
+        it re-raises its own exception (the job cannot restart a round the others left)."""
+        exc, self.raised = self.raised, None
+        if exc is None or outcome.why != "complete":
+            return
+        logger.error(
+            "rank %d: the function raised %s in round %d but the store says the round "
+            "completed; something other than this job wrote the round's outcome (give each job "
+            "its own store and set TRAINGUARD_JOB_SECRET): raising the function's exception",
+            self.launch.rank,
+            describe(exc),
+            n,
+        )
+        events.emit("outcome_contradicted", error=describe(exc))
+        raise exc
 
     def _round_env(self, pg: str) -> dict[str, str]:
         """The launcher's variables for this round (the round's own store at ``pg``)."""
@@ -425,21 +446,6 @@ class WrappedCall:
         )
 
     # helpers ------------------------------------------------------------------------------
-    def _state(self, n: int, ready: dict[str, Any]) -> RoundState:
-        active = tuple(ready["active"])
-        irank = self.launch.rank
-        return RoundState(
-            round=n,
-            initial_rank=irank,
-            initial_world_size=self.launch.world_size,
-            rank=active.index(irank) if irank in active else None,
-            world_size=len(active),
-            active_ranks=active,
-            spare_ranks=tuple(ready["spare"]),
-            gone={int(k): v for k, v in ready["gone"].items()},
-            faults={int(k): v for k, v in ready["faults"].items()},
-        )
-
     def _hook(self, name: str, state: RoundState, hook: Any = None) -> BaseException | None:
         hook = hook or getattr(self.cfg, name)
         if hook is None:
@@ -453,9 +459,7 @@ class WrappedCall:
         return None
 
     def _start_sidecar(self, log_dir: Any) -> Sidecar | AgentSidecar:
-        """This rank's sidecar: a process of its own, this node's watcher
-        (``TRAINGUARD_SIDECAR=node``), or under ``trainguard launch`` the agent's sidecar
-        service (``TRAINGUARD_AGENT``)."""
+        """This rank's helper (:func:`~trainguard.restart.sidecar.start_helper`)."""
         session = self.session
         assert session.coord_addr is not None
         config = SidecarConfig.build(
@@ -466,12 +470,7 @@ class WrappedCall:
             addr=session.coord_addr,
             log_dir=log_dir,
         )
-        agent = agent_address()
-        if agent is not None:
-            return AgentSidecar(config, agent).start()
-        if _env.settings().sidecar == "node":
-            return NodeSidecar(config).start()
-        return Sidecar(config).start()
+        return start_helper(config)
 
     def _leave_fn(self) -> None:
         """Leave the function; a restart interrupt arriving meanwhile is absorbed."""

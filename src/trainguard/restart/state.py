@@ -9,7 +9,7 @@ import time
 import traceback
 from collections.abc import Mapping
 from types import FrameType, MappingProxyType
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = ["RestartInterrupt", "RoundOutcome", "RoundState", "describe"]
 
@@ -57,6 +57,24 @@ class RoundState:
     def active(self) -> bool:
         """True when this rank runs the function in this round."""
         return self.rank is not None
+
+    @classmethod
+    def of_layout(
+        cls, ready: Mapping[str, Any], initial_rank: int, initial_world_size: int
+    ) -> RoundState:
+        """Initial rank ``initial_rank``'s state in the published round layout ``ready``."""
+        active = tuple(ready["active"])
+        return cls(
+            round=ready["round"],
+            initial_rank=initial_rank,
+            initial_world_size=initial_world_size,
+            rank=active.index(initial_rank) if initial_rank in active else None,
+            world_size=len(active),
+            active_ranks=active,
+            spare_ranks=tuple(ready["spare"]),
+            gone={int(k): v for k, v in ready["gone"].items()},
+            faults={int(k): v for k, v in ready["faults"].items()},
+        )
 
     def replace(self, **changes: object) -> RoundState:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

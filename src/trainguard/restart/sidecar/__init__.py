@@ -15,13 +15,27 @@ default the ranks of one host share one such process, the node watcher (:mod:`._
 - :class:`NodeSidecar`: the same handle when this node's ranks share one watcher process
   (the default, ``TRAINGUARD_SIDECAR=node``, :mod:`._node`).
 - :class:`SidecarConfig`: what the sidecar is told on its command line.
+- :func:`start_helper`: the one of the three that watches this process, started.
 """
 
 from __future__ import annotations
 
-from trainguard.restart.sidecar._agent import AgentSidecar
+from trainguard import _env
+from trainguard.restart.sidecar._agent import AgentSidecar, agent_address
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._handle import Sidecar, log_path
 from trainguard.restart.sidecar._nodeclient import NodeSidecar
 
-__all__ = ["AgentSidecar", "NodeSidecar", "Sidecar", "SidecarConfig", "log_path"]
+__all__ = ["AgentSidecar", "NodeSidecar", "Sidecar", "SidecarConfig", "log_path", "start_helper"]
+
+
+def start_helper(config: SidecarConfig) -> Sidecar | AgentSidecar:
+    """Start the helper that watches this process (its handshake is the caller's): under
+    ``trainguard launch`` the agent's sidecar service (``TRAINGUARD_AGENT``), else this
+    node's watcher (``TRAINGUARD_SIDECAR=node``, the default) or a sidecar process of its own."""
+    agent = agent_address()
+    if agent is not None:
+        return AgentSidecar(config, agent).start()
+    if _env.settings().sidecar == "node":
+        return NodeSidecar(config).start()
+    return Sidecar(config).start()

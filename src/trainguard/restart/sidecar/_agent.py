@@ -6,8 +6,10 @@ address is ``TRAINGUARD_AGENT``: the name of a Unix socket in Linux's abstract n
 
 :class:`AgentSidecar` has the methods of :class:`~trainguard.restart.sidecar.Sidecar`:
 
-1. :meth:`~AgentSidecar.start` connects and sends the :class:`SidecarConfig` as one JSON line
-   (the agent checks the connecting process's pid and uid with ``SO_PEERCRED``);
+1. :meth:`~AgentSidecar.start` connects, checks who listens (:func:`check_listener`: a
+   process of this user and this process's parent, the agent, or another ancestor) and only
+   then sends the :class:`SidecarConfig` as one JSON line (the agent checks the connecting
+   process's pid and uid with ``SO_PEERCRED`` in turn);
 2. :meth:`~AgentSidecar.handshake` reads the agent's one JSON reply line;
 3. :meth:`~AgentSidecar.send` writes the same lines a sidecar gets on its stdin (round, hb,
    bye), from any thread;
@@ -21,8 +23,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -34,6 +38,43 @@ from trainguard.restart.sidecar._handle import handshake_reply
 from trainguard.restart.sidecar._relayclient import RelayReader
 
 logger = logging.getLogger(__name__)
+
+
+def check_listener(sock: socket.socket, what: str, *, ancestor: bool) -> None:
+    """Check the process that listens at the other end of the connected Unix socket ``sock``
+    (``SO_PEERCRED``: the process that called ``listen``) before anything is sent to it: it
+    must run as this user and, with ``ancestor``, be this process's parent (the agent that
+    started it), or another of its ancestors. Anyone may bind an abstract socket name first,
+    and the configuration sent next holds the job secret.
+
+    Raises :class:`~trainguard.errors.CoordinationError` naming ``what`` listens there."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    if uid != os.getuid():
+        raise CoordinationError(
+            f"the process listening as {what} (pid {pid}) runs as user {uid}, not as this "
+            f"process's user {os.getuid()}: another user holds its socket name; nothing was "
+            "sent to it"
+        )
+    if ancestor and pid not in _lineage():
+        raise CoordinationError(
+            f"the process listening as {what} (pid {pid}) is not this process's parent (pid "
+            f"{os.getppid()}) nor an ancestor of it: only the agent that started this process "
+            "may watch it; nothing was sent to it"
+        )
+
+
+def _lineage() -> list[int]:
+    """This process's pid, its parent's, and so on up to the first process."""
+    pids = [os.getpid(), os.getppid()]
+    while pids[-1] > 1 and len(pids) < 4096:
+        try:
+            with open(f"/proc/{pids[-1]}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            break
+        pids.append(int(stat[stat.rfind(b")") + 2 :].split()[1]))
+    return pids
 
 
 def agent_address() -> str | None:
@@ -66,10 +107,15 @@ class AgentSidecar:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.connect("\0" + self.address)
+            check_listener(sock, "the launcher's agent", ancestor=True)
             sock.sendall(json.dumps(self.config.to_json()).encode() + b"\n")
         except OSError as exc:
             sock.close()
             self.error = f"cannot reach it at {self.address!r}: {exc}"
+            return self
+        except CoordinationError as exc:
+            sock.close()
+            self.error = str(exc)
             return self
         self.sock = sock
         return self

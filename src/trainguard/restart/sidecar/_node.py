@@ -15,8 +15,9 @@ Protocol:
    (:func:`lock_path`): a rank takes the lock, connects (or starts the watcher, detached in a
    session of its own so that it outlives that rank, and connects), sends its configuration,
    and releases the lock.
-2. Each connection: the peer must be this user's (``SO_PEERCRED``) and its configuration must
-   name the peer's pid; the watcher connects the rank's watch to the store and replies
+2. Each connection: the peer must be this user's (``SO_PEERCRED``; the rank checks the
+   watcher the same way before it sends anything), its pidfd is taken at the accept
+   (:func:`accept_own`) and its configuration must name the peer's pid; the watcher connects the rank's watch to the store and replies
    ``{"ok": true, "pid": ..., "relay": true}``; then the rank's lines (round, hb, bye) follow,
    as on a sidecar's stdin, and its asks of the node's relay (:mod:`._relay`: each round's
    outcome and layout, read from the store once for all the node's ranks; the replies are the
@@ -91,21 +92,43 @@ def locked(path: Path, timeout: float) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def accept_own(listener: socket.socket, owner: str) -> tuple[socket.socket, int] | None:
-    """Accept a connection on the Unix socket ``listener``: the socket and the peer's pid, or
-    None when accepting failed or the peer is another user's (``SO_PEERCRED``; refused and
-    logged, ``owner`` naming whose it should be)."""
+def accept_own(listener: socket.socket, owner: str) -> tuple[socket.socket, int, int] | None:
+    """Accept a connection on the Unix socket ``listener``: the socket, the peer's pid and a
+    pidfd of it, or None when accepting failed, the peer is another user's (``SO_PEERCRED``;
+    refused and logged, ``owner`` naming whose it should be) or it is gone already.
+
+    The pidfd is opened at once, before anything is read, and only kept while the connection
+    is still open: a peer that had died before could have left its pid to another process,
+    which the watch would then signal. The caller owns the pidfd (a :class:`Watch` takes it)."""
     try:
         sock, _ = listener.accept()
     except OSError:
         return None
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, _ = struct.unpack("3i", creds)
-    if uid != os.getuid():
-        logger.warning("refused a connection of pid %d: user %d is not %s", pid, uid, owner)
+    why = f"user {uid} is not {owner}" if uid != os.getuid() else None
+    pidfd = -1
+    if why is None:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            why = "it is gone"
+    if why is None and _closed(sock):
+        why = "it closed the connection at once (gone: its pid may be another process's)"
+    if why is not None:
+        logger.warning("refused a connection of pid %d: %s", pid, why)
+        if pidfd >= 0:
+            os.close(pidfd)
         sock.close()
         return None
-    return sock, pid
+    return sock, pid, pidfd
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the peer of ``sock`` closed its end (data it sent before may still be unread)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLRDHUP | select.POLLHUP)
+    return bool(poller.poll(0))
 
 
 class NodeWatcher:
@@ -161,17 +184,17 @@ class NodeWatcher:
         peer = accept_own(self.listener, "this user")
         if peer is None:
             return
-        sock, pid = peer
+        sock, pid, pidfd = peer
         with self.cond:
             self.live += 1
             self.served += 1
-        thread = threading.Thread(target=self._serve, args=(sock, pid), name="tg-rank")
+        thread = threading.Thread(target=self._serve, args=(sock, pid, pidfd), name="tg-rank")
         self.threads = [t for t in self.threads if t.is_alive()] + [thread]
         thread.start()
 
-    def _serve(self, sock: socket.socket, pid: int) -> None:
+    def _serve(self, sock: socket.socket, pid: int, pidfd: int) -> None:
         try:
-            self._watch(sock, pid)
+            self._watch(sock, pid, pidfd)
         except Exception:
             logger.exception("the watch of pid %d failed", pid)
         finally:
@@ -194,36 +217,45 @@ class NodeWatcher:
                 store.close()  # another rank's connect came first
             return self.beats
 
-    def _watch(self, sock: socket.socket, pid: int) -> None:
-        sock.settimeout(_HANDSHAKE_S)
-        data = b""
-        while b"\n" not in data and (chunk := sock.recv(65536)):
-            data += chunk
-        line, _, rest = data.partition(b"\n")
+    def _watch(self, sock: socket.socket, pid: int, pidfd: int) -> None:
+        """Serve one rank; ``pidfd`` (of ``pid``, from :func:`accept_own`) goes to its watch,
+        or is closed here when it is refused."""
+        watch: Watch | None = None
+        why = ""
         try:
+            sock.settimeout(_HANDSHAKE_S)
+            data = b""
+            while b"\n" not in data and (chunk := sock.recv(65536)):
+                data += chunk
+            line, _, rest = data.partition(b"\n")
             cfg = SidecarConfig.from_json(json.loads(line))
             if cfg.parent != pid:
                 raise ValueError(f"its configuration names pid {cfg.parent}, not its own")
             if cfg.keys.prefix != self.keys.prefix:
                 raise ValueError("its configuration is of another wrapped call")
-            watch = Watch(cfg, store=self._beats(cfg), shared=True)
+            watch = Watch(cfg, store=self._beats(cfg), shared=True, pidfd=pidfd)
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
+        finally:
+            if watch is None:
+                os.close(pidfd)
+        if watch is None:
             logger.warning("refused pid %d: %s", pid, why)
             sock.sendall(json.dumps({"ok": False, "error": why}).encode() + b"\n")
             return
-        sock.settimeout(None)
-        with self.cond:  # one relay for the node, made with the first rank's store address
-            if self.relay is None:
-                self.relay = Relay(
-                    self.keys, lambda: _wire.connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
-                )
-            watch.on_relay = self.relay.hook(sock)
-        with contextlib.suppress(OSError):  # it died already: the watch writes its notice
-            reply = {"ok": True, "pid": os.getpid(), "relay": True}
-            sock.sendall(json.dumps(reply).encode() + b"\n")
-        logger.info("watching rank %d (pid %d)", cfg.rank, pid)
         try:
+            sock.settimeout(None)
+            with self.cond:  # one relay for the node, made with the first rank's store address
+                if self.relay is None:
+                    self.relay = Relay(
+                        self.keys,
+                        lambda: _wire.connect(cfg.host, cfg.port, timeout=cfg.store_timeout),
+                    )
+                watch.on_relay = self.relay.hook(sock)
+            with contextlib.suppress(OSError):  # it died already: the watch writes its notice
+                reply = {"ok": True, "pid": os.getpid(), "relay": True}
+                sock.sendall(json.dumps(reply).encode() + b"\n")
+            logger.info("watching rank %d (pid %d)", cfg.rank, pid)
             watch.run_piped(sock.fileno(), rest)
         finally:
             watch.stop()  # its threads end with it, also when it failed

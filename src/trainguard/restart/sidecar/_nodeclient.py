@@ -5,9 +5,10 @@ same connection protocol as the launcher's agent (:class:`AgentSidecar`, whose m
 inherits). :meth:`NodeSidecar.start`, under the node's lock file: connect to the watcher of
 this wrapped call on this host, or, when there is none, start it (``python -m
 trainguard.restart.sidecar`` with ``"node": true``: it detaches, so it outlives this rank) and
-connect; then send this rank's configuration. The watcher closes the connection when this rank
-said goodbye or died; a connection that closes before (the watcher died) is this rank's loss of
-its sidecar.
+connect; then check that the watcher runs as this user (``SO_PEERCRED``: anyone may bind the
+socket's name first) and send this rank's configuration. The watcher closes the connection
+when this rank said goodbye or died; a connection that closes before (the watcher died) is
+this rank's loss of its sidecar.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import subprocess
 from trainguard import _subproc
 from trainguard.errors import CoordinationError
 from trainguard.restart.sidecar import _node
-from trainguard.restart.sidecar._agent import AgentSidecar
+from trainguard.restart.sidecar._agent import AgentSidecar, check_listener
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._handle import handshake_reply, node_log_path
 
@@ -55,8 +56,9 @@ class NodeSidecar(AgentSidecar):
             sock.close()
             return False
         try:
+            check_listener(sock, "this node's watcher", ancestor=False)
             sock.sendall(json.dumps(self.config.to_json()).encode() + b"\n")
-        except OSError:
+        except (OSError, CoordinationError):
             sock.close()
             raise
         self.sock = sock

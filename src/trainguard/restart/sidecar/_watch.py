@@ -99,6 +99,9 @@ class Watch:
         shared: ``store`` serves other watches too (the node watcher's ranks beat on one
             connection): this rank's death notice, which may wait for a barrier, then goes on
             a connection of its own, so that it never holds up the others' beats.
+        pidfd: a pidfd of the watched process, opened when it connected (the watch owns it
+            from then on); default one opened here (the sidecar's parent cannot have been
+            replaced: it is not reaped while its child lives).
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class Watch:
         killer: str = "its sidecar",
         store: Any = None,
         shared: bool = False,
+        pidfd: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.shared = shared
@@ -125,7 +129,7 @@ class Watch:
             store = connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
         self.coord: Any = store
         self.beat_store: Any = self.coord if heartbeats else None  # one connection for both
-        self.pidfd = os.pidfd_open(self.parent)
+        self.pidfd = os.pidfd_open(self.parent) if pidfd is None else pidfd
         self.lock = threading.Lock()  # guards the fields below, shared by the threads
         self.round = -1
         self.roster: tuple[int, ...] = tuple(range(self.world))
@@ -335,6 +339,8 @@ class Watch:
             if counter == 0:
                 continue  # judged only once it beat
             previous = self.seen.get(r)
+            if counter < 0 and (previous is None or previous[0] >= 0):
+                _bad_counter(r, bytes(raw))
             if previous is None or previous[0] != counter:
                 self.seen[r] = (counter, now)
             elif now - previous[1] >= timeout:
@@ -449,6 +455,21 @@ def notify(
     return done
 
 
+def _bad_counter(r: int, raw: bytes) -> None:
+    why = f"no counter ({len(raw)} bytes: {raw[:40]!r})"
+    logger.warning(
+        "rank %d's heartbeat in the store is %s: judged as silent unless it moves", r, why
+    )
+
+
+#: the most digits a heartbeat counter has (a beat every millisecond for a billion years has 20;
+#: Python refuses to read an int of more than 4,300 digits)
+_MAX_DIGITS = 20
+
+
 def _counter(raw: bytes) -> int:
-    """A heartbeat counter read from the store; -1 for a value that is no counter."""
-    return int(raw) if raw.isdigit() else (0 if not raw else -1)
+    """A heartbeat counter read from the store: 0 for none yet, -1 for a value that is no
+    counter (not digits, or more than :data:`_MAX_DIGITS` of them)."""
+    if not raw:
+        return 0
+    return int(raw) if len(raw) <= _MAX_DIGITS and raw.isdigit() else -1
