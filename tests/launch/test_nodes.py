@@ -150,26 +150,52 @@ def test_agent_0_lost_with_an_external_store_the_others_go_on(tmp_path: Path) ->
         store.stdout.close()
 
 
-def test_a_node_declared_lost_while_only_slow_restarts_the_whole_job(tmp_path: Path) -> None:
-    """Agent 1 is stopped (SIGSTOP) past the heartbeat timeout while its workers run on: agent
-    0 counts its ranks out; when it runs again it finds itself declared lost, stops its workers
-    and asks for a whole-job restart, which completes in generation 1."""
+def _slow_node(job: Agents, ev: Path) -> None:
+    """Stop agent 1 (SIGSTOP) past the heartbeat timeout while its workers run on, until agent 0
+    counted its ranks out; then let it run again."""
+    job.procs[1].send_signal(signal.SIGSTOP)
+    try:
+        job.wait_for(lambda: _events(ev, "launch_node_lost"), timeout=TIMEOUT + 10)
+    finally:
+        job.procs[1].send_signal(signal.SIGCONT)
+
+
+def test_a_node_declared_lost_while_only_slow_rejoins_without_restarting_the_job(
+    tmp_path: Path,
+) -> None:
+    """When agent 1 runs again it finds itself declared lost: it stops its workers and takes
+    its place again as a new node (its workers are newcomers, incarnation 1); the job is not
+    restarted (it used to ask for a whole-job restart: a slow node ended every rank's work)."""
     out, ev, extra = _job(tmp_path, "--max-restarts=1")
     with Agents(tmp_path, nodes=2, nproc=2, worker=["run", str(out)], extra=extra) as job:
         _started(job, out)
-        job.procs[1].send_signal(signal.SIGSTOP)
-        try:
-            job.wait_for(lambda: _events(ev, "launch_node_lost"), timeout=TIMEOUT + 10)
-        finally:
-            job.procs[1].send_signal(signal.SIGCONT)
+        _slow_node(job, ev)
         job.wait_for(
-            lambda: len([s for s in read_starts(out) if s["generation"] == "1"]) == 4,
-            what="generation 1",
+            lambda: len([s for s in read_starts(out) if s["incarnation"] == "1"]) == 2,
+            what="node 1's workers again, as newcomers",
         )
         (out / "stop").touch()
         assert job.wait(timeout=30) == [0, 0], job.output()
         assert leftovers(job.run_id) == []
-    (escalated, *_) = _events(ev, "launch_escalated")
-    assert escalated["rank"] == -2 and "declared lost" in escalated["reason"], escalated
+    assert _events(ev, "launch_escalated") == []
+    (evicted,) = _events(ev, "launch_evicted")
+    assert evicted["rank"] == -2 and evicted["then"] == "rejoin"
+    assert [e["rank"] for e in _events(ev, "launch_rejoined")] == [-2]
     starts = read_starts(out)
-    assert sorted(s["rank"] for s in starts if s["generation"] == "1") == [0, 1, 2, 3]
+    assert {s["generation"] for s in starts} == {"0"}
+    assert sorted(s["rank"] for s in starts if s["incarnation"] == "1") == [2, 3]
+
+
+def test_a_node_declared_lost_leaves_with_status_3_when_told_to(tmp_path: Path) -> None:
+    out, ev, extra = _job(tmp_path, "--max-restarts=1", "--tg-on-evicted=exit")
+    with Agents(tmp_path, nodes=2, nproc=2, worker=["run", str(out)], extra=extra) as job:
+        starts = _started(job, out)
+        _slow_node(job, ev)
+        job.wait_for(lambda: job.procs[1].poll() is not None, what="node 1 leaving")
+        assert job.procs[1].returncode == 3, job.output()
+        assert "this node left the job" in job.output()
+        (out / "stop").touch()
+        assert job.wait(timeout=30) == [0, 3], job.output()
+        assert leftovers(job.run_id) == []
+    assert _events(ev, "launch_escalated") == []
+    assert not any(alive(pid) for pid in starts.values())

@@ -18,6 +18,9 @@ tick, plus the fence thread of :mod:`trainguard.launch._fence`):
    starts its workers as newcomers, admitted at a round boundary; with ``exit``, or when no place
    is free, it leaves: the launcher exits with status 3 (:class:`~trainguard.errors.NodeLeftError`).
 4. **Never back**: after ``--tg-fence-timeout`` seconds fenced the node leaves the same way.
+5. **The store is gone**, not out of reach: its host answers but refuses connections (the
+   agent that hosted it ended). No partition heals that: the node stops its workers and leaves
+   at once.
 
 A whole-job restart is asked for only by a node that is part of the job: a store call that fails
 in the agent's tick no longer asks for one (it used to: a partitioned node then ended the job).
@@ -27,12 +30,14 @@ from __future__ import annotations
 
 import enum
 import logging
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 from trainguard import events
 from trainguard.launch._coordstore import CoordStore
+from trainguard.coord.store import parse_addr
 from trainguard.launch._fence import Fence
 from trainguard.launch._nodes import NodeWatch
 from trainguard.launch.options import LaunchOptions
@@ -123,6 +128,14 @@ class Partition:
         if self.nodes.eviction is not None:
             return Verdict.EVICTED
         fence = self.fence
+        if (self._broken or self.fenced) and self._refused():
+            self._kill_workers()
+            self.left = (
+                f"the coordination store at {self.coord.addr} is gone (its host refuses "
+                "connections: the agent or store process that hosted it ended); this node "
+                "stopped its workers and leaves the job"
+            )
+            return Verdict.LEAVE
         if fence is None or fence.fenced_at is None:
             self.nodes.reached_again = False
             if self._broken:
@@ -145,6 +158,19 @@ class Partition:
             )
             return Verdict.LEAVE
         return Verdict.FENCED
+
+    def _refused(self) -> bool:
+        """Whether the store's host answers and refuses connections (a partition drops them)."""
+        if self.coord.server is not None or self.coord.addr is None:
+            return False
+        host, port = self.coord.external or parse_addr(self.coord.addr)
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return False
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
 
     def _reconnect(self) -> bool:
         place = self.nodes.place
