@@ -14,19 +14,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainguard.checkpoint._link import RoundWatch
+from trainguard.checkpoint._link import RoundWatch, StoreLink
 from trainguard.checkpoint.local._pipeline import SavePipeline
 from trainguard.checkpoint.local._remembered import RestoreBuffer
 from trainguard.checkpoint.local._spare import SparePrefetch
 from trainguard.checkpoint.local._transfer import Channel
-from trainguard.checkpoint.local.replication import CliqueReplication
+from trainguard.checkpoint.local.replication import CliqueReplication, this_host
 from trainguard.checkpoint.staging import Stager, StagingBuffer
 from trainguard.checkpoint.writer import WriterProcess
+from trainguard.coord import gather
 from trainguard.errors import CheckpointWriteError, ConfigError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 logger = logging.getLogger(__name__)
 
@@ -158,13 +162,49 @@ def check_iteration(iteration: object, largest: int) -> None:
         )
 
 
+def round_hosts(
+    replication: CliqueReplication,
+    link: StoreLink | None,
+    store: Store | None,
+    rank: int,
+    world_size: int,
+    timeout: float,
+) -> list[str] | None:
+    """Each rank's host in this round, when ``replication`` places copies by host: a gather
+    of :func:`~.replication.this_host` through the store (every rank binds together), once per
+    round. None for placement by rank arithmetic."""
+    if not replication.by_host:
+        return None
+    if link is None or store is None or not replication.replicates(world_size):
+        return [this_host()] * world_size  # one rank, or one copy: nobody to place
+    got = gather(
+        store,
+        f"{link.prefix}/hosts",
+        this_host(),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        what="host names",
+        hint="every rank must build (or bind) its LocalCheckpointManager together",
+    )
+    return [str(got[r]) for r in range(world_size)]
+
+
 def clique_of(
-    replication: CliqueReplication, rank: int, world_size: int, watch: RoundWatch
+    replication: CliqueReplication,
+    rank: int,
+    world_size: int,
+    watch: RoundWatch,
+    hosts: list[str] | None,
 ) -> list[int]:
-    """``rank``'s clique in a world of ``world_size``; warns when it is short of members
-    (unless not bound yet: built before torch.distributed, it binds to the real world later)."""
-    clique = replication.clique_of(rank, world_size)
-    if len(clique) < replication.factor and not watch.unbound:
+    """``rank``'s clique in a world of ``world_size`` (``hosts``: each rank's, when placing by
+    host); warns when it is short of members, or has two on one host while the round has other
+    hosts (unless not bound yet: built before torch.distributed, it binds to the real world
+    later)."""
+    clique = replication.clique_of(rank, world_size, hosts)
+    if watch.unbound:
+        return clique
+    if len(clique) < replication.factor:
         logger.warning(
             "rank %d's clique %s has %d member(s) for factor %d (world size %d): its parts "
             "have fewer copies",
@@ -174,6 +214,18 @@ def clique_of(
             replication.factor,
             world_size,
         )
+    if hosts is not None and len(set(hosts)) > 1:
+        on = [hosts[m] for m in clique]
+        if len(set(on)) < len(on):
+            logger.warning(
+                "rank %d's clique %s sits on hosts %s: losing one of them loses more than one "
+                "copy (too few ranks on other hosts)",
+                rank,
+                clique,
+                on,
+            )
+    elif hosts is None:
+        logger.debug("rank %d's clique %s (by rank arithmetic)", rank, clique)
     return clique
 
 
