@@ -198,34 +198,20 @@ def clique_of(
     hosts: list[str] | None,
 ) -> list[int]:
     """``rank``'s clique in a world of ``world_size`` (``hosts``: each rank's, when placing by
-    host); warns when it is short of members, or has two on one host while the round has other
-    hosts (unless not bound yet: built before torch.distributed, it binds to the real world
-    later)."""
+    host); warns when it is short of members (unless not bound yet: built before
+    torch.distributed, it binds to the real world later)."""
     clique = replication.clique_of(rank, world_size, hosts)
-    if watch.unbound:
-        return clique
-    if len(clique) < replication.factor:
+    if len(clique) < replication.factor and not watch.unbound:
         logger.warning(
-            "rank %d's clique %s has %d member(s) for factor %d (world size %d): its parts "
+            "rank %d's clique %s has %d member(s) for factor %d (world size %d, %s): its parts "
             "have fewer copies",
             rank,
             clique,
             len(clique),
             replication.factor,
             world_size,
+            "by rank arithmetic" if hosts is None else f"{len(set(hosts))} host(s)",
         )
-    if hosts is not None and len(set(hosts)) > 1:
-        on = [hosts[m] for m in clique]
-        if len(set(on)) < len(on):
-            logger.warning(
-                "rank %d's clique %s sits on hosts %s: losing one of them loses more than one "
-                "copy (too few ranks on other hosts)",
-                rank,
-                clique,
-                on,
-            )
-    elif hosts is None:
-        logger.debug("rank %d's clique %s (by rank arithmetic)", rank, clique)
     return clique
 
 

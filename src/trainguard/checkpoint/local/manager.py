@@ -194,7 +194,9 @@ class LocalCheckpointManager(Closing):
         self.hosts = round_hosts(*where)  # this round's host of each rank (placement by host)
         self.clique = clique_of(self.replication, self.rank, self.world_size, watch, self.hosts)
         # the replication group is built on first need (a save that replicates, a transfer)
-        self._replicates = link is not None and self.replication.replicates(self.world_size)
+        self._replicates = link is not None and self.replication.replicates(
+            self.world_size, self.hosts
+        )
         # per round: a rank interrupted before a save the others made is not behind for good
         self._calls = self._seq = 0
         place = Place(

@@ -13,10 +13,11 @@ After spares took over ranks of other hosts (``FillGaps``), ranks are no longer 
 host, and the cliques follow the hosts, not the numbers::
 
     h1: ranks 0 1, h2: ranks 4 5 (spares), h3: ranks 2 3, factor 2:   {0,4} {1,2} {3,5}
-    one host, 4 ranks, factor 2:                                      {0,1} {2,3}
+    h1: ranks 0 1 2 3, h2: rank 4, factor 2:                          {0,4} {1} {2} {3}
 
-With fewer hosts left than ``factor`` ranks in a clique, the clique is filled with further ranks
-of the hosts that have the most left (copies on one host still survive a lost rank or root).
+A clique never has two members on one host: a second copy on the owner's host would cost memory
+and bandwidth and not survive that host. So on one host nothing is copied, and where one host
+has more ranks than all others together, some of its ranks keep their only copy.
 
 **By arithmetic** (``jump=N``, as before host placement): members are ``jump`` rank numbers
 apart, which puts them on different hosts only while ranks are numbered host by host with
@@ -25,9 +26,9 @@ apart, which puts them on different hosts only while ranks are numbered host by 
     world 8, factor 2, jump 4:   cliques {0,4} {1,5} {2,6} {3,7}
     world 8, factor 2, jump 1:   cliques {0,1} {2,3} {4,5} {6,7}
 
-Blocks of ``factor * jump`` ranks are laid out the same way. Either way, when the world size is
-not a multiple of ``factor`` (or of the block), the last cliques are smaller: their parts have
-fewer copies, which the manager logs.
+Blocks of ``factor * jump`` ranks are laid out the same way. Either way, cliques that come out
+smaller than ``factor`` (the world size is not a multiple of it or of the block; too few
+hosts) mean fewer copies of their parts, which the manager logs.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def host_cliques(hosts: Sequence[str], factor: int) -> list[list[int]]:
 
     Deterministic in ``hosts``: every rank computes the same cliques from the same map. Each
     clique takes the lowest rank left of each of the ``factor`` hosts with the most ranks left
-    (ties broken by host name); when fewer hosts have ranks left, it is filled from those hosts
-    again (most ranks left first). Members in rank order, cliques by their first member.
+    (ties broken by host name); never two ranks of one host (a copy on the owner's host does
+    not survive that host), so with fewer hosts left the clique is smaller. Members in rank
+    order, cliques by their first member.
     """
     left: dict[str, list[int]] = {}
     for rank, host in enumerate(hosts):
@@ -67,15 +69,8 @@ def host_cliques(hosts: Sequence[str], factor: int) -> list[list[int]]:
     names = sorted(left)
     out: list[list[int]] = []
     while any(left.values()):
-        members: list[int] = []
-        taken: set[str] = set()
-        while len(members) < factor and any(left.values()):
-            fresh = [h for h in names if left[h] and h not in taken]
-            pool = fresh or [h for h in names if left[h]]
-            host = max(pool, key=lambda h: (len(left[h]), -names.index(h)))
-            members.append(left[host].pop())
-            taken.add(host)
-        out.append(sorted(members))
+        live = sorted((h for h in names if left[h]), key=lambda h: -len(left[h]))  # stable
+        out.append(sorted(left[h].pop() for h in live[:factor]))
     return sorted(out)
 
 
@@ -152,11 +147,12 @@ class CliqueReplication:
                     out.append(members)
         return out
 
-    def replicates(self, world_size: int) -> bool:
-        """Whether some clique of a world of ``world_size`` has more than one member."""
-        if self.jump is None:
+    def replicates(self, world_size: int, hosts: Sequence[str] | None = None) -> bool:
+        """Whether some clique of a world of ``world_size`` has more than one member (placing
+        by host without ``hosts``: whether it may)."""
+        if self.jump is None and hosts is None:
             return self.factor > 1 and world_size > 1
-        return any(len(members) > 1 for members in self.cliques(world_size))
+        return any(len(members) > 1 for members in self.cliques(world_size, hosts))
 
     def clique_of(
         self, rank: int, world_size: int, hosts: Sequence[str] | None = None
