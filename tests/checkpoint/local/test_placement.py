@@ -181,3 +181,46 @@ def test_host_of_spares_dies_and_every_part_loads_from_another_host(tmp_path: Pa
     for r, clique in enumerate(cliques):  # every clique spans two hosts
         assert len({SAVE_HOSTS[m] for m in clique}) == 2, (r, cliques)
     assert [result.get()["hosts"] for result in saved] == [list(SAVE_HOSTS.values())] * WORLD
+
+
+def _two_rounds(base: str, port: int) -> dict:
+    """Round 0 with ranks numbered host by host, round 1 (a new default group) after spares of
+    h3 took ranks 1 and 3: one manager, re-bound by itself, places by the new round's hosts."""
+    import torch.distributed as dist
+
+    from trainguard.checkpoint import LocalCheckpointManager
+
+    rank = int(os.environ["RANK"])
+    os.environ["TRAINGUARD_HOST_NAME"] = f"h{rank // 2 + 1}"
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    root = os.path.join(base, f"rank{rank}")
+    out = {}
+    with LocalCheckpointManager(root, replication=CliqueReplication(2), timeout=60) as mgr:
+        mgr.save(_state(rank, 1), 1)
+        mgr.wait()
+        out["first"] = mgr.clique
+        dist.destroy_process_group()
+        os.environ["TRAINGUARD_HOST_NAME"] = SAVE_HOSTS[rank]
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+        )
+        mgr.save(_state(rank, 2), 2)
+        mgr.wait()
+        out["second"] = mgr.clique
+        out["owners"] = sorted(
+            int(name[5:10]) for name in os.listdir(os.path.join(root, "iter_000000000002"))
+        )
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_new_round_places_by_its_own_hosts(tmp_path: Path) -> None:
+    from tests._dist import free_port
+
+    results = run_ranks(
+        _two_rounds, WORLD, args=(str(tmp_path), free_port()), env={"LOCAL_WORLD_SIZE": "2"}
+    )
+    values = [r.get() for r in results]
+    assert [v["first"] for v in values] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [v["second"] for v in values] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [v["owners"] for v in values] == [v["second"] for v in values]  # copies went there
