@@ -157,9 +157,7 @@ def test_partition_of_the_store_s_host_the_store_s_side_goes_on_the_other_side_f
     others = _worker_pids(out, (2, 3, 4, 5))
     cut_at = time.time()
     c.cut(c.hosts[0])
-    job.wait_for(
-        lambda: _round(out, 1, world=2), what="h1 training alone with 2 ranks", timeout=40
-    )
+    job.wait_for(lambda: _round(out, 1, world=2), what="h1 training alone with 2 ranks", timeout=40)
     alone = min(
         s["time"] for s in records(out / "steps.jsonl") if s["round"] >= 1 and s["world"] == 2
     )
