@@ -224,3 +224,47 @@ def test_a_new_round_places_by_its_own_hosts(tmp_path: Path) -> None:
     assert [v["first"] for v in values] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert [v["second"] for v in values] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [v["owners"] for v in values] == [v["second"] for v in values]  # copies went there
+
+
+def _saved_before_host_placement(base: str) -> dict:
+    """Save as the old default did under 2 ranks per host (parts say ``jump=2``), then resume
+    with placement by host (same factor: loads) and with one copy (refused)."""
+    import torch.distributed as dist
+
+    from trainguard.checkpoint import LocalCheckpointManager
+    from trainguard.errors import CheckpointReplicationMismatchError
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    root = _root(base)
+    out: dict = {}
+    try:
+        with LocalCheckpointManager(root, replication=CliqueReplication(2, jump=2)) as mgr:
+            mgr.save(_state(rank, 1), 1)
+            mgr.wait()
+        with LocalCheckpointManager(root, replication=CliqueReplication(2)) as mgr:
+            found = mgr.find_latest()
+            out["loaded"] = found is not None and mgr.load(found)["owner"] == rank
+        with LocalCheckpointManager(root, replication=CliqueReplication(1)) as mgr:
+            try:
+                mgr.find_latest()
+            except CheckpointReplicationMismatchError as exc:
+                out["refused"] = str(exc)
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def test_iterations_saved_with_the_old_default_load_by_host(tmp_path: Path) -> None:
+    results = run_ranks(
+        _saved_before_host_placement,
+        WORLD,
+        args=(str(tmp_path),),
+        env={"LOCAL_WORLD_SIZE": "2"},
+        rank_env=lambda r: {"TRAINGUARD_HOST_NAME": f"h{r // 2 + 1}"},
+        timeout=120,
+    )
+    for result in results:
+        value = result.get()
+        assert value["loaded"] is True, value
+        assert "factor=2, jump=2" in value["refused"] and "factor=1, by host" in value["refused"]
