@@ -175,8 +175,8 @@ def round_hosts(
     round. None for placement by rank arithmetic."""
     if not replication.by_host:
         return None
-    if link is None or store is None or not replication.replicates(world_size):
-        return [this_host()] * world_size  # one rank, or one copy: nobody to place
+    if link is None or store is None:
+        return [this_host()] * world_size  # one rank (world_size is 1)
     got = gather(
         store,
         f"{link.prefix}/hosts",
