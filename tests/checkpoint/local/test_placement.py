@@ -5,7 +5,9 @@ host: placement by rank arithmetic (``jump`` = ranks per host) can then put both
 on one host. The unit tests check the placement function on such maps; the multi-rank test runs
 the scenario with real ranks on loopback, each told its host by ``TRAINGUARD_HOST_NAME``: a
 host's spares hold ranks of two different original hosts, the host dies (its local roots are
-removed with everything on them), and every part is still loaded from a peer on another host.
+removed with everything on them), and every part is still loaded from a peer on another host;
+one manager re-bound to a new round places by that round's hosts; iterations saved with the old
+default still load. The same scenario on emulated hosts: tests/cluster/test_local_ckpt_hosts.py.
 """
 
 from __future__ import annotations
