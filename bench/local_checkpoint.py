@@ -1,7 +1,8 @@
 """Local checkpoints with replication against their baselines, measured in one run.
 
-4 ranks on this machine (as 2 "nodes" of 2: LOCAL_WORLD_SIZE=2, CliqueReplication(factor=2), so
-each part is copied to the rank two away), ``--mib`` MiB of state per rank, roots in /dev/shm.
+4 ranks on this machine (as 2 "nodes" of 2: TRAINGUARD_HOST_NAME=node0/node1,
+CliqueReplication(factor=2) by host, so each part is copied to the rank two away), ``--mib`` MiB
+of state per rank, roots in /dev/shm.
 Every rank measures, with barriers between the steps:
 
 - raw write: its part's bytes written to a file in /dev/shm (write + fsync), all ranks at once;
@@ -81,6 +82,7 @@ def rank_main(rank: int, port: int, mib: int, repeat: int, base: str, nice: int,
         LOCAL_WORLD_SIZE="2",
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        TRAINGUARD_HOST_NAME=f"node{rank // 2}",
     )
     import torch
     import torch.distributed as dist

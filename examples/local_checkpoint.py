@@ -1,8 +1,9 @@
 """Local checkpoints with replication: 4 ranks lose one "node"'s storage and lose nothing.
 
 Run: ``.venv/bin/python examples/local_checkpoint.py [--root DIR]``. It starts 4 ranks itself
-(gloo on CPU), as 2 "nodes" of 2 ranks (LOCAL_WORLD_SIZE=2), so ``CliqueReplication(factor=2)``
-keeps each rank's part on its own root and on the rank of the other node. The first run trains
+(gloo on CPU), as 2 "nodes" of 2 ranks (each rank names its node in TRAINGUARD_HOST_NAME), so
+``CliqueReplication(factor=2)``, which places copies by host, keeps each rank's part on its own
+root and on a rank of the other node. The first run trains
 and checkpoints every 5 steps; then rank 1's root is deleted; the second run finds the newest
 iteration, rank 1 receives its part from rank 3, and every rank resumes where it stopped.
 """
@@ -37,6 +38,7 @@ def rank_main(rank: int, port: int, root: str, steps: int, conn) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE="2",
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        TRAINGUARD_HOST_NAME=f"node{rank // 2}",  # 2 emulated nodes on this machine
     )  # fmt: skip
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     torch.manual_seed(rank)

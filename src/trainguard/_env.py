@@ -36,6 +36,8 @@ VARIABLES: dict[str, str] = {
     "the launcher",
     "TRAINGUARD_SIDECAR": "'node' (default: one watcher process per node, shared by its ranks) "
     "or 'process' (one sidecar process per rank); ignored under `trainguard launch`",
+    "TRAINGUARD_HOST_NAME": "the host name a rank reports for the placement of local checkpoint "
+    "copies (CliqueReplication by host); default socket.gethostname()",
     "TRAINGUARD_DEMO_MODEL_MIB": "`trainguard demo` only: pad the demo model's checkpointed state "
     "to about this many MiB per rank (0: no padding); set by `trainguard demo --model-mib`",
 }
@@ -55,6 +57,7 @@ class Settings:
     agent: str | None = None
     sidecar: str = "node"
     demo_model_mib: int = 0
+    host_name: str | None = None
 
 
 def _parse_addr(value: str) -> tuple[str, int]:
@@ -139,4 +142,5 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
         demo_model_mib=_count("TRAINGUARD_DEMO_MODEL_MIB", mib, "trainguard demo --model-mib")
         if mib
         else 0,
+        host_name=get("TRAINGUARD_HOST_NAME"),
     )

@@ -1,7 +1,8 @@
 """Local checkpoints across 4 real ranks (gloo, TCPStore) through tests/_dist.py.
 
-Layout under test: 4 ranks as 2 "nodes" of 2 (LOCAL_WORLD_SIZE=2), CliqueReplication(factor=2),
-so the jump is 2 and the cliques are {0, 2} and {1, 3}: each part lives on its owner and on the
+Layout under test: 4 ranks as 2 "nodes" of 2 (each rank names its node in TRAINGUARD_HOST_NAME:
+ranks 0 1 on node0, 2 3 on node1), CliqueReplication(factor=2) by host, so the cliques are
+{0, 2} and {1, 3}: each part lives on its owner and on the
 rank two away. One save phase (iterations 1..3) builds the roots once for the module; each test
 works on a copy and damages it before the ranks recover.
 """
@@ -23,6 +24,11 @@ from trainguard.events import read_events
 WORLD = 4
 ITERS = (1, 2, 3)
 ENV = {"LOCAL_WORLD_SIZE": "2"}
+
+
+def on_node(rank: int) -> dict[str, str]:
+    """Ranks 0 1 on "node0", 2 3 on "node1" (the host each reports for placing copies)."""
+    return {"TRAINGUARD_HOST_NAME": f"node{rank // 2}"}
 
 
 def part_state(owner: int, iteration: int) -> dict:
@@ -104,7 +110,12 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("saved")
     roots = [str(base / f"node{r // 2}-rank{r}") for r in range(WORLD)]
     results = run_ranks(
-        _save_phase, WORLD, args=(roots, str(base / "events")), env=ENV, timeout=150
+        _save_phase,
+        WORLD,
+        args=(roots, str(base / "events")),
+        env=ENV,
+        rank_env=on_node,
+        timeout=150,
     )
     for r in results:
         leftovers = r.get()
@@ -173,7 +184,12 @@ def _recover(roots: list[str], events_dir: str, steps: list[dict]) -> list[dict]
 def _run_steps(roots, tmp_path, steps: list[dict], world=WORLD) -> list[list[dict]]:
     """Per step, the outcomes of every rank: result[step][rank]."""
     results = run_ranks(
-        _recover, world, args=(roots, str(tmp_path / "events"), steps), env=ENV, timeout=150
+        _recover,
+        world,
+        args=(roots, str(tmp_path / "events"), steps),
+        env=ENV,
+        rank_env=on_node,
+        timeout=150,
     )
     per_rank = [r.get() for r in results]
     return [[per_rank[r][i] for r in range(world)] for i in range(len(steps))]
@@ -282,7 +298,7 @@ def test_replication_setting_change_is_explained(saved: Path, tmp_path: Path) ->
     for o in refused:
         name, text = o["latest_error"]
         assert name == "CheckpointReplicationMismatchError"
-        assert "factor=2, jump=2" in text and "factor=1" in text
+        assert "factor=2, by host" in text and "factor=1" in text
         assert "allow_replication_change" in text
     assert [o["loaded"] for o in allowed] == [3] * WORLD
 
@@ -317,7 +333,9 @@ def test_rank_killed_during_save_leaves_previous_recoverable(tmp_path: Path) -> 
     roots = [str(tmp_path / f"rank{r}") for r in range(WORLD)]
     flag = tmp_path / "flags"
     flag.mkdir()
-    with RankGroup(_killed_mid_save, WORLD, args=(roots, str(flag)), env=ENV, timeout=150) as g:
+    with RankGroup(
+        _killed_mid_save, WORLD, args=(roots, str(flag)), env=ENV, rank_env=on_node, timeout=150
+    ) as g:
         g.start()
         g.wait_until(lambda: (flag / "dying").exists(), timeout=120)
         time.sleep(0.2)
@@ -393,6 +411,7 @@ def test_resume_after_in_process_restart_is_bit_identical(tmp_path) -> None:
             WORLD,
             args=(roots, steps, fault, str(tmp_path / name / "events")),
             env=ENV,
+            rank_env=on_node,
             timeout=150,
         )
         out[name] = [r.get() for r in results]

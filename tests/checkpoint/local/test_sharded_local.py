@@ -1,7 +1,7 @@
 """Sharded state (FSDP2 model + Adam) in local checkpoints, loaded with ``load(it, into=...)``.
 
-Real ranks (gloo, TCPStore) through tests/_dist.py, 2 "nodes" of 2 (LOCAL_WORLD_SIZE=2) and
-CliqueReplication(2): the cliques of 4 ranks are {0, 2} and {1, 3}. One save phase (4 ranks: an
+Real ranks (gloo, TCPStore) through tests/_dist.py, 2 "nodes" of 2 (TRAINGUARD_HOST_NAME node0,
+node1) and CliqueReplication(2) by host: the cliques of 4 ranks are {0, 2} and {1, 3}. One save phase (4 ranks: an
 FSDP2 model trained one Adam step, saved as iteration 1 and with ``dcp.save``) builds the roots
 once for the module; each later test works on a copy. Every load fills a target whose values
 were set to NaN first, and is compared with ``torch.equal`` against what ``dcp.load`` gives for
@@ -22,6 +22,11 @@ from tests._dist import run_ranks
 from trainguard.events import read_events
 
 ENV = {"LOCAL_WORLD_SIZE": "2"}
+
+
+def on_node(rank: int) -> dict[str, str]:
+    """Ranks 0 1 on "node0", 2 3 on "node1" (the host each reports for placing copies)."""
+    return {"TRAINGUARD_HOST_NAME": f"node{rank // 2}"}
 
 
 def _init() -> int:
@@ -226,7 +231,9 @@ def _load_phase(
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     base = tmp_path_factory.mktemp("sharded")
     roots = [str(base / f"rank{r}") for r in range(4)]
-    results = run_ranks(_save_phase, 4, args=(roots, str(base / "dcp")), env=ENV, timeout=150)
+    results = run_ranks(
+        _save_phase, 4, args=(roots, str(base / "dcp")), env=ENV, rank_env=on_node, timeout=150
+    )
     return base, [r.get() for r in results]
 
 
@@ -263,6 +270,7 @@ def test_lost_copy_chunks_come_from_the_peer_and_plain_load_names_into(
         args=(roots, str(base / "dcp"), str(tmp_path / "events")),
         kwargs={"plain_first": True},
         env=ENV,
+        rank_env=on_node,
         timeout=150,
     )
     outs = [r.get() for r in results]
@@ -294,6 +302,7 @@ def shrunk(saved: tuple[Path, list[dict]], tmp_path_factory: pytest.TempPathFact
         3,
         args=(roots, str(base / "dcp"), str(here / "events"), str(here / "dcp")),
         env=ENV,
+        rank_env=on_node,
         timeout=150,
     )
     return here, roots, [r.get() for r in results]
@@ -318,6 +327,7 @@ def test_reshard_3_to_4_equals_dcp(shrunk: tuple, tmp_path: Path) -> None:
         4,
         args=(roots, str(here / "dcp"), str(tmp_path / "events")),
         env=ENV,
+        rank_env=on_node,
         timeout=150,
     )
     outs = [r.get() for r in results]
@@ -346,6 +356,7 @@ def test_bad_copies_found_while_loading_another_holder_then_older_iteration(
         args=(roots, str(base / "dcp"), str(tmp_path / "events")),
         kwargs={"rot": rot},
         env=ENV,
+        rank_env=on_node,
         timeout=150,
     )
     outs = [r.get() for r in results]

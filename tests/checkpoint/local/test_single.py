@@ -23,20 +23,17 @@ from trainguard.restart._interrupt import Kick, raise_in
 from trainguard.restart.state import RestartInterrupt
 
 
-def test_clique_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_clique_layouts() -> None:
     assert CliqueReplication(2, 4).cliques(8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert CliqueReplication(2, 1).cliques(8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert CliqueReplication(3, 2).cliques(6) == [[0, 2, 4], [1, 3, 5]]
     assert CliqueReplication(2, 2).cliques(6) == [[0, 2], [1, 3], [4], [5]]  # world shrank
     assert CliqueReplication(2, 2).clique_of(3, 4) == [1, 3]
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert CliqueReplication(2).resolved_jump() == 8
-    assert CliqueReplication(2).describe() == "CliqueReplication(factor=2, jump=8)"
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "x")
-    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE"):
-        CliqueReplication(2).resolved_jump()
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert CliqueReplication(2).resolved_jump() == 1
+    assert CliqueReplication(2, 4).describe() == "CliqueReplication(factor=2, jump=4)"
+    assert CliqueReplication(2).describe() == "CliqueReplication(factor=2, by host)"
+    assert CliqueReplication(2).clique_of(1, 4, ["a", "b", "a", "b"]) == [0, 1]
+    with pytest.raises(ConfigError, match="host of each"):
+        CliqueReplication(2).cliques(4)  # by host, without the hosts
     for bad in ({"factor": 0}, {"factor": 2.0}, {"factor": 2, "jump": 0}, {"factor": True}):
         with pytest.raises(ConfigError):
             CliqueReplication(**bad)  # type: ignore[arg-type]

@@ -14,19 +14,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainguard.checkpoint._link import RoundWatch
+from trainguard.checkpoint._link import RoundWatch, StoreLink
 from trainguard.checkpoint.local._pipeline import SavePipeline
 from trainguard.checkpoint.local._remembered import RestoreBuffer
 from trainguard.checkpoint.local._spare import SparePrefetch
 from trainguard.checkpoint.local._transfer import Channel
-from trainguard.checkpoint.local.replication import CliqueReplication
+from trainguard.checkpoint.local.replication import CliqueReplication, this_host
 from trainguard.checkpoint.staging import Stager, StagingBuffer
 from trainguard.checkpoint.writer import WriterProcess
+from trainguard.coord import gather
 from trainguard.errors import CheckpointWriteError, ConfigError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 logger = logging.getLogger(__name__)
 
@@ -158,21 +162,55 @@ def check_iteration(iteration: object, largest: int) -> None:
         )
 
 
+def round_hosts(
+    replication: CliqueReplication,
+    link: StoreLink | None,
+    store: Store | None,
+    rank: int,
+    world_size: int,
+    timeout: float,
+) -> list[str] | None:
+    """Each rank's host in this round, when ``replication`` places copies by host: a gather
+    of :func:`~.replication.this_host` through the store (every rank binds together), once per
+    round. None for placement by rank arithmetic."""
+    if not replication.by_host:
+        return None
+    if link is None or store is None:
+        return [this_host()] * world_size  # one rank (world_size is 1)
+    got = gather(
+        store,
+        f"{link.prefix}/hosts",
+        this_host(),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        what="host names",
+        hint="every rank must build (or bind) its LocalCheckpointManager together",
+    )
+    return [str(got[r]) for r in range(world_size)]
+
+
 def clique_of(
-    replication: CliqueReplication, rank: int, world_size: int, watch: RoundWatch
+    replication: CliqueReplication,
+    rank: int,
+    world_size: int,
+    watch: RoundWatch,
+    hosts: list[str] | None,
 ) -> list[int]:
-    """``rank``'s clique in a world of ``world_size``; warns when it is short of members
-    (unless not bound yet: built before torch.distributed, it binds to the real world later)."""
-    clique = replication.clique_of(rank, world_size)
+    """``rank``'s clique in a world of ``world_size`` (``hosts``: each rank's, when placing by
+    host); warns when it is short of members (unless not bound yet: built before
+    torch.distributed, it binds to the real world later)."""
+    clique = replication.clique_of(rank, world_size, hosts)
     if len(clique) < replication.factor and not watch.unbound:
         logger.warning(
-            "rank %d's clique %s has %d member(s) for factor %d (world size %d): its parts "
+            "rank %d's clique %s has %d member(s) for factor %d (world size %d, %s): its parts "
             "have fewer copies",
             rank,
             clique,
             len(clique),
             replication.factor,
             world_size,
+            "by rank arithmetic" if hosts is None else f"{len(set(hosts))} host(s)",
         )
     return clique
 

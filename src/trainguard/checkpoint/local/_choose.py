@@ -13,6 +13,7 @@ from typing import Any
 
 from trainguard import events
 from trainguard.checkpoint.local import _inventory
+from trainguard.checkpoint.local.replication import compatible
 from trainguard.errors import CheckpointNotFoundError, CheckpointReplicationMismatchError
 
 logger = logging.getLogger(__name__)
@@ -44,8 +45,8 @@ def pick(
 
 def check_setting(chosen: _inventory.Choice, setting: str, *, allow: bool, root: str) -> None:
     """Raise :class:`CheckpointReplicationMismatchError` when ``chosen`` was saved with another
-    replication setting than ``setting``, unless ``allow``."""
-    if chosen.replication == setting or allow:
+    replication setting than ``setting`` (see :func:`.replication.compatible`), unless ``allow``."""
+    if compatible(chosen.replication, setting) or allow:
         return
     raise CheckpointReplicationMismatchError(
         f"iteration {chosen.iteration} under {root} was saved with "

@@ -33,6 +33,7 @@ from trainguard.checkpoint.local._binding import (
     check_iteration,
     clique_of,
     dist_ranks,
+    round_hosts,
 )
 from trainguard.checkpoint.local._pipeline import Place, SavePipeline, StagedSave
 from trainguard.checkpoint.local._remembered import MemoryRound, Remembered, in_memory
@@ -180,7 +181,6 @@ class LocalCheckpointManager(Closing):
         store, self.rank, self.world_size = _link.resolve(store, *dist_ranks())
         if self.world_size > 1 and store is None:
             raise ConfigError("several ranks need a store; initialize torch.distributed first")
-        self.clique = clique_of(self.replication, self.rank, self.world_size, watch)
         link = None
         if store is not None and self.world_size > 1:
             link = _link.StoreLink.join(
@@ -190,8 +190,13 @@ class LocalCheckpointManager(Closing):
         # for gathers, and the pipeline's waits in this thread: the default group's store (torch
         # uses it from this thread too; connected already), or a client of a store given
         self._store = None if link is None else link.client() if explicit else link.origin
+        where = (self.replication, link, self._store, self.rank, self.world_size, self.timeout)
+        self.hosts = round_hosts(*where)  # this round's host of each rank (placement by host)
+        self.clique = clique_of(self.replication, self.rank, self.world_size, watch, self.hosts)
         # the replication group is built on first need (a save that replicates, a transfer)
-        self._replicates = link is not None and self.replication.replicates(self.world_size)
+        self._replicates = link is not None and self.replication.replicates(
+            self.world_size, self.hosts
+        )
         # per round: a rank interrupted before a save the others made is not behind for good
         self._calls = self._seq = 0
         place = Place(
