@@ -36,8 +36,8 @@ from collections.abc import Callable
 from typing import Any
 
 from trainguard import events
-from trainguard.launch._coordstore import CoordStore
 from trainguard.coord.store import parse_addr
+from trainguard.launch._coordstore import CoordStore
 from trainguard.launch._fence import Fence
 from trainguard.launch._nodes import NodeWatch
 from trainguard.launch.options import LaunchOptions

@@ -222,3 +222,20 @@ def dist_ranks() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def placement(
+    replication: CliqueReplication,
+    link: StoreLink | None,
+    store: Store | None,
+    rank: int,
+    world_size: int,
+    timeout: float,
+    watch: RoundWatch,
+) -> tuple[list[str] | None, list[int], bool]:
+    """Where this round's copies go, for every rank together when binding: each rank's host
+    (:func:`round_hosts`), ``rank``'s clique (:func:`clique_of`) and whether any part is copied
+    at all (never without a link to the other ranks)."""
+    hosts = round_hosts(replication, link, store, rank, world_size, timeout)
+    clique = clique_of(replication, rank, world_size, watch, hosts)
+    return hosts, clique, link is not None and replication.replicates(world_size, hosts)

@@ -31,9 +31,8 @@ from trainguard.checkpoint.local._binding import (
     abandoned,
     check_arguments,
     check_iteration,
-    clique_of,
     dist_ranks,
-    round_hosts,
+    placement,
 )
 from trainguard.checkpoint.local._pipeline import Place, SavePipeline, StagedSave
 from trainguard.checkpoint.local._remembered import MemoryRound, Remembered, in_memory
@@ -191,12 +190,9 @@ class LocalCheckpointManager(Closing):
         # uses it from this thread too; connected already), or a client of a store given
         self._store = None if link is None else link.client() if explicit else link.origin
         where = (self.replication, link, self._store, self.rank, self.world_size, self.timeout)
-        self.hosts = round_hosts(*where)  # this round's host of each rank (placement by host)
-        self.clique = clique_of(self.replication, self.rank, self.world_size, watch, self.hosts)
-        # the replication group is built on first need (a save that replicates, a transfer)
-        self._replicates = link is not None and self.replication.replicates(
-            self.world_size, self.hosts
-        )
+        # this round's host of each rank, this rank's clique; the replication group is built on
+        # first need (a save that replicates, a transfer)
+        self.hosts, self.clique, self._replicates = placement(*where, watch)
         # per round: a rank interrupted before a save the others made is not behind for good
         self._calls = self._seq = 0
         place = Place(
