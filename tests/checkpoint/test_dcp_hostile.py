@@ -1,0 +1,97 @@
+"""trainguard.checkpoint.dcp.StorageReader on checkpoint directories nobody vouches for: a
+planted ``.metadata`` never runs code, non-tensor values are never unpickled without
+``allow_pickle=True``, a part's skeleton is checked like ``load`` checks it, and a FIFO named
+like a file never blocks the load."""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from trainguard.checkpoint.dcp import StorageReader, StorageWriter, _metadata
+from trainguard.errors import CheckpointCorruptError
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(6, 5, generator=g),
+        "h": torch.randn(3, generator=g).half(),
+        "b": torch.ones(2, dtype=torch.bfloat16),
+        "m": torch.zeros(2, dtype=torch.bool),
+        "i": torch.arange(7),
+        "empty": torch.empty(0, 3),
+        "meta": {"step": 12, "name": "run", "lr": [0.1, 0.2]},
+    }
+
+
+def _save(path: Path, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    state = _state() if state is None else state
+    with StorageWriter(path) as writer:
+        dcp.save(state, storage_writer=writer)
+    return state
+
+
+def _unicode(text: str) -> bytes:
+    raw = text.encode()
+    return b"\x8c" + struct.pack("<B", len(raw)) + raw
+
+
+def _call(module: str, name: str, arg: str) -> bytes:
+    """A protocol-4 pickle that calls ``module``'s ``name`` (resolved as a dotted path) on
+    ``arg``."""
+    return b"\x80\x04" + _unicode(module) + _unicode(name) + b"\x93" + _unicode(arg) + b"\x85R."
+
+
+class _Recorder(pickle.Unpickler):
+    def __init__(self, data: Any) -> None:
+        super().__init__(data)
+        self.seen: set[tuple[str, str]] = set()
+
+    def find_class(self, module: str, name: str) -> Any:
+        self.seen.add((module, name))
+        return super().find_class(module, name)
+
+
+def test_the_allowed_globals_are_what_real_metadata_holds(tmp_path: Path) -> None:
+    _save(tmp_path / "a")
+    with open(tmp_path / "a" / _metadata.NAME, "rb") as f:
+        recorder = _Recorder(f)
+        recorder.load()
+    assert recorder.seen <= _metadata.ALLOWED
+    assert ("torch.distributed.checkpoint.metadata", "Metadata") in recorder.seen
+    assert StorageReader(tmp_path / "a").read_metadata().state_dict_metadata.keys() >= {"w", "i"}
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("torch.distributed.checkpoint.metadata", "os.system"),  # a dotted protocol-4 name
+        ("torch.distributed.checkpoint.filesystem", "os.system"),
+        ("torch.distributed.checkpoint.metadata", "Metadata.__init__.__globals__.get"),
+        ("torch", "serialization.os.system"),
+        ("builtins", "eval"),
+        ("os", "system"),
+    ],
+)
+def test_a_planted_metadata_runs_no_code(module: str, name: str, tmp_path: Path) -> None:
+    _save(tmp_path / "a")
+    ran = tmp_path / "ran"
+    command = f"touch {ran}"
+    (tmp_path / "a" / _metadata.NAME).write_bytes(_call(module, name, command))
+    with pytest.raises(CheckpointCorruptError) as info:
+        StorageReader(tmp_path / "a").read_metadata()
+    assert not ran.exists(), "the planted metadata ran a command"
+    assert "unreadable DCP metadata" in str(info.value) and "refers to" in str(info.value)
+    with pytest.raises(CheckpointException, match="unreadable DCP metadata"):
+        dcp.load({"w": torch.zeros(6, 5)}, storage_reader=StorageReader(tmp_path / "a"))
+    assert not ran.exists()
