@@ -5,6 +5,8 @@ like a file never blocks the load."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import pickle
 import struct
 from pathlib import Path
@@ -95,3 +97,48 @@ def test_a_planted_metadata_runs_no_code(module: str, name: str, tmp_path: Path)
     with pytest.raises(CheckpointException, match="unreadable DCP metadata"):
         dcp.load({"w": torch.zeros(6, 5)}, storage_reader=StorageReader(tmp_path / "a"))
     assert not ran.exists()
+
+
+class _Runs:
+    """A value whose pickle runs ``touch path`` when it is unpickled."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.path}",))
+
+
+@dataclasses.dataclass
+class _Point:
+    x: int
+    y: int
+
+
+def test_non_tensor_values_are_never_unpickled_without_allow_pickle(tmp_path: Path) -> None:
+    ran = tmp_path / "ran"
+    _save(tmp_path / "a", {"w": torch.ones(3), "evil": _Runs(ran), "step": 7})
+    target: dict[str, Any] = {"w": torch.zeros(3), "evil": None, "step": 0}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(target, storage_reader=StorageReader(tmp_path / "a"))
+    assert not ran.exists(), "loading the checkpoint ran a command"
+    text = str(info.value)
+    assert "CheckpointPickleError" in text and "allow_pickle=True" in text
+    assert "entry 'evil'" in text and "posix.system" in text
+    # what weights_only reads loads as before; the switch hands the planner the saved bytes
+    target = {"w": torch.zeros(3), "step": 0}
+    dcp.load(target, storage_reader=StorageReader(tmp_path / "a"))
+    assert target["step"] == 7 and torch.equal(target["w"], torch.ones(3))
+    target = {"w": torch.zeros(3), "evil": None, "step": 0}
+    dcp.load(target, storage_reader=StorageReader(tmp_path / "a", allow_pickle=True))
+    assert ran.exists()
+
+
+def test_values_of_safe_globals_load_without_allow_pickle(tmp_path: Path) -> None:
+    state = _save(tmp_path / "a", {"p": _Point(1, 2), "meta": {"lr": [0.1, 0.2], "n": "x"}})
+    target: dict[str, Any] = {"p": None, "meta": {"lr": None, "n": None}}
+    with pytest.raises(CheckpointException, match="add_safe_globals"):
+        dcp.load(target, storage_reader=StorageReader(tmp_path / "a"))
+    with torch.serialization.safe_globals([_Point]):
+        dcp.load(target, storage_reader=StorageReader(tmp_path / "a"))
+    assert target == state

@@ -27,7 +27,12 @@ from trainguard.checkpoint.dcp import _metadata
 from trainguard.checkpoint.dcp.storage_writer import checkpoint_path
 from trainguard.checkpoint.fileformat import FileHeader, checksum, read_header, read_range
 from trainguard.checkpoint.layout import dtype_from_name
-from trainguard.errors import CheckpointCorruptError, CheckpointError, CheckpointUncommittedError
+from trainguard.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointPickleError,
+    CheckpointUncommittedError,
+)
 
 __all__ = ["StorageReader"]
 
@@ -44,14 +49,31 @@ class StorageReader(storage.StorageReader):
     ``allow_uncommitted``. A saved entry whose bytes do not match their checksum raises
     :class:`CheckpointCorruptError` naming the file and the entry.
 
+    Values that are not tensors (DCP saves each with ``torch.save``; its planner loads them
+    with ``torch.load(weights_only=False)``, which runs whatever the pickle says) are first
+    read here with ``torch.load(weights_only=True)``: numbers, strings, lists, dicts, tuples,
+    tensors and the classes given to ``torch.serialization.add_safe_globals``. The planner is
+    then handed that value saved again, never the file's bytes; any other value raises
+    :class:`CheckpointPickleError` naming it, unless ``allow_pickle`` (only for checkpoints
+    you trust: unpickling runs code).
+
     Args:
         path: the checkpoint directory (e.g. ``trainguard.checkpoint.latest(root)``).
         allow_uncommitted: read a directory that has no commit marker.
+        allow_pickle: hand the planner non-tensor values as saved (unpickled with
+            ``weights_only=False``: may run code).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, allow_uncommitted: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        allow_uncommitted: bool = False,
+        allow_pickle: bool = False,
+    ) -> None:
         self.path = checkpoint_path(path)
         self.allow_uncommitted = bool(allow_uncommitted)
+        self.allow_pickle = bool(allow_pickle)
         self.storage_data: dict[MetadataIndex, Any] = {}
         self.bytes_read = 0  # bytes of entries read by the latest read_data()
         self._headers: dict[str, tuple[FileHeader, dict[str, Any]]] = {}
@@ -104,7 +126,8 @@ class StorageReader(storage.StorageReader):
             nbytes += len(raw)
             for item in items:
                 if item.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(item, io.BytesIO(raw))
+                    value = raw if self.allow_pickle else _safe_bytes(raw, file, entry)
+                    planner.load_bytes(item, io.BytesIO(value))
                     continue
                 saved = _as_tensor(raw, dtype, shape, f"{file}: entry {entry!r}")
                 region = saved
@@ -181,6 +204,33 @@ class StorageReader(storage.StorageReader):
             )
         node = nodes[entry]
         return raw, dtype_from_name(node.get("dtype")), node.get("shape")
+
+
+def _safe_bytes(raw: bytearray, file: str, entry: str) -> bytes:
+    """The bytes of a value DCP saved with ``torch.save``, as ``torch.save`` writes the value
+    that ``torch.load(weights_only=True)`` reads from ``raw``: what the planner unpickles then
+    holds only globals that reader allows. :class:`CheckpointPickleError` when it refuses."""
+    try:
+        value = torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as exc:  # an unpickling error, a global weights_only refuses
+        raise CheckpointPickleError(
+            f"{file}: entry {entry!r} holds a value that torch.load(weights_only=True) refuses "
+            f"({_why(exc)}); if you "
+            "trust this checkpoint, pass StorageReader(path, allow_pickle=True) (unpickling runs "
+            "code), or register its classes with torch.serialization.add_safe_globals"
+        ) from None
+    out = io.BytesIO()
+    torch.save(value, out)
+    return out.getvalue()
+
+
+def _why(exc: Exception) -> str:
+    """The line of a ``weights_only`` error that says what it refused."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in lines:
+        if not line.startswith(("Weights only load failed", "Check the documentation")):
+            return line
+    return type(exc).__name__
 
 
 def _as_tensor(raw: bytearray, dtype: torch.dtype, shape: Any, where: str) -> torch.Tensor:
