@@ -19,6 +19,8 @@ from pathlib import Path
 
 from trainguard.checkpoint import _cli_shards
 from trainguard.checkpoint._formats import ZIP_MAGIC, is_torch_file
+from trainguard.checkpoint._regular import regular_only
+from trainguard.errors import CheckpointError
 
 _MARKER = "COMMITTED"  # checkpoint._commit.MARKER, kept here so `ls` does not import torch
 _ITER = re.compile(r"^iter_(\d{12})$")
@@ -80,9 +82,9 @@ def _describe(entry: Path) -> tuple[str, str, int] | None:
 
 def _looks_like_checkpoint(path: Path) -> bool:
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=regular_only) as f:
             head = f.read(16)
-    except OSError:
+    except (OSError, CheckpointError):
         return False
     return head.startswith(ZIP_MAGIC) or (len(head) > 9 and head[8:9] == b"{")
 
@@ -93,7 +95,6 @@ def _check(path: Path, *, allow_pickle: bool, unpickle: bool) -> str | None:
     ``allow_pickle`` and never unpickled; a ``format="torch"`` file is unpickled with torch's
     ``weights_only`` unless ``unpickle`` (``--allow-pickle``: files the user trusts)."""
     from trainguard.checkpoint.fileformat import check_file, read_header
-    from trainguard.errors import CheckpointError
 
     try:
         if is_torch_file(path):
@@ -166,7 +167,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from trainguard.checkpoint.fileformat import read_header
-    from trainguard.errors import CheckpointError
 
     parts = _parts(Path(args.path)) if Path(args.path).exists() else []
     if not parts:

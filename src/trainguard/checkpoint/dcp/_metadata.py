@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from trainguard.checkpoint import _tmpfile
 from trainguard.checkpoint._formats import TORCH_DTYPE_NAMES
+from trainguard.checkpoint._regular import regular_only
 from trainguard.checkpoint.fileformat import fsync_dir
 from trainguard.errors import CheckpointCorruptError, CheckpointError
 
@@ -89,7 +90,7 @@ def read(directory: str) -> Metadata:
     none, :class:`CheckpointCorruptError` when it is not DCP metadata."""
     path = os.path.join(directory, NAME)
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=regular_only) as f:
             raw = f.read()
     except FileNotFoundError:
         raise CheckpointError(
