@@ -6,6 +6,7 @@ like a file never blocks the load."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pickle
 import struct
@@ -17,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from tests.checkpoint._craft import rewrite, with_skeleton
 from trainguard.checkpoint.dcp import StorageReader, StorageWriter, _metadata
 from trainguard.errors import CheckpointCorruptError
 
@@ -142,3 +144,75 @@ def test_values_of_safe_globals_load_without_allow_pickle(tmp_path: Path) -> Non
     with torch.serialization.safe_globals([_Point]):
         dcp.load(target, storage_reader=StorageReader(tmp_path / "a"))
     assert target == state
+
+
+def _part(directory: Path) -> Path:
+    return directory / "rank00000.safetensors"
+
+
+def _edit_skeleton(directory: Path, change: Any, *, checksum: bool = True) -> None:
+    """Rewrite the part's skeleton nodes (``change(nodes)`` edits ``{entry: node}`` in
+    place); with ``checksum``, the skeleton's checksum is made to match."""
+
+    def edit(header: dict[str, Any]) -> dict[str, Any]:
+        tree = json.loads(header["__metadata__"]["skeleton"])
+        nodes = dict(tree["D"])
+        change(nodes)
+        tree = {"D": [[k, v] for k, v in nodes.items()]}
+        if checksum:
+            return with_skeleton(header, tree)
+        header["__metadata__"]["skeleton"] = json.dumps(tree)
+        return header
+
+    path = _part(directory)
+    path.write_bytes(rewrite(path.read_bytes(), edit))
+
+
+def _edit_metadata(directory: Path, name: str, size: tuple[int, ...]) -> None:
+    """DCP's metadata claims ``name`` (one chunk at the origin) has shape ``size``."""
+    metadata = _metadata.read(str(directory))
+    md = metadata.state_dict_metadata[name]
+    md.size = torch.Size(size)
+    md.chunks[0].sizes = torch.Size(size)
+    os.unlink(directory / _metadata.NAME)
+    _metadata.write(str(directory), metadata)
+
+
+def _load_error(directory: Path, target: dict[str, Any]) -> str:
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(target, storage_reader=StorageReader(directory))
+    return str(info.value)
+
+
+def test_the_skeleton_checksum_is_checked(tmp_path: Path) -> None:
+    _save(tmp_path / "a")
+
+    def as_int(nodes: dict[str, Any]) -> None:  # same item size: the bytes would still fit
+        nodes["w@0,0"]["dtype"] = "int32"
+
+    _edit_skeleton(tmp_path / "a", as_int, checksum=False)
+    text = _load_error(tmp_path / "a", {"w": torch.zeros(6, 5)})
+    assert "CheckpointCorruptError" in text and "checksum mismatch in the skeleton" in text
+
+
+def test_an_empty_entry_never_becomes_an_uninitialised_tensor(tmp_path: Path) -> None:
+    _save(tmp_path / "a")
+
+    def grow(nodes: dict[str, Any]) -> None:
+        nodes["empty@0,0"]["shape"] = [4096, 3]
+
+    _edit_skeleton(tmp_path / "a", grow)
+    _edit_metadata(tmp_path / "a", "empty", (4096, 3))
+    target = {"empty": torch.full((4096, 3), 7.0)}
+    text = _load_error(tmp_path / "a", target)
+    assert "CheckpointCorruptError" in text and "entry 'empty@0,0'" in text
+    assert "needs 49152 bytes, its entry holds 0" in text
+    assert bool((target["empty"] == 7.0).all())
+
+
+def test_chunk_offsets_outside_the_saved_chunk_are_corrupt(tmp_path: Path) -> None:
+    _save(tmp_path / "a")
+    _edit_metadata(tmp_path / "a", "w", (12, 5))  # the saved chunk holds 6 x 5
+    text = _load_error(tmp_path / "a", {"w": torch.zeros(12, 5)})
+    assert "CheckpointCorruptError" in text and "RuntimeError" not in text
+    assert "lengths [12, 5] of a saved chunk of shape [6, 5]" in text
