@@ -13,7 +13,9 @@ parts of one directory.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import stat
 import sys
 from pathlib import Path
 
@@ -53,9 +55,37 @@ def _human(n: float) -> str:
 
 def _parts(path: Path) -> list[Path]:
     """Every checkpoint file at or under ``path`` (never ``.tmp`` files), sorted."""
+    return _scan(path)[0]
+
+
+def _scan(path: Path) -> tuple[list[Path], list[str]]:
+    """:func:`_parts`, and what under ``path`` could not be read: a directory that cannot be
+    listed, an entry whose target is gone (a dangling or looping link), a file named like a
+    checkpoint file that is not a regular file (a FIFO, a device). Symlinked directories are
+    not entered (as before)."""
     if path.is_file():
-        return [path]
-    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".safetensors", ".pt"))
+        return [path], []
+    parts: list[Path] = []
+    problems: list[str] = []
+
+    def unreadable(exc: OSError) -> None:
+        problems.append(f"{exc.filename}: cannot be read ({exc.strerror or exc})")
+
+    for directory, _, names in os.walk(path, onerror=unreadable):
+        for name in names:
+            entry = Path(directory, name)
+            try:
+                mode = entry.stat().st_mode
+            except OSError as exc:
+                problems.append(f"{entry}: cannot be read ({exc.strerror or exc})")
+                continue
+            if entry.suffix not in (".safetensors", ".pt"):
+                continue
+            if stat.S_ISREG(mode):
+                parts.append(entry)
+            else:
+                problems.append(f"{entry}: not a regular file (a FIFO, device or socket)")
+    return sorted(parts), problems
 
 
 def _describe(entry: Path) -> tuple[str, str, int] | None:
@@ -140,11 +170,13 @@ def _is_rank_dir(directory: Path) -> bool:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     path = Path(args.path)
-    parts = _parts(path) if path.exists() else []
-    if not parts:
+    parts, unreadable = _scan(path) if path.exists() else ([], [])
+    if not parts and not unreadable:
         _out(f"no checkpoint files at {path}", err=True)
         return 1
-    bad = 0
+    for line in unreadable:
+        _out(f"FAIL {line}")
+    bad = len(unreadable)
     failed: set[Path] = set()
     for part in parts:
         problem = _check(part, allow_pickle=args.allow_pickle, unpickle=args.allow_pickle)
