@@ -10,7 +10,8 @@ number again replaces it (every rank removes its copies of it, all pass a barrie
 writes); :func:`discard_newer` removes every newer iteration, explicitly (a roll back).
 
 Every rank computes the same kept set from the same gathered reports, so every rank takes the
-barrier of a replacing save together.
+barrier of a replacing save together; it holds for the round of that load (a new round starts
+empty: a process that joined it knows nothing of the last one).
 """
 
 from __future__ import annotations

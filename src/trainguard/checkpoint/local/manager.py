@@ -198,6 +198,7 @@ class LocalCheckpointManager(Closing):
         self._replicates = link is not None and self.replication.replicates(self.world_size)
         # per round: a rank interrupted before a save the others made is not behind for good
         self._calls = self._seq = 0
+        self._kept_newer = set()  # known alike on every rank only from this round's load
         place = Place(
             self.rank, self.world_size, self.root, self.setting, self.clique, self.keep, self.fsync
         )
