@@ -13,12 +13,16 @@ parts of one directory.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import stat
 import sys
 from pathlib import Path
 
 from trainguard.checkpoint import _cli_shards
 from trainguard.checkpoint._formats import ZIP_MAGIC, is_torch_file
+from trainguard.checkpoint._regular import regular_only
+from trainguard.errors import CheckpointError
 
 _MARKER = "COMMITTED"  # checkpoint._commit.MARKER, kept here so `ls` does not import torch
 _ITER = re.compile(r"^iter_(\d{12})$")
@@ -51,9 +55,37 @@ def _human(n: float) -> str:
 
 def _parts(path: Path) -> list[Path]:
     """Every checkpoint file at or under ``path`` (never ``.tmp`` files), sorted."""
+    return _scan(path)[0]
+
+
+def _scan(path: Path) -> tuple[list[Path], list[str]]:
+    """:func:`_parts`, and what under ``path`` could not be read: a directory that cannot be
+    listed, an entry whose target is gone (a dangling or looping link), a file named like a
+    checkpoint file that is not a regular file (a FIFO, a device). Symlinked directories are
+    not entered (as before)."""
     if path.is_file():
-        return [path]
-    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".safetensors", ".pt"))
+        return [path], []
+    parts: list[Path] = []
+    problems: list[str] = []
+
+    def unreadable(exc: OSError) -> None:
+        problems.append(f"{exc.filename}: cannot be read ({exc.strerror or exc})")
+
+    for directory, _, names in os.walk(path, onerror=unreadable):
+        for name in names:
+            entry = Path(directory, name)
+            try:
+                mode = entry.stat().st_mode
+            except OSError as exc:
+                problems.append(f"{entry}: cannot be read ({exc.strerror or exc})")
+                continue
+            if entry.suffix not in (".safetensors", ".pt"):
+                continue
+            if stat.S_ISREG(mode):
+                parts.append(entry)
+            else:
+                problems.append(f"{entry}: not a regular file (a FIFO, device or socket)")
+    return sorted(parts), problems
 
 
 def _describe(entry: Path) -> tuple[str, str, int] | None:
@@ -80,9 +112,9 @@ def _describe(entry: Path) -> tuple[str, str, int] | None:
 
 def _looks_like_checkpoint(path: Path) -> bool:
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=regular_only) as f:
             head = f.read(16)
-    except OSError:
+    except (OSError, CheckpointError):
         return False
     return head.startswith(ZIP_MAGIC) or (len(head) > 9 and head[8:9] == b"{")
 
@@ -93,7 +125,6 @@ def _check(path: Path, *, allow_pickle: bool, unpickle: bool) -> str | None:
     ``allow_pickle`` and never unpickled; a ``format="torch"`` file is unpickled with torch's
     ``weights_only`` unless ``unpickle`` (``--allow-pickle``: files the user trusts)."""
     from trainguard.checkpoint.fileformat import check_file, read_header
-    from trainguard.errors import CheckpointError
 
     try:
         if is_torch_file(path):
@@ -139,11 +170,13 @@ def _is_rank_dir(directory: Path) -> bool:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     path = Path(args.path)
-    parts = _parts(path) if path.exists() else []
-    if not parts:
+    parts, unreadable = _scan(path) if path.exists() else ([], [])
+    if not parts and not unreadable:
         _out(f"no checkpoint files at {path}", err=True)
         return 1
-    bad = 0
+    for line in unreadable:
+        _out(f"FAIL {line}")
+    bad = len(unreadable)
     failed: set[Path] = set()
     for part in parts:
         problem = _check(part, allow_pickle=args.allow_pickle, unpickle=args.allow_pickle)
@@ -166,7 +199,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from trainguard.checkpoint.fileformat import read_header
-    from trainguard.errors import CheckpointError
 
     parts = _parts(Path(args.path)) if Path(args.path).exists() else []
     if not parts:

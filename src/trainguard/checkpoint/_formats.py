@@ -75,5 +75,7 @@ MAX_HEADER = 100 << 20
 
 def is_torch_file(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` starts like a ``torch.save`` file; OSError if it cannot be read."""
-    with open(path, "rb") as f:
+    from trainguard.checkpoint._regular import regular_only
+
+    with open(path, "rb", opener=regular_only) as f:
         return f.read(len(ZIP_MAGIC)) == ZIP_MAGIC

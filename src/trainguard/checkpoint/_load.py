@@ -16,6 +16,7 @@ import torch
 from trainguard import events
 from trainguard.checkpoint import _commit, _tmpfile
 from trainguard.checkpoint._formats import FORMATS, is_torch_file
+from trainguard.checkpoint._regular import regular_only
 from trainguard.checkpoint.fileformat import FileHeader, load_file, read_header
 from trainguard.errors import (
     CheckpointCorruptError,
@@ -33,7 +34,7 @@ def part_name(rank: int, format: str) -> str:
 def _marker(marker: str) -> dict[str, Any]:
     """The commit marker's fields; :class:`CheckpointCorruptError` if it is not what
     :mod:`._commit` writes (a JSON object whose ``world_size``, if present, is a count)."""
-    with open(marker, "rb") as f:
+    with open(marker, "rb", opener=regular_only) as f:
         raw = f.read(1 << 20)
     try:
         info = json.loads(raw)

@@ -33,6 +33,7 @@ __all__ = [
     "ReadChunk",
     "SavedChunk",
     "check_chunk",
+    "check_cover",
     "file_reader",
     "fill",
     "key_repr",
@@ -255,6 +256,61 @@ class Index:
         return list(out.values())
 
 
+def check_cover(key: Key, box: Box, chunks: list[SavedChunk]) -> None:
+    """:class:`CheckpointCorruptError` unless the parts of ``chunks`` inside ``box`` cover it
+    exactly once: no two overlap (the region they share is named), and their volumes add up
+    to the box's (a region no chunk holds is named)."""
+    inside = [(c, common) for c in chunks if (common := c.box.intersect(box)) is not None]
+    for i, (a, in_a) in enumerate(inside):
+        for b, in_b in inside[i + 1 :]:
+            both = in_a.intersect(in_b)
+            if both is not None:
+                raise CheckpointCorruptError(
+                    f"{key_repr(key)}: the saved chunks at offsets {a.box.offsets} (part "
+                    f"{a.part}) and {b.box.offsets} (part {b.part}) overlap at offsets "
+                    f"{both.offsets} sizes {both.sizes}; the checkpoint is damaged, load an "
+                    "older one"
+                )
+    covered = sum(common.numel for _, common in inside)
+    if covered != box.numel:
+        gap = _uncovered(box, [common for _, common in inside])
+        hole = "the rest" if gap is None else f"offsets {gap.offsets} sizes {gap.sizes}"
+        raise CheckpointCorruptError(
+            f"{key_repr(key)}: the checkpoint's chunks cover {covered} of the {box.numel} "
+            f"elements of this rank's part (offsets {box.offsets} sizes {box.sizes}); no "
+            f"chunk holds {hole}: the checkpoint is incomplete, load an older one"
+        )
+
+
+def _uncovered(box: Box, boxes: list[Box], limit: int = 4096) -> Box | None:
+    """A region of ``box`` that none of ``boxes`` holds (None when there is none, or when
+    finding one would split ``box`` into more than ``limit`` pieces)."""
+    left = [box]
+    for other in boxes:
+        left = [piece for part in left for piece in _minus(part, other)]
+        if len(left) > limit:
+            return None
+    return left[0] if left else None
+
+
+def _minus(box: Box, other: Box) -> list[Box]:
+    """``box`` without ``other``, as disjoint boxes (at most two per dimension)."""
+    common = box.intersect(other)
+    if common is None:
+        return [box]
+    pieces, offsets, sizes = [], list(box.offsets), list(box.sizes)
+    for d in range(len(offsets)):
+        lo, hi, end = common.offsets[d], common.offsets[d] + common.sizes[d], offsets[d] + sizes[d]
+        if lo > offsets[d]:
+            pieces.append(Box(tuple(offsets), (*sizes[:d], lo - offsets[d], *sizes[d + 1 :])))
+        if hi < end:
+            pieces.append(
+                Box((*offsets[:d], hi, *offsets[d + 1 :]), (*sizes[:d], end - hi, *sizes[d + 1 :]))
+            )
+        offsets[d], sizes[d] = lo, hi - lo
+    return pieces
+
+
 def _tensor_leaves(node: Any, path: Key) -> Iterator[tuple[Key, torch.Tensor]]:
     if isinstance(node, torch.Tensor):
         yield path, node
@@ -304,17 +360,11 @@ class _Filler:
 
     def tensor(self, key: Key, target: torch.Tensor) -> None:
         box, chunks = self.index.sources(key, target, self.plain_part)
+        check_cover(key, box, chunks)  # before anything is copied: a refusal changes nothing
         view = local_view(target)
-        copied = 0
         with torch.no_grad():
             for chunk in chunks:
-                copied += copy_overlap(self.source(chunk), chunk.box, view, box)
-        if copied != box.numel:
-            raise CheckpointError(
-                f"{key_repr(key)}: the checkpoint's chunks cover {copied} of the "
-                f"{box.numel} elements of this rank's part (offsets {box.offsets} sizes "
-                f"{box.sizes}); the checkpoint is incomplete: load an older one"
-            )
+                copy_overlap(self.source(chunk), chunk.box, view, box)
 
     def value(self, key: Key) -> Any:
         node = self.index.saved_leaf(key, self.plain_part)

@@ -37,7 +37,7 @@ from typing import Any
 
 import xxhash
 
-from trainguard.checkpoint import _tmpfile, _validate
+from trainguard.checkpoint import _regular, _tmpfile, _validate
 from trainguard.checkpoint._formats import MAX_HEADER, SAFETENSORS_DTYPES
 from trainguard.errors import CheckpointCorruptError, CheckpointError
 
@@ -303,7 +303,7 @@ def _decode_header(label: str, n: int, raw: bytes, size: int) -> FileHeader:
 def read_header(path: str | os.PathLike[str]) -> FileHeader:
     """Parse and check a file's header; :class:`CheckpointCorruptError` names what is wrong."""
     path = os.fspath(path)
-    with open(path, "rb") as f:
+    with open(path, "rb", opener=_regular.regular_only) as f:
         size = os.fstat(f.fileno()).st_size
         n = _validate.header_length(path, f.read(8), size)
         raw = f.read(n)
@@ -315,7 +315,7 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
 def header_bytes(path: str | os.PathLike[str]) -> bytes:
     """The raw ``8 + N`` header bytes of a file (to send elsewhere: :func:`parse_header_bytes`)."""
     path = os.fspath(path)
-    with open(path, "rb") as f:
+    with open(path, "rb", opener=_regular.regular_only) as f:
         head = f.read(8)
         n = _validate.header_length(path, head, os.fstat(f.fileno()).st_size)
         raw = head + f.read(n)
@@ -337,7 +337,7 @@ def read_range(path: str | os.PathLike[str], begin: int, end: int) -> bytearray:
     """Bytes ``[begin, end)`` of a file (absolute offsets); a file too short for them is
     :class:`CheckpointCorruptError`."""
     out, done = bytearray(end - begin), 0
-    with open(path, "rb", buffering=0) as f, memoryview(out) as view:
+    with open(path, "rb", buffering=0, opener=_regular.regular_only) as f, memoryview(out) as view:
         while done < len(out):
             n = os.preadv(f.fileno(), [view[done:]], begin + done)
             if n <= 0:
@@ -389,7 +389,7 @@ def verify_data(header: FileHeader, data: FileBytes) -> None:
 
 def _map(header: FileHeader, access: int) -> mmap.mmap:
     """Map the whole file ``header`` describes; a file that shrank since is corrupt."""
-    with open(header.path, "rb") as f:
+    with open(header.path, "rb", opener=_regular.regular_only) as f:
         if os.fstat(f.fileno()).st_size < header.file_size:
             raise CheckpointCorruptError(f"{header.path}: truncated while it was being read")
         return mmap.mmap(f.fileno(), header.file_size, access=access)

@@ -19,32 +19,52 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from trainguard.checkpoint import _tmpfile
+from trainguard.checkpoint._formats import TORCH_DTYPE_NAMES
+from trainguard.checkpoint._regular import regular_only
 from trainguard.checkpoint.fileformat import fsync_dir
 from trainguard.errors import CheckpointCorruptError, CheckpointError
 
-__all__ = ["NAME", "read", "write"]
+__all__ = ["ALLOWED", "NAME", "read", "write"]
 
 #: The file name, as DCP's own file system storage uses it.
 NAME = ".metadata"
 
-_BUILTINS = {"set", "frozenset", "dict", "list", "tuple", "slice", "complex", "bytearray"}
-_LAYOUT = ("torch.serialization", "_get_layout")  # how a torch.layout pickles
-_TORCH = (torch.dtype, torch.layout, torch.memory_format)
+_DCP = "torch.distributed.checkpoint.metadata"
+
+#: Every global a ``Metadata`` that :class:`StorageWriter` writes refers to, as DCP of the
+#: installed torch pickles it (dataclasses of DCP's metadata module, ``torch.Size``, dtypes by
+#: name, a layout through ``torch.serialization._get_layout``); checked against the opcodes of
+#: real checkpoints. Nothing else is resolved: not another name of those modules, and never a
+#: dotted name (protocol 4 resolves ``module`` then ``a.b`` attribute by attribute).
+ALLOWED: frozenset[tuple[str, str]] = frozenset(
+    {
+        *(
+            (_DCP, name)
+            for name in (
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorProperties",
+                "TensorStorageMetadata",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        *(("torch", name) for name in TORCH_DTYPE_NAMES if hasattr(torch, name)),
+    }
+)
 
 
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint.") or (
-            module == "collections" and name == "OrderedDict"
-        ):
+        if (module, name) in ALLOWED:
             return super().find_class(module, name)
-        if (module == "builtins" and name in _BUILTINS) or (module, name) == _LAYOUT:
-            return super().find_class(module, name)
-        if module == "torch":
-            value = getattr(torch, name, None)
-            if name == "Size" or isinstance(value, _TORCH):
-                return value
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
+        raise pickle.UnpicklingError(
+            f"it refers to {module}.{name}, which DCP's metadata never holds (it may run code)"
+        )
 
 
 def write(directory: str, metadata: Metadata, *, fsync: bool = True) -> None:
@@ -70,7 +90,7 @@ def read(directory: str) -> Metadata:
     none, :class:`CheckpointCorruptError` when it is not DCP metadata."""
     path = os.path.join(directory, NAME)
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=regular_only) as f:
             raw = f.read()
     except FileNotFoundError:
         raise CheckpointError(

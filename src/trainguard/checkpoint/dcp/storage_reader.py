@@ -9,7 +9,6 @@ loading into a different world size or sharding works as with DCP's own storage.
 from __future__ import annotations
 
 import io
-import json
 import os
 import time
 from collections import defaultdict
@@ -22,12 +21,17 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from trainguard import events
-from trainguard.checkpoint import _commit
+from trainguard.checkpoint import _commit, _validate
 from trainguard.checkpoint.dcp import _metadata
 from trainguard.checkpoint.dcp.storage_writer import checkpoint_path
 from trainguard.checkpoint.fileformat import FileHeader, checksum, read_header, read_range
-from trainguard.checkpoint.layout import dtype_from_name
-from trainguard.errors import CheckpointCorruptError, CheckpointError, CheckpointUncommittedError
+from trainguard.checkpoint.layout import unflatten
+from trainguard.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointPickleError,
+    CheckpointUncommittedError,
+)
 
 __all__ = ["StorageReader"]
 
@@ -44,14 +48,31 @@ class StorageReader(storage.StorageReader):
     ``allow_uncommitted``. A saved entry whose bytes do not match their checksum raises
     :class:`CheckpointCorruptError` naming the file and the entry.
 
+    Values that are not tensors (DCP saves each with ``torch.save``; its planner loads them
+    with ``torch.load(weights_only=False)``, which runs whatever the pickle says) are first
+    read here with ``torch.load(weights_only=True)``: numbers, strings, lists, dicts, tuples,
+    tensors and the classes given to ``torch.serialization.add_safe_globals``. The planner is
+    then handed that value saved again, never the file's bytes; any other value raises
+    :class:`CheckpointPickleError` naming it, unless ``allow_pickle`` (only for checkpoints
+    you trust: unpickling runs code).
+
     Args:
         path: the checkpoint directory (e.g. ``trainguard.checkpoint.latest(root)``).
         allow_uncommitted: read a directory that has no commit marker.
+        allow_pickle: hand the planner non-tensor values as saved (unpickled with
+            ``weights_only=False``: may run code).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, allow_uncommitted: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        allow_uncommitted: bool = False,
+        allow_pickle: bool = False,
+    ) -> None:
         self.path = checkpoint_path(path)
         self.allow_uncommitted = bool(allow_uncommitted)
+        self.allow_pickle = bool(allow_pickle)
         self.storage_data: dict[MetadataIndex, Any] = {}
         self.bytes_read = 0  # bytes of entries read by the latest read_data()
         self._headers: dict[str, tuple[FileHeader, dict[str, Any]]] = {}
@@ -100,18 +121,15 @@ class StorageReader(storage.StorageReader):
             by_entry[self._where(item.storage_index)].append(item)
         nbytes = 0
         for (file, entry), items in by_entry.items():
-            raw, dtype, shape = self._read_entry(file, entry)
+            raw, node = self._read_entry(file, entry)
             nbytes += len(raw)
+            where = f"{self.path}/{file}: entry {entry!r}"
             for item in items:
                 if item.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(item, io.BytesIO(raw))
+                    value = raw if self.allow_pickle else _safe_bytes(raw, file, entry)
+                    planner.load_bytes(item, io.BytesIO(value))
                     continue
-                saved = _as_tensor(raw, dtype, shape, f"{file}: entry {entry!r}")
-                region = saved
-                for dim, (offset, length) in enumerate(
-                    zip(item.storage_offsets, item.lengths, strict=True)
-                ):
-                    region = region.narrow(dim, offset, length)
+                region = _region(_as_tensor(raw, entry, node, where), item, where)
                 target = planner.resolve_tensor(item).detach()
                 if target.size() != region.size():
                     raise CheckpointCorruptError(
@@ -153,22 +171,26 @@ class StorageReader(storage.StorageReader):
         return where[0], where[1]
 
     def _header(self, file: str) -> tuple[FileHeader, dict[str, Any]]:
-        """``file``'s header and its skeleton's nodes by entry name (read once per load)."""
+        """``file``'s header and its skeleton's nodes by entry name (read once per load); the
+        skeleton's checksum is checked, as ``load`` checks it."""
         if file not in self._headers:
             header = read_header(os.path.join(self.path, file))
-            try:
-                tree = json.loads(header.metadata.get("skeleton", "null"))
-                nodes = {name: node for name, node in tree["D"] if isinstance(node, dict)}
-            except (ValueError, TypeError, KeyError) as exc:
+            if not header.is_trainguard:
+                raise CheckpointCorruptError(f"{header.path}: not a trainguard file")
+            tree = _validate.check_skeleton(header.path, header.metadata, verify=True)
+            pairs = tree.get("D") if isinstance(tree, dict) and len(tree) == 1 else None
+            if not isinstance(pairs, list) or not all(
+                isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in pairs
+            ):
                 raise CheckpointCorruptError(
-                    f"{header.path}: not a part written by trainguard.checkpoint.dcp ({exc!r})"
-                ) from None
-            self._headers[file] = (header, nodes)
+                    f"{header.path}: not a part written by trainguard.checkpoint.dcp (its "
+                    "skeleton is not a list of entries); the checkpoint is damaged"
+                )
+            self._headers[file] = (header, dict(pairs))
         return self._headers[file]
 
-    def _read_entry(self, file: str, entry: str) -> tuple[bytearray, torch.dtype, Any]:
-        """The verified bytes of ``entry`` in ``file``, with the dtype and shape it was saved
-        with."""
+    def _read_entry(self, file: str, entry: str) -> tuple[bytearray, Any]:
+        """The verified bytes of ``entry`` in ``file``, and its skeleton node."""
         header, nodes = self._header(file)
         if entry not in header.entries or entry not in nodes:
             raise CheckpointCorruptError(f"{header.path}: tensor {entry!r} is missing")
@@ -179,17 +201,69 @@ class StorageReader(storage.StorageReader):
                 f"{header.path}: checksum mismatch in tensor {entry!r}; the file is corrupt, "
                 "load an older checkpoint"
             )
-        node = nodes[entry]
-        return raw, dtype_from_name(node.get("dtype")), node.get("shape")
+        return raw, nodes[entry]
 
 
-def _as_tensor(raw: bytearray, dtype: torch.dtype, shape: Any, where: str) -> torch.Tensor:
-    """``raw`` as a tensor of ``dtype`` and ``shape`` (the entry's saved chunk)."""
+def _safe_bytes(raw: bytearray, file: str, entry: str) -> bytes:
+    """The bytes of a value DCP saved with ``torch.save``, as ``torch.save`` writes the value
+    that ``torch.load(weights_only=True)`` reads from ``raw``: what the planner unpickles then
+    holds only globals that reader allows. :class:`CheckpointPickleError` when it refuses."""
     try:
-        if not raw:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
-    except (RuntimeError, TypeError) as exc:
-        raise CheckpointCorruptError(
-            f"{where}: its bytes do not hold a {dtype} tensor of shape {shape} ({exc})"
+        value = torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as exc:  # an unpickling error, a global weights_only refuses
+        raise CheckpointPickleError(
+            f"{file}: entry {entry!r} holds a value that torch.load(weights_only=True) refuses "
+            f"({_why(exc)}); if you "
+            "trust this checkpoint, pass StorageReader(path, allow_pickle=True) (unpickling runs "
+            "code), or register its classes with torch.serialization.add_safe_globals"
         ) from None
+    out = io.BytesIO()
+    torch.save(value, out)
+    return out.getvalue()
+
+
+def _why(exc: Exception) -> str:
+    """The line of a ``weights_only`` error that says what it refused."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in lines:
+        if not line.startswith(("Weights only load failed", "Check the documentation")):
+            return line
+    return type(exc).__name__
+
+
+def _as_tensor(raw: bytearray, entry: str, node: Any, where: str) -> torch.Tensor:
+    """The entry's saved chunk: ``raw`` viewed as its node says, with every check ``load``
+    makes (a dtype from a fixed table, a shape whose bytes are exactly the entry's: never an
+    allocation, never uninitialised values)."""
+    if not (isinstance(node, dict) and node.get("T") == entry):
+        raise CheckpointCorruptError(f"{where}: its skeleton node is not a tensor of it")
+    data = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    try:
+        tensor = unflatten(node, {entry: data})
+    except CheckpointCorruptError as exc:
+        raise CheckpointCorruptError(f"{where}: {exc}") from None
+    if not isinstance(tensor, torch.Tensor) or "stride" in node:
+        raise CheckpointCorruptError(f"{where}: its skeleton node is not a whole tensor")
+    return tensor
+
+
+def _region(saved: torch.Tensor, item: ReadItem, where: str) -> torch.Tensor:
+    """The region of ``saved`` a read item asks for; :class:`CheckpointCorruptError` when the
+    metadata's offsets and lengths do not lie inside it."""
+    offsets, lengths = list(item.storage_offsets), list(item.lengths)
+    if (
+        len(offsets) != saved.dim()
+        or len(lengths) != saved.dim()
+        or not all(
+            o >= 0 and n >= 0 and o + n <= size
+            for o, n, size in zip(offsets, lengths, saved.shape, strict=True)
+        )
+    ):
+        raise CheckpointCorruptError(
+            f"{where}: the metadata asks for offsets {offsets} lengths {lengths} of a saved "
+            f"chunk of shape {list(saved.shape)}; the checkpoint is damaged, load an older one"
+        )
+    region = saved
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        region = region.narrow(dim, offset, length)
+    return region

@@ -79,6 +79,8 @@ class Inventory:
     def __init__(self, root: str) -> None:
         self.root = root
         self._verified: dict[str, tuple[int, int, int]] = {}
+        #: ``[iteration, owner]`` of the part files the latest scan found but could not verify
+        self.unreadable: list[list[int]] = []
 
     def trust(self, path: str) -> None:
         """Record a file this process has just written (its checksums came from the data)."""
@@ -123,6 +125,7 @@ class Inventory:
         are hashed again even if unchanged since they were last verified."""
         fresh = set(fresh)
         parts: list[Part] = []
+        self.unreadable = []
         for iteration in self.iterations():
             directory = iteration_dir(self.root, iteration)
             try:
@@ -138,6 +141,8 @@ class Inventory:
                 part = self._check(path, iteration, owner, (iteration, owner) in fresh)
                 if part is not None:
                     parts.append(part)
+                else:
+                    self.unreadable.append([iteration, owner])
         return parts
 
     def _check(self, path: str, iteration: int, owner: int, fresh: bool) -> Part | None:
@@ -178,15 +183,25 @@ class Inventory:
                 removed.append(iteration)
         return removed
 
-    def remove_newer(self, than: int | None) -> list[int]:
-        """Remove every iteration directory newer than ``than`` (all when None)."""
+    def remove_newer(self, than: int | None, *, keep: Iterable[int] = ()) -> list[int]:
+        """Remove every iteration directory newer than ``than`` (all when None) but those in
+        ``keep``."""
+        keep = set(keep)
         removed = []
         for iteration in self.iterations():
-            if than is None or iteration > than:
+            if (than is None or iteration > than) and iteration not in keep:
                 shutil.rmtree(iteration_dir(self.root, iteration), ignore_errors=True)
                 self._forget(iteration)
                 removed.append(iteration)
         return removed
+
+    def remove(self, iteration: int) -> bool:
+        """Remove one iteration directory; whether it existed."""
+        if iteration not in self.iterations():
+            return False
+        shutil.rmtree(iteration_dir(self.root, iteration), ignore_errors=True)
+        self._forget(iteration)
+        return True
 
     def _forget(self, iteration: int) -> None:
         prefix = iteration_dir(self.root, iteration) + os.sep
@@ -261,6 +276,31 @@ def holdings(reports: Mapping[int, Sequence[Sequence[Any]]]) -> dict[int, dict[s
 def missing_owners(entry: Mapping[str, Any], world_size: int) -> list[int]:
     saved = max(entry["worlds"])
     return [o for o in range(min(world_size, saved)) if o not in entry["holders"]]
+
+
+def whole(
+    merged: Mapping[int, Mapping[str, Any]],
+    unreadable: Mapping[int, Sequence[Sequence[int]]],
+    world_size: int,
+    newer_than: int,
+) -> list[int]:
+    """Iterations newer than ``newer_than`` that nothing shows to be unfinished: every owner
+    that a rank loads has a file on some rank, verified or not (``unreadable``: rank ->
+    ``[iteration, owner]`` of files that failed to verify). Complete ones, and complete ones
+    a read error hides; an iteration none of whose files verifies counts too (its world is
+    unknown). A save that never finished lacks some owner's file: a part appears only once
+    written whole."""
+    present = {(int(it), int(o)) for pairs in unreadable.values() for it, o in pairs}
+    found = set(merged) | {it for it, _ in present}
+    return sorted(
+        it
+        for it in found
+        if it > newer_than
+        and (
+            it not in merged
+            or all((it, o) in present for o in missing_owners(merged[it], world_size))
+        )
+    )
 
 
 def complete(merged: Mapping[int, Mapping[str, Any]], world_size: int) -> list[int]:

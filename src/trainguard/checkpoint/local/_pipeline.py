@@ -180,12 +180,21 @@ class SavePipeline:
         with self._lock:
             self._complete.update(iterations)
 
-    def drop_newer(self, iteration: int) -> list[int]:
-        """Remove iterations newer than ``iteration`` (see the manager's ``find_latest``)."""
+    def drop_newer(self, iteration: int, *, keep: list[int] | tuple[int, ...] = ()) -> list[int]:
+        """Remove iterations newer than ``iteration`` but those in ``keep`` (see the manager's
+        ``find_latest``)."""
         with self._prune_lock:
-            removed = self._inventory.remove_newer(iteration)
+            removed = self._inventory.remove_newer(iteration, keep=keep)
             with self._lock:
                 self._complete.difference_update(removed)
+        return removed
+
+    def drop(self, iteration: int) -> list[int]:
+        """Remove ``iteration`` from this rank's root (it is about to be saved again)."""
+        with self._prune_lock:
+            removed = [iteration] if self._inventory.remove(iteration) else []
+            with self._lock:
+                self._complete.discard(iteration)
         return removed
 
     def close(self, *, settle: bool = True) -> None:

@@ -42,7 +42,7 @@ from trainguard.checkpoint.fileformat import (
     parse_header_bytes,
     read_range,
 )
-from trainguard.checkpoint.local import _choose, _inventory, _transfer
+from trainguard.checkpoint.local import _choose, _inventory, _newer, _transfer
 from trainguard.errors import CheckpointCorruptError, CheckpointError
 
 if TYPE_CHECKING:
@@ -82,7 +82,8 @@ def load_into(
     """
     for attempt in range(_ATTEMPTS):
         parts = mgr._inventory.scan()
-        chosen = _pick(mgr, mgr._gather("load", parts), iteration)
+        merged = mgr._gather("load", parts)
+        chosen = _pick(mgr, merged, iteration)
         mine = {p.owner: p for p in parts if p.iteration == chosen.iteration}
         index = Index.from_headers(_headers(mgr, chosen, mine))
         plain = mgr.rank if mgr.rank < chosen.saved_world else 0
@@ -103,7 +104,7 @@ def load_into(
         plain_part=plain,
         allow_pickle=allow_pickle,
     )
-    mgr._drop_newer(chosen.iteration)
+    _newer.after_load(mgr, chosen.iteration, merged, mgr._unreadable)
     mgr.last_load = {
         "iteration": chosen.iteration,
         "source": _describe(fetched),

@@ -18,15 +18,19 @@ from trainguard.checkpoint import _link
 from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint.fileformat import (
     check_header_fits,
-    load_buffer,
-    load_file,
     place,
-    verify_path,
 )
 from trainguard.checkpoint.layout import flatten
-from trainguard.checkpoint.local import _choose, _inventory, _reshard_load, _root, _transfer
+from trainguard.checkpoint.local import (
+    _choose,
+    _inventory,
+    _newer,
+    _part_load,
+    _reshard_load,
+    _root,
+    _transfer,
+)
 from trainguard.checkpoint.local._binding import (
-    Background,
     Resources,
     abandoned,
     check_arguments,
@@ -42,7 +46,6 @@ from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.writer import WriterProcess
 from trainguard.coord import decode, encode, gather
 from trainguard.errors import (
-    CheckpointCorruptError,
     CheckpointError,
     CheckpointWriteError,
     ConfigError,
@@ -55,8 +58,6 @@ if TYPE_CHECKING:
 __all__ = ["LocalCheckpointManager"]
 
 logger = logging.getLogger(__name__)
-
-_ATTEMPTS = 3  # loads in a row whose received copies fail their checksums before giving up
 
 
 class LocalCheckpointManager(Closing):
@@ -84,7 +85,8 @@ class LocalCheckpointManager(Closing):
       newest ``keep`` are removed (and incomplete ones older than those); an incomplete newer
       iteration never causes a complete older one to be removed. Whether an iteration is
       complete is decided once for every rank (:mod:`trainguard.coord.commit`), so every rank
-      keeps the same iterations.
+      keeps the same iterations. Loading an older iteration never removes a newer complete
+      one (see :mod:`._newer`); :meth:`discard_newer` rolls back explicitly.
 
     - Build it once per process and use it in every restart round: before each operation it
       re-binds to a new round by itself (see :meth:`bind`), keeping its writer process,
@@ -154,6 +156,8 @@ class LocalCheckpointManager(Closing):
         #: ``chunks`` and ``parts``.
         self.last_load: dict[str, Any] | None = None
         self._remembered: Remembered | None = None  # what the staging buffer holds
+        self._kept_newer: set[int] = set()  # newer than the iteration loaded, kept (_newer)
+        self._unreadable: dict[int, Any] = {}  # rank -> [iteration, owner] it could not read
         self._memory_round: MemoryRound | None = None
         stager = Stager(threads=staging_threads or min(4, os.cpu_count() or 1), pin=pin_memory)
         self._res = Resources(WriterProcess(nice=writer_nice), stager)
@@ -195,6 +199,7 @@ class LocalCheckpointManager(Closing):
         self.hosts, self.clique, self._replicates = placement(*where, watch)
         # per round: a rank interrupted before a save the others made is not behind for good
         self._calls = self._seq = 0
+        self._kept_newer = set()  # known alike on every rank only from this round's load
         place = Place(
             self.rank, self.world_size, self.root, self.setting, self.clique, self.keep, self.fsync
         )
@@ -248,6 +253,7 @@ class LocalCheckpointManager(Closing):
         requested = time.monotonic()
         self._pipeline.drain()
         self._pipeline.raise_errors()
+        _newer.before_save(self, iteration)
         flat = flatten(state, pickle=pickle)
         placed, nbytes = place(flat.entries)
         check_header_fits(placed, flat.skeleton)  # what a reader would refuse
@@ -286,10 +292,10 @@ class LocalCheckpointManager(Closing):
 
         Collective through the store: every rank reports the parts it holds and has verified;
         all compute the same answer. None when no iteration is recoverable (then nothing is
-        removed: missing parts might still be brought back by hand). Iterations newer than the
-        answer are incomplete and can never be completed: they are removed, so that a later
-        save of the same number meets no stale copy (``load`` does the same for the iteration
-        it loads). Raises :class:`CheckpointReplicationMismatchError` when that iteration was
+        removed: missing parts might still be brought back by hand). Newer iterations whose save
+        never finished are removed, so that a later save of the same number meets no stale
+        copy; newer ones that a read error hides are kept (see :meth:`discard_newer`;
+        ``load`` does the same for the iteration it loads). Raises :class:`CheckpointReplicationMismatchError` when that iteration was
         saved with another replication setting (unless ``allow_replication_change``). Each
         rank also reports the iteration it could restore from memory (see :class:`MemoryRound`).
         """
@@ -298,15 +304,17 @@ class LocalCheckpointManager(Closing):
         self._pipeline.drain()
         parts = self._inventory.scan()
         memory = in_memory(self._remembered, parts, self.rank)
-        values = self._gather_values("find", [memory, [p.report() for p in parts]])
+        reports = [p.report() for p in parts]
+        values = self._gather_values("find", [memory, reports, self._inventory.unreadable])
         merged = _inventory.holdings({r: v[1] for r, v in values.items()})
+        unreadable = {r: v[2] for r, v in values.items()}
         candidates = _inventory.complete(merged, self.world_size)
         self._pipeline.note_complete(candidates)
         found = candidates[0] if candidates else None
         self._memory_round = MemoryRound.of(values, found, self.world_size, self._calls, self._seq)
         if found is not None:
             self._accept(_inventory.choice(merged, found))
-            self._drop_newer(found)
+            _newer.after_load(self, found, merged, unreadable)
         events.emit(
             "local_ckpt_find_latest",
             duration=time.monotonic() - started,
@@ -341,86 +349,7 @@ class LocalCheckpointManager(Closing):
             return _reshard_load.load_into(
                 self, iteration, into, allow_pickle=allow_pickle, started=started
             )
-        return self._load_part(iteration, allow_pickle=allow_pickle, started=started)
-
-    def _load_part(self, iteration: int, *, allow_pickle: bool, started: float) -> Any:
-        """:meth:`load` without ``into``: this rank's whole part."""
-        fast, self._memory_round = self._memory_round, None
-        if fast is not None and fast.applies(iteration, self._calls, self._seq):
-            state, self.last_load = fast.restore(
-                self._remembered, self._res.restore, allow_pickle, started
-            )
-            return state
-        for attempt in range(_ATTEMPTS):
-            parts = self._inventory.scan()  # hashes only files changed since last verified
-            merged = self._gather("load", parts)
-            chosen = self._pick(merged, iteration)
-            transfers = _inventory.plan(chosen, self.world_size)
-            mine = {p.owner: p for p in parts if p.iteration == chosen.iteration}
-            own = mine.get(self.rank) if self.rank < chosen.saved_world else None
-            memory = self._remembered
-            if own is None or memory is None or not memory.usable(chosen.iteration, self.rank):
-                memory = None
-            # this rank's own copy is hashed again while the transfers run (unless the staging
-            # buffer it was written from still holds it: then no file is read)
-            check = Background(verify_path, own.path) if own is not None and not memory else None
-            paths = {owner: part.path for owner, part in mine.items()}
-            plan = (chosen.iteration, chosen.sizes, transfers, paths)
-            received = _transfer.move_parts(self._group(bool(transfers)), *plan, rank=self.rank)
-            state, bad, kind = None, None, "file"
-            if received is not None:
-                source, raw = received
-                try:
-                    state, _ = load_buffer(
-                        raw,
-                        f"part of owner {self.rank} from rank {source}",
-                        allow_pickle=allow_pickle,
-                    )
-                except CheckpointCorruptError as exc:  # the sender's copy went bad unseen
-                    logger.warning("%s", exc)
-                    bad = [self.rank, source]
-                where, nbytes, kind = f"rank {source}", len(raw), "peer"
-            elif memory is not None:
-                state = memory.restore(self._res.restore, allow_pickle=allow_pickle)
-                where, nbytes, kind = "memory", memory.nbytes, "memory"
-            elif own is not None and check is not None:
-                error = check.result()
-                if error is None:
-                    state, _ = load_file(own.path, verify=False, allow_pickle=allow_pickle)
-                else:
-                    logger.warning("%s", error)
-                    bad = [self.rank, self.rank]
-                where, nbytes = f"local {own.path}", own.file_size
-            failed = self._settle([bad] if bad else [], mine, attempt)
-            if not failed:
-                break
-        else:
-            raise CheckpointCorruptError(
-                f"load of iteration {iteration}: copies kept failing their checksums after "
-                f"transfer ({failed}) in {_ATTEMPTS} attempts"
-            )
-        self._drop_newer(chosen.iteration)
-        if self.rank >= chosen.saved_world:
-            logger.warning(
-                "rank %d has no part in iteration %d (saved by %d ranks): nothing to load",
-                self.rank,
-                chosen.iteration,
-                chosen.saved_world,
-            )
-            return None
-        self.last_load = {"iteration": chosen.iteration, "source": where, "bytes": nbytes}
-        events.emit(
-            "local_ckpt_load",
-            duration=time.monotonic() - started,
-            iteration=chosen.iteration,
-            requested=iteration,
-            bytes=nbytes,
-            source=kind,
-            copy=where,
-            transfers=len(transfers),
-            attempts=attempt + 1,
-        )
-        return state
+        return _part_load.load_part(self, iteration, allow_pickle=allow_pickle, started=started)
 
     def _settle(
         self, bad: list[list[int]], mine: dict[int, _inventory.Part], attempt: int
@@ -431,14 +360,6 @@ class LocalCheckpointManager(Closing):
         if failed:
             self._inventory.distrust_failed(failed, mine, self.rank, attempt)
         return failed
-
-    def _drop_newer(self, iteration: int) -> None:
-        """Remove iterations newer than the one every rank resumes from: they are incomplete
-        everywhere (or abandoned), and a save of the same number must not meet stale copies."""
-        removed = self._pipeline.drop_newer(iteration)
-        if removed:
-            logger.info("removed iterations %s, newer than the one resumed from", removed)
-            events.emit("local_ckpt_pruned", removed=removed, newer_than=iteration)
 
     def _pick(self, merged: dict[int, dict[str, Any]], iteration: int) -> _inventory.Choice:
         """The iteration to load: ``iteration`` if complete, else the newest older complete."""
@@ -452,6 +373,20 @@ class LocalCheckpointManager(Closing):
             chosen, self.setting, allow=self.allow_replication_change, root=self.root
         )
         _choose.note_orphans(chosen, world_size=self.world_size, rank=self.rank)
+
+    def discard_newer(self, iteration: int) -> list[int]:
+        """Remove every iteration newer than ``iteration``, complete ones included: roll back.
+
+        A load of an older iteration (asked for, or a fallback because a newer one did not
+        read) never removes a newer complete iteration, so ``find_latest`` would return it
+        again; call this (every rank together, with the same ``iteration``) after such a load
+        to resume from ``iteration`` for good. Returns the iterations removed from this rank's
+        root.
+        """
+        self._ensure_bound()
+        check_iteration(iteration, _inventory.MAX_ITERATION)
+        self._pipeline.drain()
+        return _newer.discard_newer(self, iteration)
 
     def close(self) -> None:
         """Finish pending saves, stop the writer and the thread, free buffers and the group.
@@ -480,7 +415,12 @@ class LocalCheckpointManager(Closing):
         return self._res.channel_for(needed, self._backend, self.timeout)
 
     def _gather(self, what: str, parts: list[_inventory.Part]) -> dict[int, dict[str, Any]]:
-        return _inventory.holdings(self._gather_values(what, [p.report() for p in parts]))
+        """Every rank's verified parts, merged; :attr:`_unreadable` gets the files they found
+        but could not verify."""
+        value = [[p.report() for p in parts], self._inventory.unreadable]
+        values = self._gather_values(what, value)
+        self._unreadable = {r: v[1] for r, v in values.items()}
+        return _inventory.holdings({r: v[0] for r, v in values.items()})
 
     def _gather_values(self, what: str, value: Any) -> dict[int, Any]:
         """Every rank's ``value`` through the store (every rank calls it, in the same order)."""
