@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster._hosts import Cluster
-from tests.cluster._job import HostJob, records
+from tests.cluster._job import RDZV_PORT, HostJob, records
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -190,3 +191,47 @@ def test_a_job_on_several_hosts_without_a_job_secret_does_not_start(
     assert codes == {"h1": 2, "h2": 2}, job.output()
     assert job.output().count("TRAINGUARD_JOB_SECRET to the same random value") == 2
     assert not (out / "starts.jsonl").exists()
+
+
+STORE = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("0.0.0.0", int(sys.argv[1]), is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=30))
+print("store up", flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def test_with_an_external_store_the_job_goes_on_without_the_first_host(
+    cluster: Callable[[int], Cluster], tmp_path: Path
+) -> None:
+    """The rendezvous and coordination store on a fourth host (``--tg-store``): h1 (active ranks
+    0 and 1, the first store process with the rounds' stores) cut off; h2 and h3 go on with 4
+    ranks (h3's spares take 0 and 1) on the standby's round stores (h2); h1 rejoins."""
+    c = cluster(4)
+    h4 = c.hosts[3]
+    c.start(h4, [sys.executable, "-c", STORE, str(RDZV_PORT)], log=tmp_path / "store.log")
+    out = tmp_path / "out"
+    out.mkdir()
+    worker = ["wrapper", str(out), "--active=4", "--steps=150", "--step=0.1"]
+    extra = [*HB, "--max-restarts=0", f"--tg-store={h4.name}:{RDZV_PORT}"]
+    job = HostJob(c, tmp_path, nproc=2, worker=worker, extra=extra, hosts=c.hosts[:3], rdzv_host=h4)
+    job.start()
+    job.wait_for(lambda: _round(out, 0), what="round 0 running on 4 ranks", timeout=90)
+    first = _worker_pids(out, (0, 1))
+    cut_at = time.time()
+    c.cut(c.hosts[0])
+    job.wait_for(lambda: _round(out, 1), what="h2 and h3 training on 4 ranks", timeout=40)
+    again = min(s["time"] for s in records(out / "steps.jsonl") if s["round"] >= 1)
+    time.sleep(max(0.0, 12 - (time.time() - cut_at)))
+    c.heal(c.hosts[0])
+    codes = job.wait(timeout=110)
+    late = [s for s in records(out / "steps.jsonl") if s["pid"] in first and s["time"] >= again]
+    assert late == [], "h1 trained while the others trained without it"
+    assert codes == {"h1": 0, "h2": 0, "h3": 0}, job.output()
+    assert {s["generation"] for s in _starts(out)} == {"0"}
+    assert _results(out) == ["4", "4", "4", "4", "spare", "spare"], job.output()
+    print(f"training again {again - cut_at:.1f} s after the cut")

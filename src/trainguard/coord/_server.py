@@ -13,6 +13,11 @@ store up. Every store it hosts listens on one interface only (:mod:`._bind`). Pr
    ``n+2``'s. So while round ``n`` runs, round ``n+1``'s store is up and its address published:
    the next round never waits for a store to start, and each rank connects to it ahead of time
    (:mod:`trainguard.restart._preconnect`), off the restart's critical path.
+A **standby** store process (``standby`` in its configuration; started on a second host by the
+rank with local rank 0 of node 1, when the coordination store is not this job's own) does steps
+2 and 3 under :meth:`Keyspace.pg_standby`: the writer of a round's layout takes its store when
+the first host's does not answer (that host is lost or cut off), so the job goes on without it.
+
 4. Exits when the ``exit`` key is set (the last rank left), after deleting the job's keys from
    an external store. Once its parent (rank 0) is gone it serves the others on, and exits
    when its owner is gone too (the process that started rank 0: the launcher's agent,
@@ -59,6 +64,7 @@ class _Host:
         self.rounds: dict[int, Any] = {}
         host, port = cfg["coord_host"], cfg["coord_port"]
         self.own = bool(cfg["host_coord"])
+        self.pg_key = self.keys.pg_standby if cfg.get("standby") else self.keys.pg_addr
         self.coord: Any = dist.TCPStore(
             host,
             port,
@@ -87,7 +93,7 @@ class _Host:
             )
             self.rounds[n] = store
             self.server_ports.add(store.port)
-        self.coord.set(self.keys.pg_addr(n), f"{self.advertise}:{store.port}")
+        self.coord.set(self.pg_key(n), f"{self.advertise}:{store.port}")
 
     def close_round(self, n: int) -> None:
         with self.lock:
@@ -96,7 +102,7 @@ class _Host:
                 self.server_ports.discard(store.port)
         if store is not None:
             del store  # the server stops and drops every key of the round
-            self.coord.delete_key(self.keys.pg_addr(n))
+            self.coord.delete_key(self.pg_key(n))
 
     def follow_rounds(self) -> None:
         # Our own client, not torch's: its waits time out every _CATCH_UP, and torch's client
@@ -188,7 +194,7 @@ class _Host:
         keys.extend(self.keys.left_mark(r) for r in range(self.cfg["world_size"]))
         for r in range(max(0, n - 1), n + 3):
             keys.extend(self.keys.round_keys(r, range(self.cfg["world_size"])))
-            keys.append(self.keys.pg_addr(r))
+            keys.append(self.pg_key(r))
         for key in keys:
             with contextlib.suppress(Exception):  # best effort: the store may be going too
                 self.coord.delete_key(key)

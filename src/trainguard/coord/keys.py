@@ -103,6 +103,12 @@ class Keyspace:
         """``host:port`` of the store that round ``n``'s process groups rendezvous on."""
         return f"{self.prefix}pg/{n}"
 
+    def pg_standby(self, n: int) -> str:
+        """``host:port`` of round ``n``'s store in the standby store process (on another host
+        than the first one; :mod:`trainguard.coord._server`): where round ``n`` goes when the
+        first one does not answer."""
+        return f"{self.prefix}pg/{n}/standby"
+
     # round keys -------------------------------------------------------------------------
     def round_prefix(self, n: int) -> str:
         return f"{self.prefix}r{n}/"

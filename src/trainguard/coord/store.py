@@ -85,6 +85,8 @@ class StoreProcess:
         new_session: start it in a session of its own, so that a kill of this process's group
             does not reach it (under ``trainguard launch`` the agent kills a dead worker's
             group before it respawns the slot; the store serves the others meanwhile).
+        standby: a standby on a second host (see :mod:`trainguard.coord._server`): it hosts
+            round stores only, published under :meth:`~trainguard.coord.keys.Keyspace.pg_standby`.
     """
 
     def __init__(
@@ -102,8 +104,12 @@ class StoreProcess:
         timeout: float,
         orphan_grace: float = 10.0,
         new_session: bool = False,
+        standby: bool = False,
     ) -> None:
+        if standby and host_coord:
+            raise ValueError("a standby store process never hosts the coordination store")
         self.config = {
+            "standby": standby,
             "job": job,
             "call": call,
             "secret": secret,

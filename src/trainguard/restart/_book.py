@@ -30,18 +30,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
+import socket
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from trainguard.coord import barrier
 from trainguard.coord.keys import Keyspace, encode
-from trainguard.errors import RetryLimitError
+from trainguard.coord.store import parse_addr
+from trainguard.errors import ConfigError, RetryLimitError
 from trainguard.restart import _records
 from trainguard.restart._repeat import Repeats
 from trainguard.restart.policy._round import RoundPolicies
 from trainguard.restart.policy.layout import Layout
+
+logger = logging.getLogger(__name__)
 
 
 def peek(store: Any, key: str) -> bytes | None:
@@ -174,11 +179,7 @@ class RoundBook:
             end = f"a rank assignment or filter policy raised {type(exc).__name__}: {exc}"
         repeats = self.repeats.after(faults, progress)
         end = end or repeats.verdict(self.policies.max_repeated_faults)
-        pg = (
-            barrier.wait_key(self.store, self.keys.pg_addr(n), self.store_timeout)
-            if present
-            else b""
-        )
+        pg = self._round_store(n) if present else b""
         payload = encode(
             {
                 "round": n,
@@ -192,6 +193,25 @@ class RoundBook:
             }
         )
         return payload, admitted
+
+    def _round_store(self, n: int) -> bytes:
+        """The address of round ``n``'s store: the first store process's, unless it does not
+        answer and the standby on a second host published one (that host is lost or cut off;
+        one probe of at most a second, only then)."""
+        first = peek(self.store, self.keys.pg_addr(n))
+        if first is not None and _answers(first):
+            return first
+        standby = peek(self.store, self.keys.pg_standby(n))
+        if standby is not None and _answers(standby):
+            logger.warning(
+                "round %d's store on the first host (%s) does not answer: the round uses the "
+                "standby's (%s)",
+                n,
+                first.decode(errors="replace") if first else "not published",
+                standby.decode(errors="replace"),
+            )
+            return standby
+        return barrier.wait_key(self.store, self.keys.pg_addr(n), self.store_timeout)
 
     def _admit(
         self, n: int, gone: dict[int, str], present: set[int], info: dict[int, dict[str, str]]
@@ -264,3 +284,13 @@ class RoundBook:
         if int(self.store.add(self.keys.left, 1)) >= self.world:
             self.store.set(self.keys.exit, b"done")
         return True
+
+
+def _answers(addr: bytes) -> bool:
+    """Whether a server accepts connections at ``addr`` (``host:port``), within a second."""
+    try:
+        host, port = parse_addr(addr.decode())
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except (OSError, ValueError, ConfigError):
+        return False

@@ -40,6 +40,7 @@ class Launch:
     agent_store: bool  # torchrun's agent hosts a store at MASTER_ADDR:MASTER_PORT
     job: str
     incarnation: int = 0  # k > 0: the k-th respawn of this rank (it joins the running job)
+    node: int | None = None  # the node (GROUP_RANK, SLURM_NODEID) of this rank, where known
 
 
 def attempt_suffix(env: Mapping[str, str], generation: int | None) -> str:
@@ -88,8 +89,17 @@ def detect(environ: Mapping[str, str] | None = None) -> Launch:
     job = settings.job_id or pick("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID") or f"{addr}-{port}"
     job = re.sub(r"[^A-Za-z0-9_.-]", "_", job) + attempt_suffix(env, settings.generation)
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    node = pick("GROUP_RANK", "SLURM_NODEID")
     return Launch(
-        int(rank), int(world), int(local), addr, int(port), agent, job, settings.incarnation
+        int(rank),
+        int(world),
+        int(local),
+        addr,
+        int(port),
+        agent,
+        job,
+        settings.incarnation,
+        int(node) if node is not None and node.isdigit() else None,
     )
 
 

@@ -53,6 +53,7 @@ class Session:
         self.later: Callable[[Callable[[], None]], None] = _now
         self._lock = threading.Lock()  # the monitor's and the main thread's waits
         self.server: StoreProcess | None = None
+        self.standby: StoreProcess | None = None  # round stores on a second host
         self.left = False
         self.coord_addr: tuple[str, int] | None = None
         self.secret: _secret.Handover | None = None
@@ -108,6 +109,8 @@ class Session:
             if secret is not None:
                 self.keys = self.keys.with_secret(secret)
                 self.joining = self.joining or peek(coord, self.keys.latest) is not None
+        if not own and not self.joining and not self.over and self._hosts_standby():
+            self.standby = self._start_server(host, port, False, standby=True)
         self.book = RoundBook(
             coord,
             self.keys,
@@ -151,12 +154,23 @@ class Session:
                 self.watch_store = self.coord.clone()
             return self.watch_store
 
-    def _start_server(self, host: str, port: int, own: bool) -> StoreProcess:
-        """Rank 0: the store process. The round stores live on this machine; ranks reach it by
-        MASTER_ADDR when that names it (always so when it hosts the coordination store), else
-        by name; they listen on that interface only."""
+    def _hosts_standby(self) -> bool:
+        """Whether this rank starts the standby store process: local rank 0 of node 1 (the
+        first rank on a second host), in a job whose coordination store lives neither in the
+        first store process nor on rank 0's host (else losing that host loses the job anyway)."""
+        coord_host = self.coord_addr[0] if self.coord_addr is not None else None
+        first = self.irank == 0 or self.launch.master_addr == coord_host
+        return self.launch.node == 1 and self.launch.local_rank == 0 and not first
+
+    def _start_server(
+        self, host: str, port: int, own: bool, *, standby: bool = False
+    ) -> StoreProcess:
+        """Rank 0: the store process (``standby``: the standby on a second host). The round
+        stores live on this machine; ranks reach it by MASTER_ADDR when that names it (always so
+        when it hosts the coordination store), else by name; they listen on that interface
+        only."""
         master = self.launch.master_addr
-        local = own or is_local_address(master)
+        local = own or (not standby and is_local_address(master))
         advertise = master if local else self.host
         return StoreProcess(
             job=self.keys.job,
@@ -170,6 +184,7 @@ class Session:
             world_size=self.world,
             timeout=self.cfg.store_timeout,
             new_session=_env.settings().agent is not None,  # see StoreProcess
+            standby=standby,
         ).start()
 
     # barrier ------------------------------------------------------------------------------
@@ -312,12 +327,14 @@ class Session:
             if early:  # the job goes on: a newcomer may still need the secret's file
                 self.secret.file = None
             self.secret.close()
-        if self.server is not None:
+        for server in (self.server, self.standby):
+            if server is None:
+                continue
             if not early:
-                self.server.close(timeout=timeout)
-            elif not self.server.join(0.0):
-                _detached.append(self.server)
-            self.server = None
+                server.close(timeout=timeout)
+            elif not server.join(0.0):
+                _detached.append(server)
+        self.server = self.standby = None
 
 
 def _now(chore: Callable[[], None]) -> None:
