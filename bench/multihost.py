@@ -89,13 +89,18 @@ def _running(out: Path) -> bool:
     return len({s["rank"] for s in records(out / "steps.jsonl") if s["step"] >= 3}) >= 4
 
 
+def _started(c: Cluster, tmp: Path, kind: str) -> tuple[HostJob, Path, int]:
+    """The job running on every rank; its newest round (restart count under torchrun)."""
+    job, out = _job(c, tmp, kind)
+    job.start()
+    if not _wait(lambda: _running(out), 120):
+        raise RuntimeError(f"{kind} did not start\n{job.output()}")
+    return job, out, max(s["round"] for s in records(out / "steps.jsonl"))
+
+
 def host_death(kind: str, limit: float) -> dict[str, Any]:
     with TemporaryDirectory() as d, Cluster(Path(d), 3) as c:
-        job, out = _job(c, Path(d), kind)
-        job.start()
-        if not _wait(lambda: _running(out), 120):
-            raise RuntimeError(f"{kind} did not start\n{job.output()}")
-        rounds = max(s["round"] for s in records(out / "steps.jsonl"))
+        job, out, rounds = _started(c, Path(d), kind)
         t = time.time()
         c.kill_host(c.hosts[1])
         got = _wait(lambda: _first_step_after(out, t, newer_round=rounds + 1), limit)
@@ -106,11 +111,7 @@ def host_death(kind: str, limit: float) -> dict[str, Any]:
 
 def partition(kind: str, cut: float, limit: float) -> dict[str, Any]:
     with TemporaryDirectory() as d, Cluster(Path(d), 3) as c:
-        job, out = _job(c, Path(d), kind)
-        job.start()
-        if not _wait(lambda: _running(out), 120):
-            raise RuntimeError(f"{kind} did not start\n{job.output()}")
-        rounds = max(s["round"] for s in records(out / "steps.jsonl"))
+        job, out, rounds = _started(c, Path(d), kind)
         t = time.time()
         c.cut(c.hosts[1])
         got = _wait(lambda: _first_step_after(out, t, newer_round=rounds + 1), max(cut, limit) - 1)

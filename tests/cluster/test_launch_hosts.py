@@ -18,6 +18,7 @@ import pytest
 
 from tests.cluster._hosts import Cluster
 from tests.cluster._job import RDZV_PORT, HostJob, records
+from tests.launch._agents import alive
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -67,9 +68,7 @@ def test_partition_and_heal_of_a_host_that_is_not_the_store_s(
     job.wait_for(lambda: _round(out, 1), what="the others training again without h2", timeout=40)
     again = time.monotonic() - cut_at
     # h2 fenced itself: its workers are gone while it is still cut off
-    job.wait_for(
-        lambda: not any(_alive(p) for p in before), what="h2's workers stopped", timeout=10
-    )
+    job.wait_for(lambda: not any(alive(p) for p in before), what="h2's workers stopped", timeout=10)
     time.sleep(max(0.0, 12 - (time.monotonic() - cut_at)))
     c.heal(h2)
     healed = time.monotonic()
@@ -86,15 +85,6 @@ def test_partition_and_heal_of_a_host_that_is_not_the_store_s(
     assert _results(out) == ["4", "4", "4", "4", "spare", "spare"], out_text
     assert "whole-job restart" not in out_text
     print(f"training again {again:.1f} s after the cut; h2 back {back:.1f} s after the heal")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _worker_pids(out: Path, ranks: tuple[int, ...]) -> set[int]:
