@@ -22,6 +22,15 @@ ROOT = Path(__file__).resolve().parents[2]
 SECRET = "0123456789abcdef0123456789abcdef"
 
 
+@pytest.fixture(autouse=True)
+def _no_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither variable set; whatever :func:`establish` puts in ``os.environ`` is undone after
+    the test (``setenv`` first: ``delenv`` of an unset variable records nothing to restore)."""
+    for name in ("TRAINGUARD_JOB_SECRET", "TRAINGUARD_INSECURE"):
+        monkeypatch.setenv(name, "placeholder")
+        monkeypatch.delenv(name)
+
+
 def _env_without_secret() -> dict[str, str]:
     env = {
         k: v
@@ -48,7 +57,6 @@ def test_a_job_on_several_hosts_without_a_secret_refuses_to_start_and_names_the_
 def test_the_secret_file_must_be_private_and_well_formed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv("TRAINGUARD_JOB_SECRET", raising=False)
     path = tmp_path / "secret"
     path.write_text(SECRET + "\n")
     path.chmod(0o644)
@@ -66,8 +74,6 @@ def test_the_secret_file_must_be_private_and_well_formed(
 def test_one_host_needs_no_secret_and_insecure_must_be_asked_for(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv("TRAINGUARD_JOB_SECRET", raising=False)
-    monkeypatch.delenv("TRAINGUARD_INSECURE", raising=False)
     assert establish(endpoint="127.0.0.1:29400", secret_file=None, insecure=False) == "none"
     assert establish(endpoint="localhost:0", secret_file=None, insecure=False) == "none"
     with pytest.raises(ConfigError):
@@ -85,7 +91,6 @@ def test_every_launcher_key_carries_the_secret(monkeypatch: pytest.MonkeyPatch) 
             _keys.vacant_key(run), _keys.published_key(),
         ]  # fmt: skip
 
-    monkeypatch.delenv("TRAINGUARD_JOB_SECRET", raising=False)
     bare = keys()
     monkeypatch.setenv("TRAINGUARD_JOB_SECRET", SECRET)
     one = keys()
@@ -99,8 +104,6 @@ def test_every_launcher_key_carries_the_secret(monkeypatch: pytest.MonkeyPatch) 
 def test_ranks_on_several_hosts_refuse_to_hand_the_secret_over_in_the_store(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv("TRAINGUARD_JOB_SECRET", raising=False)
-    monkeypatch.delenv("TRAINGUARD_INSECURE", raising=False)
     assert source("node1") == "store"
     with pytest.raises(ConfigError, match="TRAINGUARD_INSECURE=1"):
         Handover(Keyspace("j"), "store")
