@@ -11,6 +11,7 @@ from typing import Any
 
 from trainguard import _env, events
 from trainguard.coord import _bind, _secret, barrier
+from trainguard.coord._startfail import StartNotice
 from trainguard.coord.keys import Keyspace
 from trainguard.coord.store import StoreProcess, connect, parse_addr
 from trainguard.errors import CoordinationError, RestartError
@@ -92,18 +93,25 @@ class Session:
         self.coord_addr = (host, port)
         self.secret = _secret.Handover(self.keys, _secret.source(launch.master_addr))
         first = self.irank == 0 and not self.joining  # a respawned rank 0 finds them running
+        notice = StartNotice(self.keys.job, self.keys.call, host, port)
         if first:
             self.keys = self.keys.with_secret(self.secret.create())
-            self.server = self._start_server(host, port, own)
+            notice.clear()
+            try:
+                self.server = self._start_server(host, port, own)
+            except CoordinationError as exc:
+                notice.publish(str(exc))  # the others fail at once with it
+                raise
+        gave_up = None if first else notice.failure
         if given is not None and not isinstance(given, str):
             coord = given.clone()
         else:
-            coord = connect(host, port, timeout=cfg.store_timeout)
+            coord = connect(host, port, timeout=cfg.store_timeout, gave_up=gave_up)
         if first:
             self.secret.publish(coord)
         else:
             ended = self.keys.ended if self.joining else None
-            secret = self.secret.receive(coord, cfg.barrier_timeout, ended=ended)
+            secret = self.secret.receive(coord, cfg.barrier_timeout, ended=ended, gave_up=gave_up)
             self.over = secret is None  # a newcomer that came after the job ended
             if secret is not None:
                 self.keys = self.keys.with_secret(secret)
