@@ -377,5 +377,10 @@ def store_start_job() -> dict[str, Any]:
     try:
         train()
     except Exception as exc:
-        return {"type": type(exc).__name__, "error": str(exc), "seconds": time.monotonic() - start}
+        return {
+            "type": type(exc).__name__,
+            "error": str(exc),
+            "seconds": time.monotonic() - start,
+            "at": time.time(),
+        }
     raise AssertionError("the wrapped call returned")

@@ -25,7 +25,10 @@ def test_other_ranks_fail_within_seconds_with_the_store_process_error() -> None:
         assert value["type"] == "CoordinationError", (rank, value)
         assert value["error"].startswith("rank 0 could not start the coordination store: ")
         assert root["error"] in value["error"]  # the store process's own error
-        assert value["seconds"] < 10, (rank, value)
+        # within one connect attempt (1 s) of rank 0's failure; 60 s (store_timeout) or, on
+        # this taken port, a hang in torch's client before
+        assert value["at"] - root["at"] < 5, (rank, value, root)
+        assert value["seconds"] < 30, (rank, value)  # rank 0's store process starts meanwhile
 
 
 def test_an_earlier_attempts_notice_is_not_taken_for_this_ones(tmp_path, monkeypatch) -> None:

@@ -30,7 +30,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from trainguard import _subproc
+from trainguard import _subproc, _torchcompat
 from trainguard.coord import _bind, _sockets, _wire
 from trainguard.coord.barrier import timed_out, wait_forever
 from trainguard.coord.keys import Keyspace
@@ -55,15 +55,14 @@ class _Host:
         self.rounds: dict[int, Any] = {}
         host, port = cfg["coord_host"], cfg["coord_port"]
         self.own = bool(cfg["host_coord"])
-        self.coord: Any = dist.TCPStore(
-            host,
-            port,
-            is_master=self.own,
-            use_libuv=True,
-            wait_for_workers=False,
-            timeout=self.timeout,
-            master_listen_fd=_bind.listen(host, port) if self.own else None,
-        )
+        if self.own:
+            self.coord: Any = _torchcompat.host_store(
+                host, _bind.listen(host, port), timeout=self.timeout
+            )
+        else:
+            self.coord = dist.TCPStore(
+                host, port, is_master=False, use_libuv=True, timeout=self.timeout
+            )
         self.server_ports = {self.coord.port} if self.own else set()
         self.last_round = 0
 
@@ -72,15 +71,7 @@ class _Host:
             if n in self.rounds:
                 return
             fd = _bind.listen(self.bind, 0)
-            store = self.dist.TCPStore(
-                self.advertise,
-                _bind.port_of(fd),
-                is_master=True,
-                use_libuv=True,
-                wait_for_workers=False,
-                timeout=self.timeout,
-                master_listen_fd=fd,
-            )
+            store = _torchcompat.host_store(self.advertise, fd, timeout=self.timeout)
             self.rounds[n] = store
             self.server_ports.add(store.port)
         self.coord.set(self.keys.pg_addr(n), f"{self.advertise}:{store.port}")

@@ -26,7 +26,7 @@ __all__ = ["StoreProcess", "connect", "parse_addr"]
 
 logger = logging.getLogger(__name__)
 
-_ATTEMPT_S = 2.0  # one connect attempt while a reason to give up may come (see connect)
+_ATTEMPT_S = 1.0  # one connect attempt while a reason to give up may come (see connect)
 
 
 def parse_addr(value: str) -> tuple[str, int]:
