@@ -13,6 +13,8 @@ version needed, a newer one warns once (:class:`~trainguard.errors.UntestedTorch
   (``master_listen_fd``) in newer releases but not in torch 2.6; there the store is hosted by the
   classic backend (``use_libuv=False``) on the same socket (probed at the first store, then
   remembered).
+- :func:`clone_store`: a new client of a store's server (``Store.clone()``, which torch 2.6's
+  ``TCPStore`` lacks: there a client is made anew from its host, port and timeout).
 - :func:`has_cuda_backend`: whether a process group runs a CUDA backend (NCCL).
 
 **Private torch APIs** that trainguard uses; each entry of :data:`PRIVATE_APIS` names the
@@ -43,6 +45,7 @@ __all__ = [
     "PRIVATE_APIS",
     "PrivateApi",
     "check_torch",
+    "clone_store",
     "has_cuda_backend",
     "host_store",
     "resolve",
@@ -227,6 +230,21 @@ def _port_of(fd: int) -> int:
     with socket.socket(fileno=os.dup(fd)) as sock:
         port: int = sock.getsockname()[1]
     return port
+
+
+def clone_store(store: Any) -> Any:
+    """A new client connection to ``store``'s server: ``store.clone()`` where it has one, a
+    ``TCPStore`` client made anew for a ``TCPStore`` without it (torch 2.6); None for any other
+    store (it cannot be cloned)."""
+    clone = getattr(store, "clone", None)
+    if callable(clone):
+        return clone()
+    import torch.distributed as dist
+
+    if isinstance(store, dist.TCPStore):
+        tcp: Any = store  # torch's stubs lack the timeout property
+        return dist.TCPStore(tcp.host, tcp.port, is_master=False, timeout=tcp.timeout)
+    return None
 
 
 def has_cuda_backend(group: Any) -> bool:

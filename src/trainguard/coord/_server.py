@@ -191,7 +191,7 @@ def main() -> int:
         name="tg-orphan",
         daemon=True,
     ).start()
-    waiter: Any = host.coord.clone()
+    waiter: Any = _torchcompat.clone_store(host.coord)
     wait_forever(waiter, host.keys.exit)
     if not host.own:
         host.cleanup_external()

@@ -40,6 +40,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from trainguard import _torchcompat
 from trainguard._timeouts import Timeout, seconds, shorter
 from trainguard.errors import ConfigError, CoordinationError
 from trainguard.launch._keys import node_key, ranks_key
@@ -112,7 +113,7 @@ class NodeHeartbeat:
         self.run_id, self.generation, self.node, self.nodes = run_id, generation, node, nodes
         self._on_lost, self._on_back, self._on_evicted = on_lost, on_back, on_evicted
         self._clock = clock
-        self._store = store.clone() if callable(getattr(store, "clone", None)) else store
+        self._store = _torchcompat.clone_store(store) or store
         self._key = node_key(run_id, generation, node)
         self._instance = uuid.uuid4().hex[:12].encode() + b"/"
         self._sent = 0

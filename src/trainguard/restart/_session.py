@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trainguard import _env, events
+from trainguard import _env, _torchcompat, events
 from trainguard.coord import _bind, _secret, barrier
 from trainguard.coord._startfail import StartNotice
 from trainguard.coord.keys import Keyspace
@@ -104,7 +104,7 @@ class Session:
                 raise
         gave_up = None if first else notice.failure
         if given is not None and not isinstance(given, str):
-            coord = given.clone()
+            coord = _torchcompat.clone_store(given)
         else:
             coord = connect(host, port, timeout=cfg.store_timeout, gave_up=gave_up)
         if first:
@@ -156,7 +156,7 @@ class Session:
         """The connection of the long waits without a relay (made on first use)."""
         with self._lock:
             if self.watch_store is None:
-                self.watch_store = self.coord.clone()
+                self.watch_store = _torchcompat.clone_store(self.coord)
             return self.watch_store
 
     def _start_server(self, host: str, port: int, own: bool) -> StoreProcess:
