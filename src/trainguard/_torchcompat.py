@@ -10,8 +10,8 @@ version needed, a newer one warns once (:class:`~trainguard.errors.UntestedTorch
 **Version differences**, probed by feature where torch allows it:
 
 - :func:`host_store`: libuv's ``TCPStore`` server takes a listening socket of ours
-  (``master_listen_fd``) in newer releases but not in torch 2.6; there the store is hosted by the
-  classic backend (``use_libuv=False``) on the same socket (probed at the first store, then
+  (``master_listen_fd``, bound to one interface) in newer releases but not in torch 2.6; there
+  the server binds the port itself, on every interface (probed at the first store, then
   remembered).
 - :func:`clone_store`: a new client of a store's server (``Store.clone()``, which torch 2.6's
   ``TCPStore`` lacks: there a client is made anew from its host, port and timeout).
@@ -181,10 +181,12 @@ _libuv_listen_fd: bool | None = None  # None: not probed yet
 
 
 def host_store(host: str, fd: int, *, timeout: timedelta, multi_tenant: bool = False) -> Any:
-    """A ``TCPStore`` server on the listening socket ``fd`` (from
+    """A ``TCPStore`` server (libuv backend) on the listening socket ``fd`` (from
     :func:`trainguard.coord._bind.listen`; the server owns it from then on), advertised as
-    ``host``: the libuv backend, or the classic one where libuv cannot take a listening
-    socket (torch 2.6)."""
+    ``host``. Where libuv cannot take a listening socket (torch 2.6) the socket is closed and
+    the server binds its port itself, on every interface (logged once): torch 2.6's classic
+    server, which could take the socket, leaves gloo's group set-up waiting in the restart
+    rounds (measured with ``trainguard demo``)."""
     global _libuv_listen_fd
     import torch.distributed as dist
 
@@ -202,21 +204,32 @@ def host_store(host: str, fd: int, *, timeout: timedelta, multi_tenant: bool = F
                 master_listen_fd=fd,
             )
         except NotImplementedError as exc:  # torch 2.6: libuv takes no listen fd
-            logger.info("libuv TCPStore cannot take a listening socket (%s): classic", exc)
+            logger.warning(
+                "torch %s: its TCPStore cannot listen on one interface only (%s); the stores "
+                "listen on every interface: upgrade torch to listen on MASTER_ADDR's only",
+                _version(),
+                exc,
+            )
             _libuv_listen_fd = False
         else:
             _libuv_listen_fd = True
             return store
+    os.close(fd)  # the server binds the port itself (torch never took the descriptor)
     return dist.TCPStore(
         host,
         port,
         is_master=True,
-        use_libuv=False,
+        use_libuv=True,
         wait_for_workers=False,
         multi_tenant=multi_tenant,
         timeout=timeout,
-        master_listen_fd=fd,
     )
+
+
+def _version() -> str:
+    import torch
+
+    return str(torch.__version__)
 
 
 def libuv_takes_listen_fd() -> bool | None:
