@@ -76,7 +76,7 @@ def staging(mib: int = 512) -> dict[str, Any]:
                 handle = ckpt.save(state, f"{tmp}/async{i}")
                 stall = time.perf_counter() - start
                 assert handle is not None
-                handle.wait()
+                ckpt.wait()  # durable and committed
                 out[f"async_stall_s_{i}"] = stall
         out["async_equal"] = _same(plain, load(f"{tmp}/async2"))
         with LocalCheckpointManager(f"{tmp}/local", keep=2) as mgr:
