@@ -94,10 +94,10 @@ def test_first_use_checks_the_torch_in_use(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr(torch, "__version__", "2.5.1")
     monkeypatch.setattr(_torchcompat, "_checked", False)
-    with pytest.raises(UnsupportedTorchError, match="this is torch 2.5.1"):
+    with pytest.raises(UnsupportedTorchError, match=r"this is torch 2\.5\.1"):
         tr.Wrapper()
     monkeypatch.setattr(torch, "__version__", "99.0.0")
     monkeypatch.setattr(_torchcompat, "_checked", False)
-    with pytest.warns(UntestedTorchWarning, match="torch 99.0.0 is newer"):
+    with pytest.warns(UntestedTorchWarning, match=r"torch 99\.0\.0 is newer"):
         tr.Wrapper()
     tr.Wrapper()  # checked once per process
