@@ -54,7 +54,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: the oldest torch release that passes the compatibility suite (also in pyproject.toml)
-FLOOR = (2, 6)
+FLOOR = (2, 13)
 #: the newest torch release that the compatibility suite ran on
 NEWEST_TESTED = (2, 15)
 
