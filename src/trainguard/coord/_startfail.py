@@ -22,8 +22,10 @@ import hashlib
 import logging
 import os
 import time
+from pathlib import Path
 
 from trainguard import _private
+from trainguard.errors import ConfigError
 
 __all__ = ["StartNotice"]
 
@@ -38,32 +40,40 @@ class StartNotice:
     """The notice of one wrapped call's store process (see the module docstring)."""
 
     def __init__(self, job: str, call: int, host: str, port: int) -> None:
-        name = hashlib.sha256(f"{job}\0{call}\0{host}\0{port}".encode()).hexdigest()[:32]
-        self.path = _private.private_dir() / f"storefail-{name}"
+        digest = hashlib.sha256(f"{job}\0{call}\0{host}\0{port}".encode()).hexdigest()
+        self.name = f"storefail-{digest[:32]}"
+
+    @property
+    def path(self) -> Path:
+        """The notice's file (raises :class:`ConfigError` for an unusable private directory)."""
+        return _private.private_dir() / self.name
 
     def clear(self) -> None:
         """Remove an earlier attempt's notice (rank 0, before it starts the store process)."""
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError, ConfigError):
             os.unlink(self.path)
 
     def publish(self, error: str) -> None:
         """Leave ``error`` for the other ranks (best effort: a failure is logged)."""
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        tmp = None
         try:
+            path = self.path
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(error)
-            os.replace(tmp, self.path)
-        except OSError as exc:
+            os.replace(tmp, path)
+        except (OSError, ConfigError) as exc:
             logger.warning("could not tell the other ranks that the store failed: %s", exc)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
     def read(self) -> str | None:
         """The error rank 0 left for this attempt, or None."""
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
+        except (OSError, ConfigError):
             return None
         with os.fdopen(fd) as f:
             if os.fstat(f.fileno()).st_mtime < _STARTED - _SLACK:
