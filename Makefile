@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: test lint format bench demo clean soak-test
+.PHONY: test lint format bench demo clean soak-test compat gpu-check
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,17 @@ demo: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) bench/run_all.py
+
+# the torch compatibility matrix (bench/compat.py: versions listed there; one cached venv per
+# version under COMPAT_VENVS, ~5 GB and a few minutes each the first time)
+COMPAT_VENVS ?= $(HOME)/.cache/trainguard/compat-venvs
+COMPAT_ARGS ?=
+compat: $(VENV)/.installed
+	$(PY) bench/compat.py --venvs $(COMPAT_VENVS) $(COMPAT_ARGS)
+
+# every CUDA/NCCL path on this machine's GPUs (bench/gpu_check.py); skips without CUDA
+gpu-check: $(VENV)/.installed
+	$(PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache src/*.egg-info

@@ -7,12 +7,14 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+#: run on their own: `make compat` (builds a venv per torch release), `make gpu-check`
+_SEPARATE = ("run_all.py", "compat.py", "gpu_check.py")
 
 
 def main() -> int:
     failed = []
     for script in sorted(HERE.glob("*.py")):
-        if script.name.startswith("_") or script.name == "run_all.py":
+        if script.name.startswith("_") or script.name in _SEPARATE:
             continue
         print(f"=== {script.name}", flush=True)
         rc = subprocess.call([sys.executable, str(script), *sys.argv[1:]], cwd=HERE.parent)

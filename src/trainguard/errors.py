@@ -4,6 +4,7 @@ Every error the library raises on purpose derives from :class:`TrainguardError`:
 
     TrainguardError
     ├── ConfigError              bad arguments or environment; raised when an object is built
+    │   └── UnsupportedTorchError  the installed torch is older than the supported range
     ├── CoordinationError        the coordination store misbehaved or a barrier timed out
     │   ├── BarrierTimeoutError  a barrier did not complete within its timeout
     │   └── NodeLeftError        this node left a launched job: it was declared lost and
@@ -30,6 +31,9 @@ Every error the library raises on purpose derives from :class:`TrainguardError`:
 Later modules add subclasses under these branches. A failure that one rank detects surfaces
 as the *same* type on every rank; ``causes`` maps each rank that reported a cause to a short
 description of it, so the error reads the same wherever it is caught.
+
+:class:`UntestedTorchWarning` (a ``UserWarning``) says the installed torch is newer than the
+newest release trainguard was tested with.
 
 Not an error and not in this tree: ``trainguard.restart.RestartInterrupt`` (a
 ``BaseException``) is raised inside the wrapped function to unwind it when a round is aborted;
@@ -60,6 +64,8 @@ __all__ = [
     "StoreTimeoutError",
     "StragglerError",
     "TrainguardError",
+    "UnsupportedTorchError",
+    "UntestedTorchWarning",
     "WriterDied",
 ]
 
@@ -102,6 +108,15 @@ class ConfigError(TrainguardError, ValueError):
 
     Raised when the object is built, never at the first fault. The message names the fix.
     """
+
+
+class UnsupportedTorchError(ConfigError):
+    """The installed torch is older than the oldest release trainguard supports; the message
+    names the version needed (see :mod:`trainguard._torchcompat`)."""
+
+
+class UntestedTorchWarning(UserWarning):
+    """The installed torch is newer than the newest release trainguard was tested with."""
 
 
 class CoordinationError(TrainguardError):

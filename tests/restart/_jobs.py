@@ -348,7 +348,7 @@ def slow_connect_at_end_job(hang_s: float) -> dict[str, Any]:
     took to return after the function did."""
     import trainguard.restart._preconnect as pre
 
-    def hanging(host: str, port: int, *, timeout: float) -> Any:
+    def hanging(host: str, port: int, *, timeout: float, gave_up: Any = None) -> Any:
         time.sleep(hang_s)  # a real hang, in the thread that connects ahead, then it fails
         raise ConnectionResetError(f"simulated: {host}:{port} closed while connecting")
 
@@ -363,3 +363,24 @@ def slow_connect_at_end_job(hang_s: float) -> dict[str, Any]:
 
     world = train()
     return {"world": world, "after_return_s": time.monotonic() - returned[0]}
+
+
+def store_start_job() -> dict[str, Any]:
+    """Enter a wrapped call; report how it failed and after how long (rank 0's store process
+    cannot start in the test that runs this)."""
+    start = time.monotonic()
+
+    @tr.Wrapper(barrier_timeout=60, store_timeout=60)
+    def train(call: tr.CallWrapper) -> None:
+        raise AssertionError("the wrapped function ran without a store")
+
+    try:
+        train()
+    except Exception as exc:
+        return {
+            "type": type(exc).__name__,
+            "error": str(exc),
+            "seconds": time.monotonic() - start,
+            "at": time.time(),
+        }
+    raise AssertionError("the wrapped call returned")

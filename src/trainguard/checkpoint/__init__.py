@@ -59,6 +59,10 @@ _LOCAL = ("CliqueReplication", "LocalCheckpointManager")
 
 
 def __getattr__(name: str) -> Any:
+    if name in _LOCAL or name in __all__:
+        from trainguard import _torchcompat
+
+        _torchcompat.check_torch()
     if name in _LOCAL:
         return getattr(importlib.import_module("trainguard.checkpoint.local"), name)
     if name in __all__:

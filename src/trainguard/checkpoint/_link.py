@@ -17,7 +17,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from trainguard import events
+from trainguard import _torchcompat, events
 from trainguard.coord import _secret
 from trainguard.errors import CheckpointError, ConfigError
 
@@ -159,8 +159,5 @@ class StoreLink:
     def client(self) -> Store:
         """A client of its own (``Store.clone()`` where there is one): a pending ``wait()``
         holds a TCPStore client for its whole duration, so each thread that waits needs one."""
-        clone = getattr(self.origin, "clone", None)
-        if clone is None:
-            return self.origin
-        own: Store = clone()
-        return own
+        own: Store | None = _torchcompat.clone_store(self.origin)
+        return self.origin if own is None else own

@@ -29,6 +29,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,6 +44,7 @@ __all__ = ["Handover", "current", "source"]
 logger = logging.getLogger(__name__)
 
 _SLICE = 0.25  # seconds between two looks at whether the job ended (a late process's wait)
+_GAVE_UP_SLICE = 1.0  # seconds between two looks at whether rank 0's store process failed
 
 Source = Literal["env", "file", "store"]
 _SECRET = re.compile(r"[0-9a-f]{32}")
@@ -114,13 +116,22 @@ class Handover:
             value = self.secret if self.how == "store" else _digest(self.secret)
             store.set(self.keys.handover, value)
 
-    def receive(self, store: Any, timeout: float, *, ended: str | None = None) -> str | None:
+    def receive(
+        self,
+        store: Any,
+        timeout: float,
+        *,
+        ended: str | None = None,
+        gave_up: Callable[[], str | None] | None = None,
+    ) -> str | None:
         """The secret rank 0 created (waits up to ``timeout`` s for it to be published).
 
         ``ended``: a key that says the job is over (:attr:`Keyspace.ended`); when it is set
-        before the secret, returns None (a process that came too late to join)."""
+        before the secret, returns None (a process that came too late to join). ``gave_up``:
+        says why rank 0 will never publish it (its store process failed while this rank
+        reached another store on that port), or None; asked while waiting."""
         if self.how != "env":
-            raw = self._wait(store, timeout, ended)
+            raw = self._wait(store, timeout, ended, gave_up)
             if raw is None:
                 return None
             self.secret = raw if self.how == "store" else self._read_file(raw)
@@ -149,15 +160,25 @@ class Handover:
             ) from exc
         return secret if _digest(secret) == digest else ""
 
-    def _wait(self, store: Any, timeout: float, ended: str | None) -> str | None:
+    def _wait(
+        self,
+        store: Any,
+        timeout: float,
+        ended: str | None,
+        gave_up: Callable[[], str | None] | None,
+    ) -> str | None:
         what = "the job secret from rank 0"
-        if ended is None:
+        if ended is None and gave_up is None:
             return barrier.wait_key(store, self.keys.handover, timeout, what=what).decode(
                 errors="replace"
             )
         deadline = time.monotonic() + timeout
-        while not barrier.wait_all(store, [self.keys.handover], _SLICE, what=what):
-            if store.check([ended]):
+        look = _SLICE if ended is not None else _GAVE_UP_SLICE
+        while not barrier.wait_all(store, [self.keys.handover], look, what=what):
+            why = gave_up() if gave_up is not None else None
+            if why is not None:
+                raise CoordinationError(why)
+            if ended is not None and store.check([ended]):
                 return None
             if time.monotonic() >= deadline:
                 barrier.wait_key(store, self.keys.handover, 0.001, what=what)  # raises

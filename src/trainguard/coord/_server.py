@@ -39,7 +39,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from trainguard import _subproc
+from trainguard import _subproc, _torchcompat
 from trainguard.coord import _bind, _sockets, _wire
 from trainguard.coord.barrier import timed_out, wait_forever
 from trainguard.coord.keys import Keyspace
@@ -65,15 +65,14 @@ class _Host:
         host, port = cfg["coord_host"], cfg["coord_port"]
         self.own = bool(cfg["host_coord"])
         self.pg_key = self.keys.pg_standby if cfg.get("standby") else self.keys.pg_addr
-        self.coord: Any = dist.TCPStore(
-            host,
-            port,
-            is_master=self.own,
-            use_libuv=True,
-            wait_for_workers=False,
-            timeout=self.timeout,
-            master_listen_fd=_bind.listen(host, port) if self.own else None,
-        )
+        if self.own:
+            self.coord: Any = _torchcompat.host_store(
+                host, _bind.listen(host, port), timeout=self.timeout
+            )
+        else:
+            self.coord = dist.TCPStore(
+                host, port, is_master=False, use_libuv=True, timeout=self.timeout
+            )
         self.server_ports = {self.coord.port} if self.own else set()
         self.last_round = 0
 
@@ -82,15 +81,7 @@ class _Host:
             if n in self.rounds:
                 return
             fd = _bind.listen(self.bind, 0)
-            store = self.dist.TCPStore(
-                self.advertise,
-                _bind.port_of(fd),
-                is_master=True,
-                use_libuv=True,
-                wait_for_workers=False,
-                timeout=self.timeout,
-                master_listen_fd=fd,
-            )
+            store = _torchcompat.host_store(self.advertise, fd, timeout=self.timeout)
             self.rounds[n] = store
             self.server_ports.add(store.port)
         self.coord.set(self.pg_key(n), f"{self.advertise}:{store.port}")
@@ -239,7 +230,7 @@ def main() -> int:
         name="tg-orphan",
         daemon=True,
     ).start()
-    waiter: Any = host.coord.clone()
+    waiter: Any = _torchcompat.clone_store(host.coord)
     wait_forever(waiter, host.keys.exit)
     if not host.own:
         host.cleanup_external()

@@ -14,6 +14,7 @@ import logging
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +25,8 @@ from trainguard.errors import ConfigError, CoordinationError
 __all__ = ["StoreProcess", "connect", "parse_addr"]
 
 logger = logging.getLogger(__name__)
+
+_ATTEMPT_S = 1.0  # one connect attempt while a reason to give up may come (see connect)
 
 
 def parse_addr(value: str) -> tuple[str, int]:
@@ -45,11 +48,18 @@ def parse_addr(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def connect(host: str, port: int, *, timeout: float) -> Any:
+def connect(
+    host: str, port: int, *, timeout: float, gave_up: Callable[[], str | None] | None = None
+) -> Any:
     """A TCPStore client of ``host:port``; retries until the server is up or ``timeout``.
 
     torch's client, or in a helper process that called :func:`._wire.activate` the pure-Python
-    one (the same operations, no torch import)."""
+    one (the same operations, no torch import). ``gave_up``: says why the server will never
+    come (a :class:`._startfail.StartNotice`), or None; asked between connect attempts, which
+    are then made with the pure-Python client (torch's hangs past its timeout when something
+    that is not a store listens on the port) until the server answers."""
+    if gave_up is not None:
+        timeout = _await_server(host, port, timeout, gave_up)
     if _wire.active():
         return _wire.connect(host, port, timeout=timeout)
     import torch.distributed as dist
@@ -63,6 +73,26 @@ def connect(host: str, port: int, *, timeout: float) -> Any:
             f"could not connect to the coordination store at {host}:{port} within {timeout:g} s "
             f"({exc}); check MASTER_ADDR/MASTER_PORT or TRAINGUARD_STORE_ADDR"
         ) from exc
+
+
+def _await_server(host: str, port: int, timeout: float, gave_up: Callable[[], str | None]) -> float:
+    """Wait until a TCPStore server answers at ``host:port``, asking ``gave_up`` between
+    attempts; the time left of ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        why = gave_up()
+        if why is not None:
+            raise CoordinationError(why)
+        left = deadline - time.monotonic()
+        try:
+            _wire.connect(host, port, timeout=max(0.01, min(_ATTEMPT_S, left))).close()
+            return max(0.01, deadline - time.monotonic())
+        except CoordinationError as exc:
+            if time.monotonic() >= deadline:
+                raise CoordinationError(
+                    f"could not connect to the coordination store at {host}:{port} within "
+                    f"{timeout:g} s ({exc})"
+                ) from exc
 
 
 class StoreProcess:

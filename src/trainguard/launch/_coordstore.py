@@ -27,6 +27,7 @@ import logging
 from datetime import timedelta
 from typing import Any
 
+from trainguard import _torchcompat
 from trainguard.coord import _bind
 from trainguard.coord.store import connect, parse_addr
 from trainguard.errors import CoordinationError
@@ -123,18 +124,11 @@ class CoordStore:
                 self.client = connect(host, port, timeout=self.timeout)
             return format_addr(host, port)
         if self.server is None:
-            import torch.distributed as dist
-
-            fd = _bind.listen(bind, 0)
-            self.server = dist.TCPStore(
+            self.server = _torchcompat.host_store(
                 advertise,
-                _bind.port_of(fd),
-                is_master=True,
-                wait_for_workers=False,
-                multi_tenant=True,
-                use_libuv=True,
+                _bind.listen(bind, 0),
                 timeout=timedelta(seconds=self.timeout),
-                master_listen_fd=fd,
+                multi_tenant=True,
             )
             logger.info("coordination store listening on %s:%d", bind or "*", self.server.port)
         self.client = self.server

@@ -254,6 +254,9 @@ def launch_agent(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``trainguard launch ARGS``; returns the exit code (1 when the job failed, as torchrun)."""
+    from trainguard import _torchcompat
+
+    _torchcompat.check_torch()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
     from torch.distributed.run import config_from_args

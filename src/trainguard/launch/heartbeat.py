@@ -46,6 +46,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from trainguard import _torchcompat
 from trainguard._timeouts import Timeout, seconds, shorter
 from trainguard.errors import ConfigError, CoordinationError
 from trainguard.launch._keys import node_key, ranks_key
@@ -151,8 +152,7 @@ class NodeHeartbeat:
         self._caller: threading.Thread | None = None
 
     def _connection(self) -> Any:
-        clone = getattr(self._base, "clone", None)
-        return clone() if callable(clone) else self._base
+        return _torchcompat.clone_store(self._base) or self._base
 
     # lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:

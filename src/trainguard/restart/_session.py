@@ -9,8 +9,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trainguard import _env, events
+from trainguard import _env, _torchcompat, events
 from trainguard.coord import _bind, _secret, barrier
+from trainguard.coord._startfail import StartNotice
 from trainguard.coord.keys import Keyspace
 from trainguard.coord.store import StoreProcess, connect, parse_addr
 from trainguard.errors import CoordinationError, RestartError
@@ -93,18 +94,25 @@ class Session:
         self.coord_addr = (host, port)
         self.secret = _secret.Handover(self.keys, _secret.source(launch.master_addr))
         first = self.irank == 0 and not self.joining  # a respawned rank 0 finds them running
+        notice = StartNotice(self.keys.job, self.keys.call, host, port)
         if first:
             self.keys = self.keys.with_secret(self.secret.create())
-            self.server = self._start_server(host, port, own)
+            notice.clear()
+            try:
+                self.server = self._start_server(host, port, own)
+            except CoordinationError as exc:
+                notice.publish(str(exc))  # the others fail at once with it
+                raise
+        gave_up = None if first else notice.failure
         if given is not None and not isinstance(given, str):
-            coord = given.clone()
+            coord = _torchcompat.clone_store(given)
         else:
-            coord = connect(host, port, timeout=cfg.store_timeout)
+            coord = connect(host, port, timeout=cfg.store_timeout, gave_up=gave_up)
         if first:
             self.secret.publish(coord)
         else:
             ended = self.keys.ended if self.joining else None
-            secret = self.secret.receive(coord, cfg.barrier_timeout, ended=ended)
+            secret = self.secret.receive(coord, cfg.barrier_timeout, ended=ended, gave_up=gave_up)
             self.over = secret is None  # a newcomer that came after the job ended
             if secret is not None:
                 self.keys = self.keys.with_secret(secret)
@@ -151,7 +159,7 @@ class Session:
         """The connection of the long waits without a relay (made on first use)."""
         with self._lock:
             if self.watch_store is None:
-                self.watch_store = self.coord.clone()
+                self.watch_store = _torchcompat.clone_store(self.coord)
             return self.watch_store
 
     def _hosts_standby(self) -> bool:

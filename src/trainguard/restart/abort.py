@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any
 
-from trainguard import events
+from trainguard import _torchcompat, events
 from trainguard.coord import _sockets
 
 __all__ = ["GroupSockets", "abort_distributed", "destroy_groups", "shutdown_connections_to"]
@@ -346,17 +346,6 @@ def _peer(fd: int, inode: int) -> tuple[str, int] | None:
         sock.close()
 
 
-def _has_cuda_backend(dist: Any) -> bool:
-    import torch
-
-    group = dist.distributed_c10d._get_default_group()
-    try:
-        group._get_backend(torch.device("cuda"))
-        return True
-    except Exception:
-        return False
-
-
 def destroy_groups() -> bool:
     """Destroy every process group (aborting NCCL communicators first); True if any existed.
 
@@ -375,7 +364,7 @@ def destroy_groups() -> bool:
                 world.group_count = 0
             return False
         try:
-            if _has_cuda_backend(dist):
+            if _torchcompat.has_cuda_backend(dist.distributed_c10d._get_default_group()):
                 dist.distributed_c10d._abort_process_group()
             else:
                 dist.destroy_process_group()

@@ -31,6 +31,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+from trainguard import _torchcompat
 from trainguard.errors import ConfigError
 from trainguard.restart._run import WrappedCall
 from trainguard.restart.call import CallWrapper, call_param
@@ -70,6 +71,7 @@ class Wrapper:
 
     @_arguments_of(WrapperConfig)
     def __init__(self, **kwargs: Any) -> None:
+        _torchcompat.check_torch()
         self.config = WrapperConfig(**kwargs)
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -29,7 +29,7 @@ import queue
 import threading
 from typing import Any
 
-from trainguard import events
+from trainguard import _torchcompat, events
 from trainguard.coord.store import connect, parse_addr
 from trainguard.restart.state import RoundOutcome, RoundState
 from trainguard.stragglers import _timing
@@ -186,7 +186,7 @@ class _Round:
             f"({mine.own * 1e3:.2f} ms vs {mine.fastest * 1e3:.2f} ms on rank "
             f"{mine.fastest_rank}) below {self.watch.cfg.threshold:g} for {self.below} windows"
         )
-        coord = session.coord.clone()
+        coord = _torchcompat.clone_store(session.coord)
         try:
             if not take_out.claim(coord, session.keys.prefix + "strag/", irank):
                 self.acted = "rate limited"

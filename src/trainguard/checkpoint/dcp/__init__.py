@@ -27,8 +27,11 @@ package imports torch.distributed.checkpoint.
 
 from __future__ import annotations
 
+from trainguard import _torchcompat
 from trainguard.checkpoint.dcp.async_stager import AsyncStager
 from trainguard.checkpoint.dcp.storage_reader import StorageReader
 from trainguard.checkpoint.dcp.storage_writer import StorageWriter
 
 __all__ = ["AsyncStager", "StorageReader", "StorageWriter"]
+
+_torchcompat.check_torch()  # torch is imported by now

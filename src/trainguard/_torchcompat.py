@@ -1,0 +1,271 @@
+"""Where trainguard meets torch's version differences and private APIs, listed in one place.
+
+**The supported range.** :data:`FLOOR` is the oldest torch that the compatibility suite
+(``make compat``, ``bench/compat.py``) passes on, :data:`NEWEST_TESTED` the newest; both are
+measured, not guessed (the README's "Supported torch versions" table). :func:`check_torch` is
+called where trainguard first uses torch (the restart wrapper, the checkpoint package, the
+launcher): an older torch raises :class:`~trainguard.errors.UnsupportedTorchError` naming the
+version needed, a newer one warns once (:class:`~trainguard.errors.UntestedTorchWarning`).
+
+**Version differences**, probed by feature where torch allows it:
+
+- :func:`host_store`: libuv's ``TCPStore`` server takes a listening socket of ours
+  (``master_listen_fd``, bound to one interface) in newer releases but not in torch 2.6; there
+  the server binds the port itself, on every interface (probed at the first store, then
+  remembered).
+- :func:`clone_store`: a new client of a store's server (``Store.clone()``, which torch 2.6's
+  ``TCPStore`` lacks: there a client is made anew from its host, port and timeout).
+- :func:`has_cuda_backend`: whether a process group runs a CUDA backend (NCCL).
+
+**Private torch APIs** that trainguard uses; each entry of :data:`PRIVATE_APIS` names the
+attribute, where trainguard uses it and what for, and ``tests/test_torchcompat.py`` fails
+loudly when a torch release removes one. The private parts of ``torch.distributed.elastic``
+that the launcher's agent needs live in :mod:`trainguard.launch._compat` (with their own
+contract test, ``tests/launch/test_compat.py``), and trainguard's pure-Python store client
+speaks TCPStore's wire protocol (:mod:`trainguard.coord._wire`, ``tests/coord/test_wire.py``).
+
+This module imports torch only inside its functions.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import re
+import warnings
+from datetime import timedelta
+from typing import Any, NamedTuple
+
+from trainguard.errors import UnsupportedTorchError, UntestedTorchWarning
+
+__all__ = [
+    "FLOOR",
+    "NEWEST_TESTED",
+    "PRIVATE_APIS",
+    "PrivateApi",
+    "check_torch",
+    "clone_store",
+    "has_cuda_backend",
+    "host_store",
+    "resolve",
+]
+
+logger = logging.getLogger(__name__)
+
+#: the oldest torch release that passes the compatibility suite (also in pyproject.toml)
+FLOOR = (2, 13)
+#: the newest torch release that the compatibility suite ran on
+NEWEST_TESTED = (2, 15)
+
+
+class PrivateApi(NamedTuple):
+    """One private torch attribute trainguard relies on."""
+
+    path: str  # importable module, then attributes: "torch.distributed.distributed_c10d:_world"
+    where: str  # the trainguard module that uses it
+    why: str
+
+
+PRIVATE_APIS: tuple[PrivateApi, ...] = (
+    PrivateApi(
+        "torch.distributed.distributed_c10d:_get_default_group",
+        "checkpoint._link, restart.abort",
+        "the default process group, to find its store and its backends",
+    ),
+    PrivateApi(
+        "torch.distributed.distributed_c10d:_get_default_store",
+        "checkpoint._link",
+        "the default group's store, for the checkpointers' commit rounds",
+    ),
+    PrivateApi(
+        "torch.distributed.distributed_c10d:_abort_process_group",
+        "restart.abort",
+        "abort NCCL communicators (releases a rank blocked in a collective)",
+    ),
+    PrivateApi(
+        "torch.distributed.distributed_c10d:_world",
+        "restart.abort",
+        "pg_map and group_count: forget groups a failed constructor left behind",
+    ),
+    PrivateApi(
+        "torch.distributed.distributed_c10d:_update_default_pg",
+        "restart.abort",
+        "forget a default group that could not be destroyed",
+    ),
+    PrivateApi(
+        "torch.distributed.distributed_c10d:_new_process_group_helper",
+        "restart.abort",
+        "wrapped to record the sockets of each process group (the gloo abort)",
+    ),
+    PrivateApi(
+        "torch.distributed:ProcessGroup._get_backend",
+        "_torchcompat.has_cuda_backend",
+        "whether a group has a CUDA (NCCL) backend",
+    ),
+    PrivateApi(
+        "torch.distributed.rendezvous:_create_c10d_store",
+        "restart._preconnect",
+        "replaced so init_process_group takes a store client connected ahead of time",
+    ),
+    PrivateApi(
+        "torch.distributed.rendezvous:_torchelastic_use_agent_store",
+        "restart._preconnect",
+        "whether the rendezvous connects as a client only",
+    ),
+    PrivateApi(
+        "torch:_foreach_copy_",
+        "checkpoint.staging",
+        "one batched copy of many tensors into the staging buffers",
+    ),
+    PrivateApi(
+        "torch._C._distributed_c10d:Store",
+        "coord, checkpoint (type annotations only)",
+        "the store type (torch.distributed.Store is its public alias)",
+    ),
+)
+
+
+def resolve(path: str) -> Any:
+    """The object that a :class:`PrivateApi` path names (``module:attr.attr``); raises
+    ``ImportError`` or ``AttributeError`` when torch no longer has it."""
+    module, _, attrs = path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for name in attrs.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+# the range ------------------------------------------------------------------------------
+_checked = False
+
+
+def _release(version: str) -> tuple[int, int]:
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        raise UnsupportedTorchError(f"cannot read torch's version {version!r}")
+    return int(found.group(1)), int(found.group(2))
+
+
+def check_torch(version: str | None = None) -> None:
+    """Refuse a torch older than :data:`FLOOR`, warn once for one newer than
+    :data:`NEWEST_TESTED` (``version``: torch's ``__version__``; for tests)."""
+    global _checked
+    if version is None:
+        if _checked:
+            return
+        import torch
+
+        version = str(torch.__version__)
+        _checked = True
+    found = _release(version)
+    if found < FLOOR:
+        raise UnsupportedTorchError(
+            f"trainguard needs torch >= {FLOOR[0]}.{FLOOR[1]}; this is torch {version}: "
+            f"pip install 'torch>={FLOOR[0]}.{FLOOR[1]}'"
+        )
+    if found > NEWEST_TESTED:
+        warnings.warn(
+            UntestedTorchWarning(
+                f"torch {version} is newer than the newest release trainguard was tested with "
+                f"({NEWEST_TESTED[0]}.{NEWEST_TESTED[1]}); it relies on torch internals that "
+                "may have changed: run `make compat` with it, or install "
+                f"'torch<={NEWEST_TESTED[0]}.{NEWEST_TESTED[1]}'"
+            ),
+            stacklevel=3,
+        )
+
+
+# version differences --------------------------------------------------------------------
+_libuv_listen_fd: bool | None = None  # None: not probed yet
+
+
+def host_store(host: str, fd: int, *, timeout: timedelta, multi_tenant: bool = False) -> Any:
+    """A ``TCPStore`` server (libuv backend) on the listening socket ``fd`` (from
+    :func:`trainguard.coord._bind.listen`; the server owns it from then on), advertised as
+    ``host``. Where libuv cannot take a listening socket (torch 2.6) the socket is closed and
+    the server binds its port itself, on every interface (logged once): torch 2.6's classic
+    server, which could take the socket, leaves gloo's group set-up waiting in the restart
+    rounds (measured with ``trainguard demo``)."""
+    global _libuv_listen_fd
+    import torch.distributed as dist
+
+    port = _port_of(fd)
+    if _libuv_listen_fd is not False:
+        try:
+            store = dist.TCPStore(
+                host,
+                port,
+                is_master=True,
+                use_libuv=True,
+                wait_for_workers=False,
+                multi_tenant=multi_tenant,
+                timeout=timeout,
+                master_listen_fd=fd,
+            )
+        except NotImplementedError as exc:  # torch 2.6: libuv takes no listen fd
+            logger.warning(
+                "torch %s: its TCPStore cannot listen on one interface only (%s); the stores "
+                "listen on every interface: upgrade torch to listen on MASTER_ADDR's only",
+                _version(),
+                exc,
+            )
+            _libuv_listen_fd = False
+        else:
+            _libuv_listen_fd = True
+            return store
+    os.close(fd)  # the server binds the port itself (torch never took the descriptor)
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=True,
+        use_libuv=True,
+        wait_for_workers=False,
+        multi_tenant=multi_tenant,
+        timeout=timeout,
+    )
+
+
+def _version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+def libuv_takes_listen_fd() -> bool | None:
+    """What :func:`host_store` found (None before its first store)."""
+    return _libuv_listen_fd
+
+
+def _port_of(fd: int) -> int:
+    import socket
+
+    with socket.socket(fileno=os.dup(fd)) as sock:
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def clone_store(store: Any) -> Any:
+    """A new client connection to ``store``'s server: ``store.clone()`` where it has one, a
+    ``TCPStore`` client made anew for a ``TCPStore`` without it (torch 2.6); None for any other
+    store (it cannot be cloned)."""
+    clone = getattr(store, "clone", None)
+    if callable(clone):
+        return clone()
+    import torch.distributed as dist
+
+    if isinstance(store, dist.TCPStore):
+        tcp: Any = store  # torch's stubs lack the timeout property
+        return dist.TCPStore(tcp.host, tcp.port, is_master=False, timeout=tcp.timeout)
+    return None
+
+
+def has_cuda_backend(group: Any) -> bool:
+    """Whether process group ``group`` runs a backend for CUDA devices (NCCL)."""
+    import torch
+
+    try:
+        group._get_backend(torch.device("cuda"))
+        return True
+    except Exception:
+        return False

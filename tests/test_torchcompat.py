@@ -1,0 +1,103 @@
+"""Contract tests of trainguard's torch compatibility module: every private torch API it lists
+is there (one test each, failing with the attribute's name and its user), the supported range
+is enforced, and the store hosting works on this torch (real servers, real clients)."""
+
+from __future__ import annotations
+
+import warnings
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainguard import _torchcompat
+from trainguard.coord import _bind
+from trainguard.errors import ConfigError, UnsupportedTorchError, UntestedTorchWarning
+
+
+@pytest.mark.parametrize("api", _torchcompat.PRIVATE_APIS, ids=lambda a: a.path)
+def test_private_torch_api_is_there(api: _torchcompat.PrivateApi) -> None:
+    try:
+        found = _torchcompat.resolve(api.path)
+    except (ImportError, AttributeError) as exc:
+        pytest.fail(
+            f"torch {torch.__version__} has no {api.path} ({exc}); trainguard.{api.where} "
+            f"uses it to {api.why}: adapt it in trainguard._torchcompat"
+        )
+    assert found is not None
+
+
+def test_every_private_torch_use_in_the_source_is_listed() -> None:
+    """A private attribute read from torch, its c10d or rendezvous module or a process group
+    in src/ that is not in PRIVATE_APIS fails here (the list stays complete)."""
+    import ast
+    from pathlib import Path
+
+    src = Path(_torchcompat.__file__).parent
+    listed = {a.path.rpartition(":")[2].rpartition(".")[2] for a in _torchcompat.PRIVATE_APIS}
+    owners = {"torch", "c10d", "distributed_c10d", "rdzv", "group"}
+    used = set()
+    for path in src.rglob("*.py"):
+        if path.name == "_compat.py":  # the launcher's elastic internals: tests/launch/test_compat
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+                continue
+            owner = node.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+            if name in owners and not node.attr.startswith("__"):
+                used.add(f"{path.relative_to(src)}: {name}.{node.attr}")
+    assert {u for u in used if u.rpartition(".")[2] not in listed} == set()
+
+
+def test_group_internals_used_by_the_abort_are_there() -> None:
+    world = _torchcompat.resolve("torch.distributed.distributed_c10d:_world")
+    assert isinstance(world.pg_map, dict)
+    assert isinstance(world.group_count, int)
+
+
+def test_an_older_torch_is_refused_with_the_version_needed() -> None:
+    floor = ".".join(map(str, _torchcompat.FLOOR))
+    with pytest.raises(UnsupportedTorchError, match=rf"needs torch >= {floor}") as info:
+        _torchcompat.check_torch("2.5.1+cu121")
+    assert isinstance(info.value, ConfigError)
+
+
+def test_a_newer_torch_warns_and_a_tested_one_is_silent() -> None:
+    major, minor = _torchcompat.NEWEST_TESTED
+    with pytest.warns(UntestedTorchWarning, match="newer than the newest release"):
+        _torchcompat.check_torch(f"{major}.{minor + 1}.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _torchcompat.check_torch(f"{major}.{minor}.3")
+        _torchcompat.check_torch(torch.__version__)  # the torch the suite runs on is in range
+
+
+def test_host_store_serves_clients_on_our_listening_socket() -> None:
+    fd = _bind.listen("127.0.0.1", 0)
+    port = _bind.port_of(fd)
+    server = _torchcompat.host_store("127.0.0.1", fd, timeout=timedelta(seconds=10))
+    try:
+        assert server.port == port
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        client.set("k", "v")
+        assert server.get("k") == b"v"
+        assert _torchcompat.libuv_takes_listen_fd() is not None  # probed by now
+        del client
+    finally:
+        del server
+
+
+def test_first_use_checks_the_torch_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainguard.restart as tr
+
+    monkeypatch.setattr(torch, "__version__", "2.5.1")
+    monkeypatch.setattr(_torchcompat, "_checked", False)
+    with pytest.raises(UnsupportedTorchError, match=r"this is torch 2\.5\.1"):
+        tr.Wrapper()
+    monkeypatch.setattr(torch, "__version__", "99.0.0")
+    monkeypatch.setattr(_torchcompat, "_checked", False)
+    with pytest.warns(UntestedTorchWarning, match=r"torch 99\.0\.0 is newer"):
+        tr.Wrapper()
+    tr.Wrapper()  # checked once per process
