@@ -102,7 +102,10 @@ def reference(cfg: SoakConfig, timeout: float) -> dict[str, Any]:
         kill_all(procs, cfg.marker)
         raise RuntimeError(f"the reference run did not finish within {timeout:.0f} s") from None
     if any(p.returncode != 0 for p in procs):
-        raise RuntimeError(f"the reference run failed; see {cfg.out}/logs/reference-p*.log")
+        codes = [p.returncode for p in procs]
+        raise RuntimeError(
+            f"the reference run failed (exit codes {codes}); see {cfg.out}/logs/reference-p*.log"
+        )
     found = [
         json.loads((Path(cfg.out) / "reference" / f"p{p}.json").read_text())
         for p in range(cfg.ranks)

@@ -91,6 +91,7 @@ def _two_ranks_one_root(root: str) -> dict:
             _save(mgr, 5, 10, add=rank)
             first = mgr.load(5)["it"]
             kept = _dirs(Path(root))
+            dist.barrier()  # both listed the shared root before either replaces 10 in it
             _save(mgr, 10, add=rank + 0.5)  # replaces 10: every rank removes, a barrier, writes
             latest = mgr.find_latest()
             w = float(mgr.load(10)["w"][0])
