@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -22,11 +23,25 @@ from trainguard import _subproc
 from trainguard.coord import _wire
 from trainguard.errors import ConfigError, CoordinationError
 
-__all__ = ["StoreProcess", "connect", "parse_addr"]
+__all__ = ["StoreProcess", "connect", "parse_addr", "probe"]
 
 logger = logging.getLogger(__name__)
 
 _ATTEMPT_S = 1.0  # one connect attempt while a reason to give up may come (see connect)
+
+
+def probe(host: str, port: int, timeout: float = 1.0) -> str:
+    """What a TCP connect to ``host:port`` meets within ``timeout`` seconds: ``"up"`` (a server
+    accepts it), ``"refused"`` (the host answers that nothing listens there: a server that
+    ended) or ``"silent"`` (no answer: the host is lost or cut off, or the name does not resolve).
+    Nothing is sent; the connection is closed at once."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return "up"
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError:
+        return "silent"
 
 
 def parse_addr(value: str) -> tuple[str, int]:

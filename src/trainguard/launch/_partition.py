@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import enum
 import logging
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 from trainguard import events
-from trainguard.coord.store import parse_addr
+from trainguard.coord.store import parse_addr, probe
 from trainguard.launch._coordstore import CoordStore
 from trainguard.launch._fence import Fence
 from trainguard.launch._nodes import NodeWatch
@@ -163,14 +162,7 @@ class Partition:
         """Whether the store's host answers and refuses connections (a partition drops them)."""
         if self.coord.server is not None or self.coord.addr is None:
             return False
-        host, port = self.coord.external or parse_addr(self.coord.addr)
-        try:
-            with socket.create_connection((host, port), timeout=1.0):
-                return False
-        except ConnectionRefusedError:
-            return True
-        except OSError:
-            return False
+        return probe(*(self.coord.external or parse_addr(self.coord.addr))) == "refused"
 
     def _reconnect(self) -> bool:
         place = self.nodes.place

@@ -32,14 +32,13 @@ import contextlib
 import dataclasses
 import logging
 import os
-import socket
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from trainguard.coord import barrier
 from trainguard.coord.keys import Keyspace, encode
-from trainguard.coord.store import parse_addr
+from trainguard.coord.store import parse_addr, probe
 from trainguard.errors import ConfigError, RetryLimitError
 from trainguard.restart import _records
 from trainguard.restart._repeat import Repeats
@@ -289,8 +288,6 @@ class RoundBook:
 def _answers(addr: bytes) -> bool:
     """Whether a server accepts connections at ``addr`` (``host:port``), within a second."""
     try:
-        host, port = parse_addr(addr.decode())
-        with socket.create_connection((host, port), timeout=1.0):
-            return True
-    except (OSError, ValueError, ConfigError):
+        return probe(*parse_addr(addr.decode())) == "up"
+    except (ValueError, ConfigError):
         return False

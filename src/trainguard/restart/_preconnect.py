@@ -32,7 +32,6 @@ import dataclasses
 import importlib
 import logging
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +39,7 @@ from typing import Any
 
 from trainguard._threads import serve
 from trainguard.coord.keys import Keyspace
-from trainguard.coord.store import connect, parse_addr
+from trainguard.coord.store import connect, parse_addr, probe
 from trainguard.restart._book import peek
 from trainguard.restart.abort import GroupSockets, note_rendezvous
 
@@ -203,7 +202,7 @@ class Preconnect:
         if raw is None:
             return  # not published (the job is ending): that round connects as usual
         addr = parse_addr(raw.decode())
-        if n < self._newest or not _listening(*addr):
+        if n < self._newest or probe(*addr, _PROBE_S) != "up":
             # a later round is asked for, or this one's store is closed already (rounds that
             # fault at once pass faster than connects): a client would only wait out its timeout
             return
@@ -223,12 +222,3 @@ class Preconnect:
         finally:
             GroupSockets.settle_peer(*addr)
             slot.done.set()
-
-
-def _listening(host: str, port: int) -> bool:
-    """Whether a server accepts connections at ``host:port`` (a numeric address: no lookup)."""
-    try:
-        with socket.create_connection((host, port), timeout=_PROBE_S):
-            return True
-    except OSError:
-        return False
