@@ -21,14 +21,15 @@ nobody is written contiguously (only its own elements, even when it is a slice o
 larger that is not in the state).
 
 This module is the only one that knows the skeleton's shape; :mod:`fileformat` stores it, and
-the writer process rebuilds a state from it only for ``format="torch"``.
+the writer process rebuilds a state from it only for ``format="torch"``. Flattening lives here;
+building back (:func:`unflatten`, :func:`largest_leaf`) in :mod:`._unflatten`, and the
+primitives both share (dtype names, key paths) in :mod:`._skelbase`; all are re-exported here.
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
-import json
 import math
 import pickle as _pickling
 from collections.abc import Mapping
@@ -37,14 +38,11 @@ from typing import Any
 import torch
 
 from trainguard.checkpoint import _snode
-from trainguard.checkpoint._formats import MAX_DEPTH, SAFETENSORS_DTYPES, TORCH_DTYPE_NAMES
+from trainguard.checkpoint._formats import MAX_DEPTH, SAFETENSORS_DTYPES
 from trainguard.checkpoint._shards import is_dtensor
-from trainguard.errors import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointPickleError,
-    ConfigError,
-)
+from trainguard.checkpoint._skelbase import SCALARS, dtype_from_name, dtype_name, key_repr
+from trainguard.checkpoint._unflatten import largest_leaf, unflatten
+from trainguard.errors import CheckpointError, CheckpointPickleError, ConfigError
 
 __all__ = [
     "Entry",
@@ -56,8 +54,6 @@ __all__ = [
     "tensor_entry",
     "unflatten",
 ]
-
-_SCALARS = (str, int, float, bool, type(None))
 
 
 @dataclasses.dataclass
@@ -91,26 +87,6 @@ class Flat:
         return sum(e.nbytes for e in self.entries)
 
 
-_DTYPES: dict[str, torch.dtype] = {
-    name: value
-    for name in TORCH_DTYPE_NAMES
-    if isinstance(value := getattr(torch, name, None), torch.dtype)
-}
-
-
-def dtype_from_name(name: object) -> torch.dtype:
-    """The torch dtype a checkpoint names, from a fixed table (never ``getattr(torch, name)``)."""
-    dtype = _DTYPES.get(name) if isinstance(name, str) else None
-    if dtype is None:
-        raise CheckpointCorruptError(f"unknown dtype {name!r} in checkpoint")
-    return dtype
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The name a checkpoint gives a torch dtype (``"float32"``)."""
-    return str(dtype).removeprefix("torch.")
-
-
 def tensor_entry(name: str, t: torch.Tensor) -> Entry:
     """An entry whose bytes are ``t``'s elements in C order (``U8`` of its bytes when the dtype
     has no safetensors code)."""
@@ -120,14 +96,10 @@ def tensor_entry(name: str, t: torch.Tensor) -> Entry:
     return Entry(name, code or "U8", shape, nbytes, t.element_size(), t)
 
 
-def _key_repr(path: tuple[Any, ...]) -> str:
-    return "state" + "".join(f"[{k!r}]" for k in path)
-
-
 def _pickled(value: Any, path: tuple[Any, ...], allow: bool) -> dict[str, str]:
     if not allow:
         raise CheckpointPickleError(
-            f"{_key_repr(path)} is a {type(value).__module__}.{type(value).__qualname__}, which "
+            f"{key_repr(path)} is a {type(value).__module__}.{type(value).__qualname__}, which "
             "JSON cannot hold; pass pickle=True to save (and allow_pickle=True to load), or "
             "convert it to tensors, numbers, strings, lists or dicts"
         )
@@ -155,7 +127,7 @@ class _Flattener:
 
     def node(self, value: Any, path: tuple[Any, ...]) -> Any:
         if len(path) > MAX_DEPTH:
-            shown = _key_repr(path[:8]) + ("..." if len(path) > 8 else "")
+            shown = key_repr(path[:8]) + ("..." if len(path) > 8 else "")
             raise CheckpointError(
                 f"{shown}: the state nests containers more than {MAX_DEPTH} levels deep (or "
                 "holds itself), which a checkpoint cannot hold: readers refuse deeper files; "
@@ -172,7 +144,7 @@ class _Flattener:
         if isinstance(value, Mapping):
             items = []
             for key, item in value.items():
-                if not isinstance(key, _SCALARS) or (type(key) is float and not math.isfinite(key)):
+                if not isinstance(key, SCALARS) or (type(key) is float and not math.isfinite(key)):
                     return _pickled(value, path, self.allow_pickle)
                 items.append([key, self.node(item, (*path, key))])
             return {"D": items}
@@ -197,7 +169,7 @@ class _Flattener:
             return _pickled(t, path, self.allow_pickle)
         if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
             raise CheckpointError(
-                f"{_key_repr(path)}: only dense (strided) tensors can be checkpointed, "
+                f"{key_repr(path)}: only dense (strided) tensors can be checkpointed, "
                 f"not layout={t.layout} on {t.device}"
             )
         ref: dict[str, Any] = {"T": None, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
@@ -208,13 +180,13 @@ class _Flattener:
         """An "S" node; its chunk becomes an entry of its own (never merged: see _snode)."""
         if not self.allow_sharded:
             raise ConfigError(
-                f'{_key_repr(path)} is a DTensor (sharded): format="torch" cannot hold '
+                f'{key_repr(path)} is a DTensor (sharded): format="torch" cannot hold '
                 'sharded tensors; save with format="trainguard" and load with '
                 "load(path, into=target_state)"
             )
         self.sharded = True
         name = self._name(path)  # reserved on every rank: the same entry name everywhere
-        node, local = _snode.make(t, _key_repr(path), dtype_name(t.dtype))
+        node, local = _snode.make(t, key_repr(path), dtype_name(t.dtype))
         if local is not None:
             self.leaves.append((name, local, node))
         return node
@@ -300,192 +272,3 @@ def flatten(state: Any, *, pickle: bool = False, allow_sharded: bool = True) -> 
     skeleton = flattener.node(state, ())
     entries = flattener.entries()
     return Flat(entries, skeleton, flattener.sharded)
-
-
-def unflatten(
-    skeleton: Any,
-    data: Mapping[str, torch.Tensor],
-    *,
-    allow_pickle: bool = False,
-    unpickle: bool = True,
-    sharded: bool = False,
-) -> Any:
-    """Rebuild the state from a skeleton and ``data``: entry name -> 1-D ``uint8`` tensor.
-
-    Tensors are views of ``data`` (no copy); views that shared a storage share one again. The
-    skeleton may come from a file nobody vouches for: every node is checked (its tag and the
-    types of its fields, nesting at most :data:`._formats.MAX_DEPTH` deep, a tensor's dtype
-    from a fixed table, its shape and strides inside its entry's bytes, never more elements
-    than the entry holds), and a bad one raises :class:`CheckpointCorruptError` naming its key.
-    With ``unpickle=False`` pickled leaves are checked but not unpickled (they become None).
-    A sharded leaf ("S" node) raises :class:`CheckpointError` (load such a checkpoint with
-    ``load(path, into=target_state)``), unless ``sharded``: then its node is checked and it
-    becomes None.
-    """
-    return _Builder(data, allow_pickle, unpickle, sharded).build(skeleton, ())
-
-
-def largest_leaf(skeleton: Any) -> tuple[str, int]:
-    """The key of the skeleton's leaf that takes the most JSON bytes, and that size."""
-    best = ("state", -1)
-    stack: list[tuple[Any, tuple[Any, ...]]] = [(skeleton, ())]
-    while stack:
-        node, path = stack.pop()
-        children = _children(node)
-        if children is None:
-            size = len(json.dumps(node, separators=(",", ":")))
-            best = max(best, (_key_repr(path), size), key=lambda item: item[1])
-        else:
-            stack.extend((child, (*path, key)) for key, child in children)
-    return best
-
-
-def _children(node: Any) -> list[tuple[Any, Any]] | None:
-    """The (key, child) pairs of a container node of a skeleton written here, else None."""
-    if isinstance(node, dict) and len(node) == 1:
-        ((tag, value),) = node.items()
-        if tag == "D":
-            return [(k, v) for k, v in value]
-        if tag in ("L", "U"):
-            return list(enumerate(value))
-    return None
-
-
-def _is_index(value: object) -> bool:
-    return type(value) is int and value >= 0
-
-
-_TENSOR_KEYS = frozenset(("T", "dtype", "shape", "stride", "offset"))
-_FLOATS = ("nan", "inf", "-inf")
-
-
-class _Builder:
-    """:func:`unflatten`'s walk: one method per kind of node, every field checked."""
-
-    def __init__(
-        self,
-        data: Mapping[str, torch.Tensor],
-        allow_pickle: bool,
-        unpickle: bool,
-        sharded: bool = False,
-    ) -> None:
-        self.data = data
-        self.allow_pickle = allow_pickle
-        self.unpickle = unpickle
-        self.sharded = sharded
-
-    def build(self, node: Any, path: tuple[Any, ...]) -> Any:
-        if len(path) > MAX_DEPTH:
-            raise CheckpointCorruptError(
-                f"{_key_repr(path[:8])}...: the skeleton nests more than {MAX_DEPTH} levels"
-            )
-        if isinstance(node, (str, int, float)) or node is None:
-            return node
-        if not isinstance(node, dict) or not node:
-            raise self.bad(path, f"a {type(node).__name__} where a tagged node belongs")
-        if "T" in node:
-            if not node.keys() <= _TENSOR_KEYS:
-                raise self.bad(path, f"unexpected fields {sorted(node.keys() - _TENSOR_KEYS)}")
-            return self.tensor(node, path)
-        if "S" in node:
-            return self.shard(node, path)
-        if len(node) != 1:
-            raise self.bad(path, f"a node with several tags {sorted(node)}")
-        ((tag, value),) = node.items()
-        if tag == "D":
-            if not isinstance(value, list) or not all(
-                isinstance(kv, list) and len(kv) == 2 and isinstance(kv[0], _SCALARS)
-                for kv in value
-            ):
-                raise self.bad(path, "a dict that is not a list of [key, value] pairs")
-            return {k: self.build(v, (*path, k)) for k, v in value}
-        if tag in ("L", "U"):
-            if not isinstance(value, list):
-                raise self.bad(path, f"a {tag!r} node without a list")
-            items = [self.build(v, (*path, i)) for i, v in enumerate(value)]
-            return items if tag == "L" else tuple(items)
-        return self.leaf(tag, value, path)
-
-    def leaf(self, tag: str, value: Any, path: tuple[Any, ...]) -> Any:
-        if tag == "F" and value in _FLOATS:
-            return float(value)
-        if tag in ("B", "P") and isinstance(value, str):
-            try:
-                raw = base64.b64decode(value, validate=True)
-            except ValueError:  # binascii.Error
-                raise self.bad(path, "bytes that are not base64") from None
-            return raw if tag == "B" else self.pickled(raw, path)
-        if tag == "dtype":
-            return dtype_from_name(value)
-        if tag == "device" and isinstance(value, str):
-            try:
-                return torch.device(value)
-            except RuntimeError:
-                raise self.bad(path, f"device {value!r}") from None
-        if tag == "size" and isinstance(value, list) and all(map(_is_index, value)):
-            return torch.Size(value)
-        raise self.bad(path, f"a {tag!r} node holding {type(value).__name__}")
-
-    def shard(self, node: dict[str, Any], path: tuple[Any, ...]) -> None:
-        if not self.sharded:
-            raise CheckpointError(
-                f"{_key_repr(path)}: the checkpoint holds sharded tensors (DTensor); load it "
-                "with load(path, into=target_state), where target_state has tensors (or "
-                "DTensors) of the saved global shapes to fill"
-            )
-        name = node.get("S")
-        raw = self.data.get(name) if isinstance(name, str) else None
-        size = None if raw is None else raw.numel()
-        _snode.check(node, _key_repr(path), size, dtype_from_name(node.get("dtype")))
-
-    def pickled(self, raw: bytes, path: tuple[Any, ...]) -> Any:
-        if not self.allow_pickle:
-            raise CheckpointPickleError(
-                f"{_key_repr(path)} was saved with pickle; pass allow_pickle=True to load it "
-                "(only for files you trust: unpickling can run arbitrary code)"
-            )
-        return _pickling.loads(raw) if self.unpickle else None
-
-    def tensor(self, node: dict[str, Any], path: tuple[Any, ...]) -> torch.Tensor:
-        raw = self.data.get(node["T"]) if isinstance(node["T"], str) else None
-        if raw is None:
-            raise CheckpointCorruptError(f"{_key_repr(path)}: tensor {node['T']!r} is missing")
-        dtype, shape = dtype_from_name(node.get("dtype")), node.get("shape")
-        if not isinstance(shape, list) or not all(map(_is_index, shape)):
-            raise self.bad(path, f"tensor shape {shape!r}")
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes > raw.numel() or ("stride" not in node and nbytes != raw.numel()):
-            raise self.bad(
-                path,
-                f"shape {shape} of {dtype} needs {nbytes} bytes, its entry holds {raw.numel()}",
-            )
-        try:
-            if not raw.numel():
-                return torch.empty(shape, dtype=dtype)
-            typed = raw.view(dtype)
-            if "stride" not in node:
-                return typed.view(shape)
-            return self.strided(typed, shape, node, path)
-        except RuntimeError as exc:  # a dtype whose size does not divide the entry's, ...
-            raise self.bad(path, f"tensor of {dtype}: {exc}") from None
-
-    def strided(
-        self, typed: torch.Tensor, shape: list[int], node: dict[str, Any], path: tuple[Any, ...]
-    ) -> torch.Tensor:
-        stride, offset = node["stride"], node.get("offset")
-        if (
-            not isinstance(stride, list)
-            or len(stride) != len(shape)
-            or not all(map(_is_index, stride))
-            or not isinstance(offset, int)
-            or not _is_index(offset)
-        ):
-            raise self.bad(path, f"stride {stride!r} and offset {offset!r}")
-        last = offset + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
-        if math.prod(shape) and last >= len(typed):
-            raise self.bad(path, f"a view reaching past its entry's {len(typed)} elements")
-        return torch.as_strided(typed, shape, stride, typed.storage_offset() + offset)
-
-    @staticmethod
-    def bad(path: tuple[Any, ...], what: str) -> CheckpointCorruptError:
-        return CheckpointCorruptError(f"{_key_repr(path)}: malformed skeleton: {what}")
