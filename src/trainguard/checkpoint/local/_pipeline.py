@@ -26,16 +26,15 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from trainguard import events
 from trainguard._threads import serve
 from trainguard.checkpoint import _tmpfile
 from trainguard.checkpoint._link import StoreLink
 from trainguard.checkpoint.fileformat import PlacedEntry
 from trainguard.checkpoint.local import _inventory, _root
+from trainguard.checkpoint.local._replicate import Received, exchange_parts
 from trainguard.checkpoint.local._transfer import Channel
-from trainguard.checkpoint.staging import StagingBuffer, regrow
+from trainguard.checkpoint.staging import StagingBuffer
 from trainguard.checkpoint.writer import WriteJob, WriterProcess
 from trainguard.coord.commit import COMMITTED, FAILED, CommitRound, Outcome
 from trainguard.errors import CheckpointWriteError, WriterDied
@@ -334,56 +333,20 @@ class SavePipeline:
 
     def _replicate(
         self, job: StagedSave, peers: list[int], meta: dict[str, str]
-    ) -> dict[int, tuple[StagingBuffer, list[PlacedEntry], dict[str, str]]]:
-        """Send this rank's part to every peer and receive theirs: sizes, then header + data."""
+    ) -> dict[int, Received]:
+        """Send this rank's part to every peer and receive theirs (:func:`exchange_parts`)."""
         assert self._channel is not None
-        header = json.dumps(
-            {"placed": [dataclasses.astuple(p) for p in job.placed], "meta": meta}
-        ).encode()
-        sizes_out = torch.tensor([len(header), job.nbytes], dtype=torch.int64)
-        sizes_in = {p: torch.zeros(2, dtype=torch.int64) for p in peers}
-        self._channel.exchange([(p, sizes_out) for p in peers], list(sizes_in.items()))
-        raw_in = {p: bytearray(int(sizes_in[p][0])) for p in peers}
-        headers_in = {p: torch.frombuffer(raw_in[p], dtype=torch.uint8) for p in peers}
-        buffers = {}
-        for p in peers:
-            buffers[p] = self._recv_buffer(p, int(sizes_in[p][1]))
-        header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        data_out = job.buffer.view(0, job.nbytes)
-        sends, recvs = [], []
-        for p in peers:
-            sends += [(p, header_t), (p, data_out)]
-            recvs += [(p, headers_in[p]), (p, buffers[p].view(0, int(sizes_in[p][1])))]
-        self._channel.exchange(sends, recvs)
-        out = {}
-        for p in peers:
-            doc = json.loads(bytes(raw_in[p]))
-            placed = [
-                PlacedEntry(name, dtype, tuple(shape), offset, nbytes)
-                for name, dtype, shape, offset, nbytes in doc["placed"]
-            ]
-            if doc["meta"].get("owner") != str(p) or doc["meta"].get("iteration") != str(
-                job.iteration
-            ):
-                raise CheckpointWriteError(
-                    f"rank {p} sent {doc['meta'].get('owner')}'s part of iteration "
-                    f"{doc['meta'].get('iteration')} while this rank saves {job.iteration}: the "
-                    "ranks do not call save() with the same iterations in the same order"
-                )
-            out[p] = (buffers[p], placed, doc["meta"])
-        return out
-
-    def _recv_buffer(self, peer: int, nbytes: int) -> StagingBuffer:
-        buffer = self._recv_buffers.get(peer)
-        new = regrow(buffer, nbytes, pin=False)
-        if new is None:
-            assert buffer is not None
-            return buffer
-        if buffer is not None:
-            self._writer.detach(buffer.id)
-            buffer.close()
-        self._recv_buffers[peer] = new
-        return new
+        return exchange_parts(
+            self._channel,
+            peers,
+            iteration=job.iteration,
+            placed=job.placed,
+            buffer=job.buffer,
+            nbytes=job.nbytes,
+            meta=meta,
+            recv_buffers=self._recv_buffers,
+            writer=self._writer,
+        )
 
     # ------------------------------------------------------------------ completion, retention
 
