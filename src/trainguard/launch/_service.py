@@ -48,8 +48,9 @@ from trainguard.coord import _wire
 from trainguard.coord.store import connect
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._node import accept_own
+from trainguard.restart.sidecar._notify import notify
 from trainguard.restart.sidecar._relay import Relay
-from trainguard.restart.sidecar._watch import Watch, notify
+from trainguard.restart.sidecar._watch import Watch
 
 logger = logging.getLogger(__name__)
 

@@ -70,7 +70,8 @@ from typing import Any
 from trainguard import events
 from trainguard.coord.store import connect
 from trainguard.restart.sidecar._config import SidecarConfig
-from trainguard.restart.sidecar._notice import Notice, write_notice
+from trainguard.restart.sidecar._counter import log_bad_counter, read_counter
+from trainguard.restart.sidecar._notify import notify
 
 logger = logging.getLogger("trainguard.restart.sidecar")
 
@@ -335,12 +336,12 @@ class Watch:
             if bytes(raw) == b"bye":  # that rank finished normally
                 self.declared.add(r)
                 continue
-            counter = _counter(bytes(raw))
+            counter = read_counter(bytes(raw))
             if counter == 0:
                 continue  # judged only once it beat
             previous = self.seen.get(r)
             if counter < 0 and (previous is None or previous[0] >= 0):
-                _bad_counter(r, bytes(raw))
+                log_bad_counter(r, bytes(raw))
             if previous is None or previous[0] != counter:
                 self.seen[r] = (counter, now)
             elif now - previous[1] >= timeout:
@@ -424,52 +425,3 @@ class Watch:
         for thread in self.threads[1:]:
             thread.join(0.5)
         return 0
-
-
-def notify(
-    store: Any,
-    cfg: SidecarConfig,
-    r: int,
-    where: tuple[int, tuple[int, ...]],
-    cause: str,
-    *,
-    returning: bool = False,
-) -> Notice | None:
-    """Write the death notice of rank ``r`` in the wrapped call of ``cfg`` (``store``: a
-    connection of this notice's own), last seen in round ``where[0]`` whose ranks were
-    ``where[1]``, and log it; None when it could not be written (logged). ``returning``: the
-    launcher respawns ``r`` (see :func:`write_notice`)."""
-    try:
-        done = write_notice(store, cfg, r, where[0], where[1], cause, returning=returning)
-    except Exception:
-        logger.exception("could not write the notice that rank %d is gone", r)
-        return None
-    logger.warning(
-        "rank %d gone in round %d (%s); notice written in %.1f ms (counted: %s)",
-        r,
-        done.gone_round,
-        cause,
-        1000 * done.duration,
-        done.counted,
-    )
-    return done
-
-
-def _bad_counter(r: int, raw: bytes) -> None:
-    why = f"no counter ({len(raw)} bytes: {raw[:40]!r})"
-    logger.warning(
-        "rank %d's heartbeat in the store is %s: judged as silent unless it moves", r, why
-    )
-
-
-#: the most digits a heartbeat counter has (a beat every millisecond for a billion years has 20;
-#: Python refuses to read an int of more than 4,300 digits)
-_MAX_DIGITS = 20
-
-
-def _counter(raw: bytes) -> int:
-    """A heartbeat counter read from the store: 0 for none yet, -1 for a value that is no
-    counter (not digits, or more than :data:`_MAX_DIGITS` of them)."""
-    if not raw:
-        return 0
-    return int(raw) if len(raw) <= _MAX_DIGITS and raw.isdigit() else -1
