@@ -22,16 +22,14 @@ import itertools
 import logging
 import os
 import signal
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from trainguard import _progress, events
-from trainguard.errors import BarrierTimeoutError, JobEndedError, RetryLimitError, SidecarLostError
-from trainguard.restart import _launch
+from trainguard.errors import BarrierTimeoutError, JobEndedError, RetryLimitError
+from trainguard.restart import _diagnose, _launch
 from trainguard.restart._interrupt import Kick
 from trainguard.restart._preconnect import Preconnect
 from trainguard.restart._session import Session
@@ -196,7 +194,9 @@ class WrappedCall:
                 raise leaving
             self._enter(n, ready)
             outcome, value, fault = self._round(n, ready)
-            self._check_raised(n, outcome)
+            raised, self.raised = self.raised, None
+            _diagnose.check_raised(self.launch.rank, n, raised, outcome)
+            del raised  # its traceback holds the round's frames (and its process group)
             if self.preconnect is not None:
                 self.preconnect.forget(n)
             if outcome.why == "complete":
@@ -310,30 +310,11 @@ class WrappedCall:
             call._close()
             if self.stragglers is not None:
                 self.stragglers.stop()
-        self._check_swallowed(returned)
+        _diagnose.check_swallowed(self.launch.rank, returned)
         if returned:
             self.session.complete(n, state.world_size)
             return self._wait(n, self.cfg.completion_timeout, "completion"), value, None
         return self._wait(n, self.cfg.barrier_timeout, "abort"), None, fault
-
-    def _check_raised(self, n: int, outcome: RoundOutcome) -> None:
-        """The function raised in round ``n`` on this rank, yet the round's outcome says it
-        completed: only a write by someone else says that (a round completes when every
-        active rank returned, and this one did not). The rank never returns normally then:
-        it re-raises its own exception (the job cannot restart a round the others left)."""
-        exc, self.raised = self.raised, None
-        if exc is None or outcome.why != "complete":
-            return
-        logger.error(
-            "rank %d: the function raised %s in round %d but the store says the round "
-            "completed; something other than this job wrote the round's outcome (give each job "
-            "its own store and set TRAINGUARD_JOB_SECRET): raising the function's exception",
-            self.launch.rank,
-            describe(exc),
-            n,
-        )
-        events.emit("outcome_contradicted", error=describe(exc))
-        raise exc
 
     def _round_env(self, pg: str) -> dict[str, str]:
         """The launcher's variables for this round (the round's own store at ``pg``)."""
@@ -386,14 +367,13 @@ class WrappedCall:
         and its process ends: a thread blocked in the collective library cannot be recovered.
         """
         monitor = self.monitor
-        frame = sys._current_frames().get(monitor.main_thread_id) if monitor else None
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
         reason = (
             f"still blocked in the function {self.cfg.abort_timeout:g} s after the abort of "
             f"round {n}; the process ends"
         )
-        logger.error("rank %d: %s; main thread at:\n%s", self.launch.rank, reason, stack)
-        events.emit("abort_stuck", stack=stack[-2000:])
+        _diagnose.report_stuck(
+            self.launch.rank, reason, monitor.main_thread_id if monitor else None
+        )
         with contextlib.suppress(Exception):
             self.session.barrier(n + 1, leaving=reason, fault=None)
             self.session.leave()
@@ -436,27 +416,11 @@ class WrappedCall:
 
     def _sidecar_lost(self) -> BaseException | None:
         lost = self.watchdog.loss() if self.watchdog is not None else None
-        if lost is None:
-            return None
-        return SidecarLostError(
-            f"rank {self.launch.rank}: {lost}; it left the job rather than run without "
-            "protection (see sidecar-node-<host>.log, or sidecar-<rank>.log with "
-            "TRAINGUARD_SIDECAR=process, in the events directory or tmp)",
-            causes={self.launch.rank: lost},
-        )
+        return _diagnose.sidecar_lost(self.launch.rank, lost) if lost is not None else None
 
     # helpers ------------------------------------------------------------------------------
     def _hook(self, name: str, state: RoundState, hook: Any = None) -> BaseException | None:
-        hook = hook or getattr(self.cfg, name)
-        if hook is None:
-            return None
-        try:
-            hook(state)
-        except Exception as exc:
-            logger.error("rank %d: %s raised %s; leaving the job", state.initial_rank, name, exc)
-            events.emit(f"{name}_failed", error=describe(exc))
-            return exc
-        return None
+        return _diagnose.run_hook(name, hook or getattr(self.cfg, name), state)
 
     def _start_sidecar(self, log_dir: Any) -> Sidecar | AgentSidecar:
         """This rank's helper (:func:`~trainguard.restart.sidecar.start_helper`)."""
@@ -481,19 +445,3 @@ class WrappedCall:
                 return
             except RestartInterrupt:
                 continue
-
-    def _check_swallowed(self, returned: bool) -> None:
-        # dropped here: its traceback holds the function's frames, and through them the
-        # round's process group (a collective's ``group`` local) and whatever else they held
-        interrupt, RestartInterrupt.last = RestartInterrupt.last, None
-        if interrupt is None or not returned:
-            return
-        where = interrupt.swallowed_at()
-        logger.warning(
-            "rank %d: the restart interrupt raised at %s was swallowed at %s; let "
-            "BaseException propagate (catch Exception instead)",
-            self.launch.rank,
-            interrupt.raised_at,
-            where,
-        )
-        events.emit("interrupt_swallowed", raised_at=interrupt.raised_at, swallowed_at=where)
