@@ -44,7 +44,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from torch.distributed.elastic.agent.server.api import (
     DEFAULT_ROLE,
@@ -60,7 +60,8 @@ from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from trainguard import _env, events
 from trainguard.coord import _bind
-from trainguard.launch import _compat
+from trainguard.launch import _agenthooks, _compat
+from trainguard.launch._agenthooks import Heartbeat, Service
 from trainguard.launch._coordstore import CoordStore, Generation
 from trainguard.launch._gate import AdmissionGate
 from trainguard.launch._logs import AgentLogsSpecs, incarnation_files, tail
@@ -73,32 +74,6 @@ from trainguard.launch.options import LaunchOptions
 __all__ = ["Heartbeat", "Service", "TrainguardAgent"]
 
 logger = logging.getLogger(__name__)
-
-
-class Service(Protocol):
-    """The agent's sidecar service for its workers (see ``trainguard.launch._service``)."""
-
-    address: str
-
-    def start(self) -> None: ...
-
-    def close(self) -> None: ...
-
-    def expect(self, slot: int, pid: int, incarnation: int) -> None: ...
-
-    def died(
-        self, slot: int, pid: int, exit_code: int | None, *, returning: bool, timeout: float
-    ) -> bool: ...
-
-    def gone(self, slot: int, cause: str) -> None: ...
-
-
-class Heartbeat(Protocol):
-    """One node's heartbeat for one generation (see ``trainguard.launch.heartbeat``)."""
-
-    def start(self) -> None: ...
-
-    def close(self) -> None: ...
 
 
 class TrainguardAgent(LocalElasticAgent):
@@ -161,7 +136,7 @@ class TrainguardAgent(LocalElasticAgent):
             coord=self.coord,
             gate=rdzv if isinstance(rdzv, AdmissionGate) else None,
             log=self.events,
-            gone=self._service_gone,
+            gone=lambda slot, cause: _agenthooks.gone(self.service, slot, cause),
         )
         self.partition = Partition(
             options=options,
@@ -238,7 +213,7 @@ class TrainguardAgent(LocalElasticAgent):
         for local_rank, pid in pids.items():
             self.slots.started(local_rank, pid)
             rank, incarnation = self.slots.rank(local_rank), self.slots.incarnation(local_rank)
-            self._service_expect(rank, pid, incarnation)
+            _agenthooks.expect(self.service, rank, pid, incarnation)
         return pids
 
     # monitor -------------------------------------------------------------------------------
@@ -383,7 +358,7 @@ class TrainguardAgent(LocalElasticAgent):
         self._error_files[local_rank] = files.error_file
         group.workers[local_rank].id = new.proc.pid
         rank = self.slots.rank(local_rank)
-        self._service_expect(rank, new.proc.pid, incarnation)
+        _agenthooks.expect(self.service, rank, new.proc.pid, incarnation)
         self._tails += tail(group.spec.role, self.logs.dest, local_rank, files)
         waited = time.monotonic() - self._died_at.pop(local_rank, time.monotonic())
         self.events.emit(
@@ -411,28 +386,10 @@ class TrainguardAgent(LocalElasticAgent):
         logger.error("whole-job restart of generation %d: %s", self.generation, reason)
         return RunResult(state=WorkerState.FAILED, failures=failures)
 
-    # hooks for the sidecar service and the node heartbeat ----------------------------------
-    def _service_expect(self, slot: int, pid: int, incarnation: int) -> None:
-        if self.service is not None:
-            self.service.expect(slot, pid, incarnation)
-
+    # the sidecar service and the node heartbeat -------------------------------------------
     def _service_died(self, slot: int, pid: int, code: int, *, returning: bool) -> None:
-        if self.service is None:
-            return
-        try:
-            self.service.died(
-                slot, pid, code, returning=returning, timeout=self.options.heartbeat_timeout
-            )
-        except Exception:
-            logger.exception("the sidecar service could not record rank %d's death", slot)
-
-    def _service_gone(self, slot: int, cause: str) -> None:
-        if self.service is None:
-            return
-        try:
-            self.service.gone(slot, cause)
-        except Exception:
-            logger.exception("the sidecar service could not count rank %d out", slot)
+        timeout = self.options.heartbeat_timeout
+        _agenthooks.died(self.service, slot, pid, code, returning=returning, timeout=timeout)
 
     def _start_heartbeat(self) -> None:
         self._close_heartbeat()
