@@ -6,12 +6,15 @@ Every error the library raises on purpose derives from :class:`TrainguardError`:
     ├── ConfigError              bad arguments or environment; raised when an object is built
     │   └── UnsupportedTorchError  the installed torch is older than the supported range
     ├── CoordinationError        the coordination store misbehaved or a barrier timed out
+    │   ├── StoreTimeoutError    a wait of trainguard's own store client ran out of time
     │   ├── BarrierTimeoutError  a barrier did not complete within its timeout
     │   └── NodeLeftError        this node left a launched job: it was declared lost and
     │                            does not rejoin, or it stayed cut off from the store
     ├── RestartError             in-process restart could not continue (too few ranks, ...)
     │   ├── JobEndedError        another rank ended the job (KeyboardInterrupt, SystemExit)
-    │   ├── RetryLimitError      max_rounds or min_active_world_size of RetryController hit
+    │   ├── RetryLimitError      the job must stop: max_rounds or min_active_world_size of
+    │   │                        RetryController hit, max_repeated_faults alike faults in a
+    │   │                        row, or no active rank left
     │   ├── SidecarLostError     this rank's sidecar process died; the rank left the job
     │   └── StragglerError       this rank stayed much slower than the others; the
     │                            straggler policy took it out of the job
@@ -28,7 +31,7 @@ Every error the library raises on purpose derives from :class:`TrainguardError`:
         └── WriterDied                   the checkpoint writer process ended or was killed
                                          while a job was pending (also a RuntimeError)
 
-Later modules add subclasses under these branches. A failure that one rank detects surfaces
+Every class of the tree is defined in this module. A failure that one rank detects surfaces
 as the *same* type on every rank; ``causes`` maps each rank that reported a cause to a short
 description of it, so the error reads the same wherever it is caught.
 

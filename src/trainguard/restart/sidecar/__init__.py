@@ -14,7 +14,10 @@ default the ranks of one host share one such process, the node watcher (:mod:`._
   process instead (``TRAINGUARD_AGENT``, :mod:`._agent`; no sidecar process).
 - :class:`NodeSidecar`: the same handle when this node's ranks share one watcher process
   (the default, ``TRAINGUARD_SIDECAR=node``, :mod:`._node`).
-- :class:`SidecarConfig`: what the sidecar is told on its command line.
+- :class:`SidecarConfig`: what a rank tells the helper that watches it, as one JSON line:
+  on the stdin of a sidecar process it starts (the node watcher's included), or over the
+  node watcher's or the agent's Unix socket; never on a command line, which every local user
+  can read.
 - :func:`start_helper`: the one of the three that watches this process, started.
 """
 
