@@ -4,8 +4,10 @@ Run: ``srun --ntasks 4 python examples/restart_slurm.py`` (one task per rank).
 
 trainguard maps SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID to the rank, world size and
 local rank, takes the first host of SLURM_JOB_NODELIST as MASTER_ADDR and derives
-MASTER_PORT from SLURM_JOB_ID (set MASTER_ADDR/MASTER_PORT yourself to override). One task is
-kept as a spare; it takes over when a rank's health check fails.
+MASTER_PORT from SLURM_JOB_ID (set MASTER_ADDR/MASTER_PORT yourself to override). Rank 0
+raises once at step 3 and every rank restarts in-process. One task is kept as a spare; it takes
+over when a rank's health check fails: set ``TRAINGUARD_EXAMPLE_SICK_RANK=N`` to make the
+health check of initial rank N fail after that fault, so that rank leaves and the spare moves in.
 """
 
 from __future__ import annotations

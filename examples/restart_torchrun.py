@@ -6,11 +6,14 @@ torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and
 TORCHELASTIC_USE_AGENT_STORE=True; trainguard then uses torchrun's agent store for its
 coordination and keeps its own per-round stores in a small process next to rank 0.
 
-What torchrun does when a worker *exits*: its agent stops every other worker of the job (and
-restarts them all if ``--max-restarts`` allows). In-process restart therefore only helps with
-faults that do not end a process: an exception (here), and, with the next release, hangs.
-A rank that leaves the job (its health check failed) ends its process, so under torchrun the
-whole job is stopped then; use plain processes or Slurm srun to continue without it.
+Under torchrun, in-process restart covers the faults that leave every worker process alive:
+an exception (here: rank 0 raises at step 4, both ranks restart in-process and finish) and a
+hang that the watchdog interrupts (``soft_timeout``). When a worker process *exits* (it dies,
+its sidecar kills it for a hang that holds the GIL, or it leaves the job after a failed health
+check), torchrun's agent stops every other worker and, if ``--max-restarts`` allows, starts
+them all again; the Wrapper works in that restarted attempt too (each attempt has keys of its
+own). To keep the survivors' processes when a worker dies, run the same script under
+``trainguard launch --nproc-per-node 2``, which respawns that worker alone.
 """
 
 from __future__ import annotations
