@@ -16,7 +16,7 @@ turns on a few threads of a few worker processes, so the round times are an uppe
 Baseline, in the same command: each size again with every rank waiting at the store itself
 (``direct``, as under ``TRAINGUARD_SIDECAR=process``: the protocol without the node's relay);
 ``--no-baseline`` skips it. Older revisions have no ``Session.arrive``/``Watch.step`` for the
-simulation to drive (their numbers are in the README's Scale section).
+simulation to drive (their numbers are in docs/numbers.md).
 
 Run: ``.venv/bin/python bench/coord_scale.py [--sizes 256 1024 4096] [--reps 5]``. Writes
 ``bench/results/coord_scale.json``.

@@ -17,7 +17,7 @@ limit, so a hang or a crash fails that check only:
 Prints one table and writes ``bench/results/gpu_check.json`` (``--results`` elsewhere).
 Without a CUDA device it prints ``skipped: no CUDA device`` and exits 0. Downloads nothing:
 it needs only what ``make test`` installs. Untested on GPUs until a run on a GPU machine
-exists (see the README).
+exists (see docs/compat.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 **The supported range.** :data:`FLOOR` is the oldest torch that the compatibility suite
 (``make compat``, ``bench/compat.py``) passes on, :data:`NEWEST_TESTED` the newest; both are
-measured, not guessed (the README's "Supported torch versions" table). :func:`check_torch` is
+measured, not guessed (the table in docs/compat.md). :func:`check_torch` is
 called where trainguard first uses torch (the restart wrapper, the checkpoint package, the
 launcher): an older torch raises :class:`~trainguard.errors.UnsupportedTorchError` naming the
 version needed, a newer one warns once (:class:`~trainguard.errors.UntestedTorchWarning`).
