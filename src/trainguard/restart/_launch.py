@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import os
 import re
-import socket
 import sys
 from collections.abc import Iterator, Mapping
 
@@ -101,22 +100,6 @@ def detect(environ: Mapping[str, str] | None = None) -> Launch:
         settings.incarnation,
         int(node) if node is not None and node.isdigit() else None,
     )
-
-
-def is_local_address(host: str) -> bool:
-    """True when ``host`` names an address of this machine (it can be bound here)."""
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    for family, _, _, _, sockaddr in infos:
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.bind((sockaddr[0], 0))
-                return True
-        except OSError:
-            continue
-    return False
 
 
 @contextlib.contextmanager
