@@ -18,8 +18,8 @@ from trainguard.coord.store import StoreProcess, connect, parse_addr
 from trainguard.errors import CoordinationError, RestartError
 from trainguard.restart import _records
 from trainguard.restart._book import RoundBook, peek
+from trainguard.restart._environment import Launch
 from trainguard.restart._join import Newcomer, Notify
-from trainguard.restart._launch import Launch
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.sidecar._relayclient import RelayReader
 from trainguard.restart.state import RoundOutcome

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping
 
 from trainguard import _env
 from trainguard._hostlist import first_host
+from trainguard.coord.escalation import ask_launcher
 from trainguard.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -133,13 +134,12 @@ def round_environment(values: Mapping[str, str]) -> Iterator[None]:
 def escalate(exc: BaseException) -> None:
     """Under ``trainguard launch``: in-process restart cannot cure ``exc`` (the job ended), so
     ask the launcher for a whole-job restart (a new generation, state from checkpoints; the
-    job fails when torchrun's ``--max-restarts`` has none left). Elsewhere nothing."""
+    job fails when torchrun's ``--max-restarts`` has none left;
+    :mod:`trainguard.coord.escalation`). Elsewhere nothing."""
     if _env.settings().agent is None:
         return
-    from trainguard.launch.worker import escalate
-
     try:
-        escalate(f"{type(exc).__name__}: {exc}"[:2000])
+        ask_launcher(f"{type(exc).__name__}: {exc}"[:2000])
         logger.error("the job ended (%s); asked the launcher to restart the whole job", exc)
     except Exception as failed:
         logger.error("could not ask the launcher for a whole-job restart: %s", failed)
