@@ -16,10 +16,10 @@ MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
 
-def _modules() -> dict[str, pathlib.Path]:
+def _modules(root: pathlib.Path = SRC) -> dict[str, pathlib.Path]:
     out = {}
-    for path in sorted(SRC.rglob("*.py")):
-        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         out[".".join(parts)] = path
@@ -230,8 +230,9 @@ MAY_IMPORT: dict[str, set[str]] = {
 }
 
 #: A package's private modules (``_x.py``, or any module under a ``_x`` component) are its
-#: own: another unit imports the package's face or its public modules. The exceptions, each
-#: for a reason (target module -> the units that may import it):
+#: own: another unit imports the package's face or its public modules (the root's ``_x.py``
+#: modules are the ground floor, shared by all). The exceptions, each for a reason (target
+#: module -> the units that may import it):
 PRIVATE_ALLOWED: dict[str, set[str]] = {
     # coord is the low-level layer; these are its plumbing, shared by the layers above and no
     # API of its own: binding to the rendezvous interface, the job secret, the process's
@@ -268,7 +269,7 @@ def _layering_breaks(known: dict[str, pathlib.Path]) -> list[str]:
         unit = _unit(module)
         for site in _import_sites(module, path, known):
             target = _unit(site.target)
-            where = f"{path.relative_to(SRC.parent)}:{site.line} ({site.kind})"
+            where = f"{module}:{site.line} ({site.kind})"
             if target == unit:
                 continue
             if unit not in MAY_IMPORT:
@@ -296,6 +297,41 @@ def test_the_layer_table_names_every_unit() -> None:
     for target, units_allowed in PRIVATE_ALLOWED.items():
         assert target in _modules(), f"PRIVATE_ALLOWED names {target}, which is gone"
         assert units_allowed <= set(MAY_IMPORT), units_allowed
+
+
+def test_the_layering_check_sees_every_kind_of_import(tmp_path: pathlib.Path) -> None:
+    """A made-up tree with one break of each kind: a lazy import a layer up, a TYPE_CHECKING
+    one aside, another package's private module, and an allowed private one."""
+    files = {
+        "__init__.py": "",
+        "errors.py": "",
+        "coord/__init__.py": "",
+        "coord/_bind.py": "",
+        "coord/_hidden.py": "",
+        "stragglers/__init__.py": (
+            "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from trainguard.restart import state\n"
+        ),
+        "restart/__init__.py": "from trainguard.coord import _bind\n",
+        "restart/state.py": (
+            "from trainguard import errors\nfrom ..coord._hidden import x\n"
+            "def give_up():\n    from trainguard.launch import worker\n"
+        ),
+        "launch/__init__.py": "",
+        "launch/worker.py": "from trainguard.restart import state\n",
+    }
+    root = tmp_path / "trainguard"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    assert _layering_breaks(_modules(root)) == [
+        "trainguard.restart.state:2 (module): restart imports trainguard.coord._hidden, "
+        "private to coord",
+        "trainguard.restart.state:4 (lazy): restart imports trainguard.launch.worker "
+        "(a layer up or aside)",
+        "trainguard.stragglers:3 (typing): stragglers imports trainguard.restart.state "
+        "(a layer up or aside)",
+    ]
 
 
 @pytest.mark.parametrize(
