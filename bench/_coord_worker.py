@@ -242,7 +242,7 @@ class _Worker:
 
     def session(self, rank: int, store: Any) -> Any:
         from trainguard.restart._book import RoundBook
-        from trainguard.restart._launch import Launch
+        from trainguard.restart._environment import Launch
         from trainguard.restart._session import Session
 
         launch = Launch(

@@ -18,6 +18,7 @@ PACKAGES = [
     "trainguard",
     "trainguard.checkpoint",
     "trainguard.checkpoint.async_save",
+    "trainguard.checkpoint.dcp",
     "trainguard.checkpoint.fileformat",
     "trainguard.checkpoint.layout",
     "trainguard.checkpoint.local",
@@ -26,9 +27,13 @@ PACKAGES = [
     "trainguard.checkpoint.staging",
     "trainguard.checkpoint.writer",
     "trainguard.coord",
+    "trainguard.coord.escalation",
     "trainguard.demo",
     "trainguard.errors",
     "trainguard.events",
+    "trainguard.integrations",
+    "trainguard.launch",
+    "trainguard.launch.worker",
     "trainguard.report",
     "trainguard.restart",
     "trainguard.restart.policy",
@@ -83,6 +88,7 @@ def test_import_has_no_side_effects() -> None:
         "import trainguard, trainguard.events, trainguard.errors, trainguard.restart, trainguard.coord\n"
         "import trainguard, trainguard.events, trainguard.errors\n"
         "import trainguard.checkpoint, trainguard.checkpoint.local, trainguard.report\n"
+        "import trainguard.launch, trainguard.launch.worker, trainguard.restart.sidecar\n"
         "assert threading.active_count() == 1, threading.enumerate()\n"
         "assert not logging.getLogger().handlers\n"
         "assert 'torch' not in sys.modules, 'importing trainguard must not import torch'\n"
@@ -92,6 +98,20 @@ def test_import_has_no_side_effects() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"
     assert not logging.getLogger("trainguard").handlers
+
+
+def test_internal_faces_say_so() -> None:
+    """``restart.sidecar`` exports nothing public (its names serve restart and launch only);
+    ``coord`` is public but low level, and its face says that it may change."""
+    import trainguard.coord
+    import trainguard.restart.sidecar as sidecar
+
+    assert sidecar.__all__ == []
+    assert sidecar.__doc__ is not None and "Internal to trainguard" in sidecar.__doc__
+    for name in ("AgentSidecar", "NodeSidecar", "Sidecar", "SidecarConfig", "SidecarService"):
+        assert getattr(sidecar, name).__module__.startswith("trainguard.restart.sidecar.")
+    doc = " ".join((trainguard.coord.__doc__ or "").split())
+    assert "low-level layer" in doc and "may change" in doc
 
 
 def test_error_tree_and_causes_survive_pickling() -> None:

@@ -6,6 +6,7 @@ These read the source as text (``ast``); nothing is imported or run.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import pathlib
 
 import pytest
@@ -15,10 +16,10 @@ MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
 
-def _modules() -> dict[str, pathlib.Path]:
+def _modules(root: pathlib.Path = SRC) -> dict[str, pathlib.Path]:
     out = {}
-    for path in sorted(SRC.rglob("*.py")):
-        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         out[".".join(parts)] = path
@@ -45,45 +46,64 @@ def _resolve(module: str, path: pathlib.Path, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Import:
+    """One import of a trainguard module by another, where it is written."""
+
+    target: str
+    line: int
+    kind: str  # "module" (runs at import), "lazy" (inside a function or class) or "typing"
+
+
+def _import_sites(module: str, path: pathlib.Path, known: dict[str, pathlib.Path]) -> list[_Import]:
+    """Every import of a trainguard module in ``module``'s source: at module level, inside
+    functions (lazy) and under ``if TYPE_CHECKING:`` (typing)."""
+    found: list[_Import] = []
+
+    def add(node: ast.stmt, kind: str) -> None:
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(module, path, node)
+            targets = [f"{target}.{a.name}" for a in node.names]
+        else:
+            return
+        for name in targets:
+            while name not in known and "." in name:
+                name = name.rsplit(".", 1)[0]
+            if name in known and name != module:
+                found.append(_Import(name, node.lineno, kind))
+
+    def visit(body: list[ast.stmt], kind: str) -> None:
+        for node in body:
+            if isinstance(node, ast.If) and _is_type_checking(node):
+                visit(node.body, "typing")
+                visit(node.orelse, kind)
+            elif isinstance(node, (ast.If, ast.Try)):
+                visit(node.body, kind)
+                visit(node.orelse, kind)
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body, kind)
+                visit(getattr(node, "finalbody", []), kind)
+            elif isinstance(node, _BLOCKS):
+                visit(node.body, "lazy" if kind == "module" else kind)
+            else:
+                add(node, kind)
+
+    visit(ast.parse(path.read_text()).body, "module")
+    return found
+
+
 def _imports(
-    module: str, path: pathlib.Path, known: dict[str, pathlib.Path], *, lazy: bool
+    module: str, path: pathlib.Path, known: dict[str, pathlib.Path], *, every: bool
 ) -> set[str]:
     """The trainguard modules that ``module`` imports when it is imported.
 
-    With ``lazy``, imports inside functions count too (they run at the first call).
+    With ``every``, imports inside functions (they run at the first call) and under
+    ``TYPE_CHECKING`` (a dependency of the design even where it never runs) count too.
     """
-    found: set[str] = set()
-
-    def add(node: ast.stmt) -> None:
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name in known)
-        elif isinstance(node, ast.ImportFrom):
-            target = _resolve(module, path, node)
-            for alias in node.names:
-                sub = f"{target}.{alias.name}"
-                if sub in known:
-                    found.add(sub)
-                elif target in known:
-                    found.add(target)
-
-    def visit(body: list[ast.stmt]) -> None:
-        for node in body:
-            if isinstance(node, ast.If) and _is_type_checking(node):
-                continue
-            if isinstance(node, (ast.If, ast.Try)):
-                visit(node.body)
-                visit(node.orelse)
-                for handler in getattr(node, "handlers", []):
-                    visit(handler.body)
-                visit(getattr(node, "finalbody", []))
-            elif lazy and isinstance(node, _BLOCKS):
-                visit(node.body)
-            else:
-                add(node)
-
-    visit(ast.parse(path.read_text()).body)
-    found.discard(module)
-    return found
+    sites = _import_sites(module, path, known)
+    return {s.target for s in sites if every or s.kind == "module"}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -142,16 +162,176 @@ def test_no_function_is_too_long() -> None:
     assert not long, f"split these functions (over {MAX_FUNCTION_LINES} lines): {long}"
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["module-level", "with-lazy"])
-def test_no_import_circle(lazy: bool) -> None:
-    """Imports between trainguard modules form no cycle, lazy (in-function) imports included.
+@pytest.mark.parametrize("every", [False, True], ids=["module-level", "every-import"])
+def test_no_import_circle(every: bool) -> None:
+    """Imports between trainguard modules form no cycle: neither those that run at import time
+    nor every import written (lazy ones in functions, ``TYPE_CHECKING`` ones included: a
+    circle through a type annotation is still two modules that cannot be understood apart).
 
     A package ``__init__`` that re-exports its submodules is an edge like any other, so a
     submodule that imports from its own package's ``__init__`` shows up as a circle.
     """
     known = _modules()
-    graph = {m: _imports(m, p, known, lazy=lazy) for m, p in known.items()}
+    graph = {m: _imports(m, p, known, every=every) for m, p in known.items()}
     assert _cycles(graph) == []
+
+
+# The layers of DESIGN.md ("Layers"), as the units each unit may import. A unit is a package
+# directly under trainguard/ (its subpackages included) or a root module; ``trainguard`` is the
+# root package's face. Nothing may import a unit that is not listed for it, at module level,
+# lazily in a function or under TYPE_CHECKING.
+_FLOOR_1 = {"errors"}
+#: the ground floor: small helpers on the exception tree, then what reads the environment
+_GROUND = _FLOOR_1 | {
+    "_addr",
+    "_env",
+    "_hostlist",
+    "_private",
+    "_progress",
+    "_subproc",
+    "_threads",
+    "_timeouts",
+    "_torchcompat",
+    "events",
+    "trainguard",
+}
+_WINGS = _GROUND | {"coord", "checkpoint", "restart", "stragglers", "report", "_teardown"}
+MAY_IMPORT: dict[str, set[str]] = {
+    "errors": set(),
+    "_addr": _FLOOR_1,
+    "_hostlist": _FLOOR_1,
+    "_private": _FLOOR_1,
+    "_progress": _FLOOR_1,
+    "_subproc": _FLOOR_1,
+    "_threads": _FLOOR_1,
+    "_timeouts": _FLOOR_1,
+    "_torchcompat": _FLOOR_1,
+    "trainguard": _FLOOR_1,
+    "_env": _FLOOR_1 | {"_addr"},
+    "events": _FLOOR_1 | {"_addr", "_env"},
+    # stores, keys, commit, gather, escalation: on the ground floor only
+    "coord": _GROUND,
+    # uses coord, never restart or launch
+    "checkpoint": _GROUND | {"coord"},
+    # reads only event logs
+    "report": _GROUND,
+    # restart's scoring plug-in: restart may use it, it never reaches back into restart
+    "stragglers": _GROUND | {"coord"},
+    "restart": _GROUND | {"coord", "checkpoint", "stragglers"},
+    # the end of a round for the integrations and the demo (beside restart)
+    "_teardown": _GROUND | {"coord", "checkpoint"},
+    # the agent: restart's faces and coord
+    "launch": _GROUND | {"coord", "restart"},
+    # the top floor: everything below it, nothing above; the CLI runs the demo's command
+    "integrations": _WINGS | {"launch"},
+    "demo": _WINGS | {"launch"},
+    "cli": _WINGS | {"launch", "demo"},
+    "__main__": {"cli"},
+}
+
+#: A package's private modules (``_x.py``, or any module under a ``_x`` component) are its
+#: own: another unit imports the package's face or its public modules (the root's ``_x.py``
+#: modules are the ground floor, shared by all). The exceptions, each for a reason (target
+#: module -> the units that may import it):
+PRIVATE_ALLOWED: dict[str, set[str]] = {
+    # coord is the low-level layer; these are its plumbing, shared by the layers above and no
+    # API of its own: binding to the rendezvous interface, the job secret, the process's
+    # socket inventory (abort), a store start failure told to the others, and the torch-free
+    # store client of the sidecar processes (which never import torch)
+    "trainguard.coord._bind": {"launch", "restart"},
+    "trainguard.coord._secret": {"checkpoint", "restart"},
+    "trainguard.coord._sockets": {"restart"},
+    "trainguard.coord._startfail": {"restart"},
+    "trainguard.coord._wire": {"restart"},
+    # the front ends (the CLI and the demo, on the top floor) render what the packages keep
+    # off their public surface: the checkpoint subcommands, the report's plot and its
+    # recovery line
+    "trainguard.checkpoint._cli": {"cli"},
+    "trainguard.report._plot": {"cli", "demo"},
+    "trainguard.report._reinit": {"demo"},
+}
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _private_of(target: str) -> bool:
+    """True when ``target`` is a private module of a package (``trainguard.<pkg>...._x``)."""
+    parts = target.split(".")
+    return any(p.startswith("_") and not p.startswith("__") for p in parts[2:])
+
+
+def _layering_breaks(known: dict[str, pathlib.Path]) -> list[str]:
+    breaks: set[str] = set()
+    for module, path in known.items():
+        unit = _unit(module)
+        for site in _import_sites(module, path, known):
+            target = _unit(site.target)
+            where = f"{module}:{site.line} ({site.kind})"
+            if target == unit:
+                continue
+            if unit not in MAY_IMPORT:
+                breaks.add(f"{where}: {unit} is not in MAY_IMPORT (place it in a layer)")
+            elif target not in MAY_IMPORT[unit]:
+                breaks.add(f"{where}: {unit} imports {site.target} (a layer up or aside)")
+            elif _private_of(site.target) and unit not in PRIVATE_ALLOWED.get(site.target, ()):
+                breaks.add(f"{where}: {unit} imports {site.target}, private to {target}")
+    return sorted(breaks)
+
+
+def test_packages_import_only_downward() -> None:
+    """Every import in src/ (module level, lazy and TYPE_CHECKING) follows :data:`MAY_IMPORT`
+    and reaches another package only through its face or public modules."""
+    breaks = _layering_breaks(_modules())
+    assert not breaks, "imports against DESIGN.md's layers:\n" + "\n".join(breaks)
+
+
+def test_the_layer_table_names_every_unit() -> None:
+    units = {_unit(m) for m in _modules()}
+    assert units == set(MAY_IMPORT), (
+        f"new units {units - set(MAY_IMPORT)}, gone {set(MAY_IMPORT) - units}: "
+        "update MAY_IMPORT after DESIGN.md"
+    )
+    for target, units_allowed in PRIVATE_ALLOWED.items():
+        assert target in _modules(), f"PRIVATE_ALLOWED names {target}, which is gone"
+        assert units_allowed <= set(MAY_IMPORT), units_allowed
+
+
+def test_the_layering_check_sees_every_kind_of_import(tmp_path: pathlib.Path) -> None:
+    """A made-up tree with one break of each kind: a lazy import a layer up, a TYPE_CHECKING
+    one aside, another package's private module, and an allowed private one."""
+    files = {
+        "__init__.py": "",
+        "errors.py": "",
+        "coord/__init__.py": "",
+        "coord/_bind.py": "",
+        "coord/_hidden.py": "",
+        "stragglers/__init__.py": (
+            "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from trainguard.restart import state\n"
+        ),
+        "restart/__init__.py": "from trainguard.coord import _bind\n",
+        "restart/state.py": (
+            "from trainguard import errors\nfrom ..coord._hidden import x\n"
+            "def give_up():\n    from trainguard.launch import worker\n"
+        ),
+        "launch/__init__.py": "",
+        "launch/worker.py": "from trainguard.restart import state\n",
+    }
+    root = tmp_path / "trainguard"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    assert _layering_breaks(_modules(root)) == [
+        "trainguard.restart.state:2 (module): restart imports trainguard.coord._hidden, "
+        "private to coord",
+        "trainguard.restart.state:4 (lazy): restart imports trainguard.launch.worker "
+        "(a layer up or aside)",
+        "trainguard.stragglers:3 (typing): stragglers imports trainguard.restart.state "
+        "(a layer up or aside)",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -25,6 +29,23 @@ def test_settings_read_known_variables() -> None:
 def test_bad_store_addr_names_the_fix(value: str) -> None:
     with pytest.raises(ConfigError, match="HOST:PORT"):
         _env.settings({"TRAINGUARD_STORE_ADDR": value})
+
+
+def test_reading_the_store_address_stays_on_the_ground_floor() -> None:
+    """``_env`` stands below ``coord``: checking ``TRAINGUARD_STORE_ADDR`` imports no part of
+    it (the address is parsed by ``trainguard._addr``)."""
+    code = (
+        "import json, sys\n"
+        "from trainguard import _env\n"
+        "assert _env.settings().store_addr == ('node1', 29500)\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('trainguard.'))))\n"
+    )
+    env = {**os.environ, "TRAINGUARD_STORE_ADDR": "node1:29500"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == ["trainguard._addr", "trainguard._env", "trainguard.errors"]
 
 
 def test_unknown_variable_is_reported_once(caplog) -> None:

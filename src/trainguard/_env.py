@@ -12,6 +12,7 @@ import logging
 import os
 from collections.abc import Mapping
 
+from trainguard._addr import parse_addr
 from trainguard.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -61,8 +62,6 @@ class Settings:
 
 
 def _parse_addr(value: str) -> tuple[str, int]:
-    from trainguard.coord.store import parse_addr
-
     try:
         return parse_addr(value)
     except ConfigError as exc:

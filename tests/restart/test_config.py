@@ -60,7 +60,8 @@ def test_missing_launch_variables_name_the_fix(monkeypatch) -> None:
 
 
 def test_slurm_variables_are_mapped() -> None:
-    from trainguard.restart._launch import detect, first_host
+    from trainguard._hostlist import first_host
+    from trainguard.restart._environment import detect
 
     assert first_host("node[03-05,9],gpu1") == "node03"
     assert first_host("gpu1") == "gpu1"

@@ -66,7 +66,7 @@ def test_job_token_names_the_attempt_or_generation() -> None:
     import pytest
 
     from trainguard.errors import ConfigError
-    from trainguard.restart._launch import detect
+    from trainguard.restart._environment import detect
 
     base = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1234"}
     assert detect(base).job == "h-1234"

@@ -1,14 +1,18 @@
 """Coordination over a ``torch.distributed.Store``: keyspaces per round, waits, the store process,
-and the two counting protocols the checkpointers share (a commit round decided once, a gather).
+the two counting protocols the checkpointers share (a commit round decided once, a gather), and
+the launcher's whole-job restart request (:func:`escalate`).
 
-Used by :mod:`trainguard.restart` and :mod:`trainguard.checkpoint`; usable on its own. Nothing
-here polls on the critical path: waits wake through ``Store.wait`` within one store round trip.
+The low-level layer under :mod:`trainguard.restart`, :mod:`trainguard.checkpoint` and
+:mod:`trainguard.launch`: its names are public for those who build on a store directly, but they
+may change between releases (the user-facing names are in those packages). Nothing here polls on
+the critical path: waits wake through ``Store.wait`` within one store round trip.
 """
 
 from __future__ import annotations
 
 from trainguard.coord.barrier import timed_out, wait_all, wait_forever, wait_key
 from trainguard.coord.commit import CommitRound, Outcome
+from trainguard.coord.escalation import escalate, escalation_reason
 from trainguard.coord.gather import gather
 from trainguard.coord.keys import Keyspace, decode, encode
 from trainguard.coord.store import StoreProcess, connect, parse_addr
@@ -21,6 +25,8 @@ __all__ = [
     "connect",
     "decode",
     "encode",
+    "escalate",
+    "escalation_reason",
     "gather",
     "parse_addr",
     "timed_out",

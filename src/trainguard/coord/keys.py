@@ -11,16 +11,23 @@ the secret over (:attr:`Keyspace.handover`) lie outside it. Keys of restart roun
 
 Values are JSON (:func:`encode` / :func:`decode`) or plain counters (``Store.add``); never
 pickle.
+
+The launcher's keys (``trainguard launch``, one run of torchrun's agents) live under
+:func:`launch_prefix`; the one of them that workers write too, the whole-job restart request
+(:func:`escalate_key`, :mod:`trainguard.coord.escalation`), is named here, the others in
+``trainguard/launch/_keys.py``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
+from trainguard import _env
 from trainguard.errors import ConfigError
 
-__all__ = ["Keyspace", "decode", "encode"]
+__all__ = ["Keyspace", "decode", "encode", "escalate_key", "launch_prefix"]
 
 
 def encode(value: Any) -> bytes:
@@ -143,3 +150,20 @@ class Keyspace:
         """Counter that ``initial_rank``'s sidecar counts up every heartbeat interval (``bye``
         once the rank finished normally)."""
         return f"{self.prefix}hb/{initial_rank}"
+
+
+def launch_prefix(run_id: str) -> str:
+    """``trainguard/launch/<run_id>/[<secret digest>/]``: every launcher key of one run starts
+    with it. With ``TRAINGUARD_JOB_SECRET`` set (required for a job on several hosts; the launcher
+    hands it to its workers) the prefix carries a digest of it, so that nobody who can reach the
+    stores but does not know the secret can name, read or forge a key of the job."""
+    secret = _env.settings().job_secret
+    if secret is None:
+        return f"trainguard/launch/{run_id}/"
+    digest = hashlib.sha256(f"trainguard-launch/{run_id}/{secret}".encode()).hexdigest()[:32]
+    return f"trainguard/launch/{run_id}/{digest}/"
+
+
+def escalate_key(run_id: str, generation: int) -> str:
+    """Set (first reason wins) when a whole-job restart of ``generation`` is asked for."""
+    return f"{launch_prefix(run_id)}escalate/g{generation}"

@@ -20,8 +20,9 @@ from datetime import timedelta
 from typing import Any
 
 from trainguard import _subproc
+from trainguard._addr import parse_addr
 from trainguard.coord import _wire
-from trainguard.errors import ConfigError, CoordinationError
+from trainguard.errors import CoordinationError
 
 __all__ = ["StoreProcess", "connect", "parse_addr", "probe"]
 
@@ -42,25 +43,6 @@ def probe(host: str, port: int, timeout: float = 1.0) -> str:
         return "refused"
     except OSError:
         return "silent"
-
-
-def parse_addr(value: str) -> tuple[str, int]:
-    """``"host:port"`` -> ``(host, port)``; a host and a port in 1..65535 are required.
-
-    Raises :class:`ConfigError` (a ``ValueError``) naming what is wrong.
-    """
-    host, sep, port = value.rpartition(":")
-    host = host.strip("[]").strip()
-    why = None
-    if not sep:
-        why = "no ':'"
-    elif not host:
-        why = "no host"
-    elif not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-        why = f"port {port!r} is not a number in 1..65535"
-    if why is not None:
-        raise ConfigError(f"{value!r} is not 'host:port' ({why}); write it like '10.0.0.1:29500'")
-    return host, int(port)
 
 
 def connect(

@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 
 class Service(Protocol):
-    """The agent's sidecar service for its workers (see ``trainguard.launch._service``)."""
+    """The agent's sidecar service for its workers (see ``trainguard.restart.sidecar.agent_service``)."""
 
     address: str
 

@@ -16,7 +16,7 @@ torch's rendezvous, before the workers start):
 
 Keys (all under ``trainguard/launch/<run_id>/``, named in :mod:`trainguard.launch._keys`):
 ``generation`` (the counter: generations started), ``escalate/g<gen>`` (set by any agent or
-worker to restart the whole job; the value is the reason).
+worker to restart the whole job; the value is the reason; :mod:`trainguard.coord.escalation`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from typing import Any
 
 from trainguard import _torchcompat
 from trainguard.coord import _bind
+from trainguard.coord.escalation import escalate, escalation_reason
 from trainguard.coord.store import connect, parse_addr
 from trainguard.errors import CoordinationError
-from trainguard.launch._keys import escalate_key, generation_key, published_key
+from trainguard.launch._keys import generation_key, published_key
 
 __all__ = [
     "CoordStore",
@@ -142,16 +143,12 @@ class CoordStore:
 
     def escalate(self, run_id: str, generation: int, reason: str) -> None:
         """Ask every agent to restart the whole job (first reason wins)."""
-        self.client.compare_set(escalate_key(run_id, generation), "", reason)
+        escalate(self.client, run_id, generation, reason)
 
     def escalation(self, run_id: str, generation: int) -> str | None:
         """The reason of a whole-job restart asked for in ``generation``, or ``None``. One
         ``check`` when there is none."""
-        key = escalate_key(run_id, generation)
-        if not self.client.check([key]):
-            return None
-        reason: bytes = self.client.get(key)
-        return reason.decode(errors="replace") or "escalation requested"
+        return escalation_reason(self.client, run_id, generation)
 
     def close(self) -> None:
         """Drop the connection and stop the hosted store (its clients see it go)."""

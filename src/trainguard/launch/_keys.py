@@ -7,13 +7,16 @@ node's workers finished: ``done``, or it was lost: ``lost``; the agents' exit ba
 ``g<gen>/replaced/<node>`` (how many replacement nodes took the node's place: a counter). In the rendezvous store (the one
 a node reaches before any rendezvous round): ``vacant`` (the group ranks of lost nodes that a
 replacement node may take).
+
+The prefix (:func:`~trainguard.coord.keys.launch_prefix`) and the escalation key are named in
+:mod:`trainguard.coord.keys`: a worker's Wrapper asks for a whole-job restart too
+(:mod:`trainguard.coord.escalation`), and it stands below this package.
 """
 
 from __future__ import annotations
 
-import hashlib
-
-from trainguard import _env
+from trainguard.coord.keys import escalate_key
+from trainguard.coord.keys import launch_prefix as prefix
 
 __all__ = [
     "escalate_key",
@@ -28,24 +31,8 @@ __all__ = [
 ]
 
 
-def prefix(run_id: str) -> str:
-    """``trainguard/launch/<run_id>/[<secret digest>/]``: every launcher key of one run starts
-    with it. With ``TRAINGUARD_JOB_SECRET`` set (required for a job on several hosts; the launcher
-    hands it to its workers) the prefix carries a digest of it, so that nobody who can reach the
-    stores but does not know the secret can name, read or forge a key of the job."""
-    secret = _env.settings().job_secret
-    if secret is None:
-        return f"trainguard/launch/{run_id}/"
-    digest = hashlib.sha256(f"trainguard-launch/{run_id}/{secret}".encode()).hexdigest()[:32]
-    return f"trainguard/launch/{run_id}/{digest}/"
-
-
 def generation_key(run_id: str) -> str:
     return prefix(run_id) + "generation"
-
-
-def escalate_key(run_id: str, generation: int) -> str:
-    return f"{prefix(run_id)}escalate/g{generation}"
 
 
 def node_key(run_id: str, generation: int, node: int) -> str:

@@ -435,7 +435,7 @@ class TrainguardAgent(LocalElasticAgent):
         """torch's run loop, with the sidecar service for the workers started before it; the
         service, the coordination store and the event log close after it."""
         if self.service is None:
-            from trainguard.launch._service import SidecarService
+            from trainguard.restart.sidecar import SidecarService
 
             self.service = SidecarService(
                 name="agent", log_dir=self.events_dir, rejoin_timeout=self.options.rejoin_timeout

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
-from trainguard import _env
-from trainguard.errors import ConfigError
+from trainguard.coord.escalation import ask_launcher
 
 __all__ = ["escalate"]
 
@@ -19,19 +16,6 @@ def escalate(reason: str, *, timeout: float = 30.0) -> None:
     included. The job restarts only while torchrun's ``--max-restarts`` has restarts left;
     else it ends with a failure. Needs ``TRAINGUARD_STORE_ADDR``, ``TRAINGUARD_GENERATION``
     and ``TORCHELASTIC_RUN_ID``, which the launcher sets; ``timeout`` bounds the connection to
-    the coordination store (seconds).
+    the coordination store (seconds). The protocol: :mod:`trainguard.coord.escalation`.
     """
-    from trainguard.coord.store import connect
-    from trainguard.launch._keys import escalate_key
-
-    settings = _env.settings()
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if settings.store_addr is None or settings.generation is None or not run_id:
-        raise ConfigError(
-            "escalate() works only in a worker started by `trainguard launch` (it needs "
-            "TRAINGUARD_STORE_ADDR, TRAINGUARD_GENERATION and TORCHELASTIC_RUN_ID); start the "
-            "job with trainguard launch, or end the process with a non-zero exit code instead"
-        )
-    host, port = settings.store_addr
-    store = connect(host, port, timeout=timeout)
-    store.compare_set(escalate_key(run_id, settings.generation), "", reason or "escalate()")
+    ask_launcher(reason or "escalate()", timeout=timeout)

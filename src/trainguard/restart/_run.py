@@ -29,7 +29,8 @@ from typing import Any
 
 from trainguard import _progress, events
 from trainguard.errors import BarrierTimeoutError, JobEndedError, RetryLimitError
-from trainguard.restart import _diagnose, _launch
+from trainguard.restart import _diagnose
+from trainguard.restart import _environment as _launch
 from trainguard.restart._interrupt import Kick
 from trainguard.restart._preconnect import Preconnect
 from trainguard.restart._session import Session

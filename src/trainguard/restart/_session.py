@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from trainguard import _env, _torchcompat, events
+from trainguard._addr import is_local_address
 from trainguard.coord import _bind, _secret, barrier
 from trainguard.coord._startfail import StartNotice
 from trainguard.coord.keys import Keyspace
@@ -17,8 +18,8 @@ from trainguard.coord.store import StoreProcess, connect, parse_addr
 from trainguard.errors import CoordinationError, RestartError
 from trainguard.restart import _records
 from trainguard.restart._book import RoundBook, peek
+from trainguard.restart._environment import Launch
 from trainguard.restart._join import Newcomer, Notify
-from trainguard.restart._launch import Launch, is_local_address
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.sidecar._relayclient import RelayReader
 from trainguard.restart.state import RoundOutcome

@@ -1,12 +1,17 @@
 """The sidecar: a process beside the training processes that outlives them.
 
+Internal to trainguard: this package exports nothing public (``__all__`` is empty). The names
+below are what :mod:`trainguard.restart` and :mod:`trainguard.launch` import from it (its face:
+no other package imports its private modules); they may change in any release.
+
 A training process that crashes, hangs holding the GIL or loses its node cannot report it.
 So each rank's wrapped call is watched by a small process (``python -m
 trainguard.restart.sidecar``, :mod:`.__main__`), a fresh interpreter that shares nothing with
 it: it writes the death notice when the training process dies (:mod:`._notice`), enforces the
 hard timeout, and beats this rank's heartbeat in the store (declaring silent ranks gone). By
 default the ranks of one host share one such process, the node watcher (:mod:`._node`);
-``TRAINGUARD_SIDECAR=process`` gives each rank a sidecar process of its own.
+``TRAINGUARD_SIDECAR=process`` gives each rank a sidecar process of its own; under
+``trainguard launch`` the agent watches its workers itself (:mod:`.agent_service`).
 
 - :class:`Sidecar`: the training process's handle of its own sidecar process
   (``TRAINGUARD_SIDECAR=process``: start, handshake, lines, stop).
@@ -18,18 +23,23 @@ default the ranks of one host share one such process, the node watcher (:mod:`._
   on the stdin of a sidecar process it starts (the node watcher's included), or over the
   node watcher's or the agent's Unix socket; never on a command line, which every local user
   can read.
-- :func:`start_helper`: the one of the three that watches this process, started.
+- :class:`SidecarService`: the agent's side of :class:`AgentSidecar`: it watches the agent's
+  workers (:mod:`.agent_service`).
+- :func:`start_helper`: the one of the three handles that watches this process, started.
 """
 
 from __future__ import annotations
 
 from trainguard import _env
-from trainguard.restart.sidecar._agent import AgentSidecar, agent_address
-from trainguard.restart.sidecar._config import SidecarConfig
-from trainguard.restart.sidecar._handle import Sidecar, log_path
-from trainguard.restart.sidecar._nodeclient import NodeSidecar
+from trainguard.restart.sidecar._agent import AgentSidecar as AgentSidecar
+from trainguard.restart.sidecar._agent import agent_address
+from trainguard.restart.sidecar._config import SidecarConfig as SidecarConfig
+from trainguard.restart.sidecar._handle import Sidecar as Sidecar
+from trainguard.restart.sidecar._handle import log_path as log_path
+from trainguard.restart.sidecar._nodeclient import NodeSidecar as NodeSidecar
+from trainguard.restart.sidecar.agent_service import SidecarService as SidecarService
 
-__all__ = ["AgentSidecar", "NodeSidecar", "Sidecar", "SidecarConfig", "log_path", "start_helper"]
+__all__: list[str] = []
 
 
 def start_helper(config: SidecarConfig) -> Sidecar | AgentSidecar:

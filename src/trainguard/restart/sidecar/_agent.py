@@ -1,8 +1,9 @@
 """The training process's handle of the launcher's sidecar service (``trainguard launch``).
 
 Under ``trainguard launch`` no sidecar process is started: the agent that started this worker
-(its parent) watches it (:class:`trainguard.launch._service.SidecarService`). The agent's
-address is ``TRAINGUARD_AGENT``: the name of a Unix socket in Linux's abstract namespace.
+(its parent) watches it (:class:`~trainguard.restart.sidecar.agent_service.SidecarService`).
+The agent's address is ``TRAINGUARD_AGENT``: the name of a Unix socket in Linux's abstract
+namespace.
 
 :class:`AgentSidecar` has the methods of :class:`~trainguard.restart.sidecar.Sidecar`:
 

@@ -58,7 +58,7 @@ _EXPECT_GRACE = 2.0  # seconds a connection waits for the agent's expect() of it
 _HANDSHAKE_TIMEOUT = 30.0  # seconds for the configuration line
 _JOIN_TIMEOUT = 5.0  # seconds close() waits for each thread
 _KILLER = "the launcher"  # in the cause of a hard-timeout kill
-_LOGGERS = (__name__, "trainguard.restart.sidecar")  # what the service's log file gets
+_LOGGERS = ("trainguard.restart.sidecar",)  # what the service's log file gets (this module too)
 
 
 @dataclasses.dataclass(eq=False)

@@ -24,10 +24,9 @@ from tests.restart import _faults, _jobs
 from trainguard.coord import Keyspace
 from trainguard.coord.store import connect
 from trainguard.errors import CoordinationError
-from trainguard.launch._service import SidecarService
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.policy import ShiftRanks
-from trainguard.restart.sidecar import AgentSidecar, SidecarConfig
+from trainguard.restart.sidecar import AgentSidecar, SidecarConfig, SidecarService
 
 STEPS = 10
 FAULT_STEP = 4

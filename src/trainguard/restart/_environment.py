@@ -19,12 +19,12 @@ import dataclasses
 import logging
 import os
 import re
-import socket
 import sys
 from collections.abc import Iterator, Mapping
 
 from trainguard import _env
 from trainguard._hostlist import first_host
+from trainguard.coord.escalation import ask_launcher
 from trainguard.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -103,22 +103,6 @@ def detect(environ: Mapping[str, str] | None = None) -> Launch:
     )
 
 
-def is_local_address(host: str) -> bool:
-    """True when ``host`` names an address of this machine (it can be bound here)."""
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    for family, _, _, _, sockaddr in infos:
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.bind((sockaddr[0], 0))
-                return True
-        except OSError:
-            continue
-    return False
-
-
 @contextlib.contextmanager
 def round_environment(values: Mapping[str, str]) -> Iterator[None]:
     """Set the round's variables in ``os.environ``; restore the previous values after, and
@@ -150,13 +134,12 @@ def round_environment(values: Mapping[str, str]) -> Iterator[None]:
 def escalate(exc: BaseException) -> None:
     """Under ``trainguard launch``: in-process restart cannot cure ``exc`` (the job ended), so
     ask the launcher for a whole-job restart (a new generation, state from checkpoints; the
-    job fails when torchrun's ``--max-restarts`` has none left). Elsewhere nothing."""
+    job fails when torchrun's ``--max-restarts`` has none left;
+    :mod:`trainguard.coord.escalation`). Elsewhere nothing."""
     if _env.settings().agent is None:
         return
-    from trainguard.launch.worker import escalate
-
     try:
-        escalate(f"{type(exc).__name__}: {exc}"[:2000])
+        ask_launcher(f"{type(exc).__name__}: {exc}"[:2000])
         logger.error("the job ended (%s); asked the launcher to restart the whole job", exc)
     except Exception as failed:
         logger.error("could not ask the launcher for a whole-job restart: %s", failed)
