@@ -72,6 +72,8 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
+from trainguard.errors import ConfigError
+
 __all__ = ["BYE", "MAX_DIGITS", "RingWatch", "read_counter", "ring_after"]
 
 logger = logging.getLogger(__name__)
@@ -230,7 +232,8 @@ class RingWatch:
         """Read the observed members (one ``multi_get``) and judge each: ``bye`` is gone, a
         counter that did not move for ``timeout`` is silent (gone too, ``on_silent``), a
         member that never beat is not judged. Sets :attr:`due`."""
-        assert self.members is not None and self.on_silent is not None
+        if self.members is None or self.on_silent is None:
+            raise ConfigError("RingWatch.look needs members= and on_silent=: pass both")
         asked = self.clock_fn()
         epoch, members = self.members()
         if epoch < 0:  # judged once every member passed the first barrier
