@@ -128,7 +128,7 @@ class Watch:
         self.threads: list[threading.Thread] = []
         self.notices: list[threading.Thread] = []
         self.buffer = b""
-        #: this rank's member of the rank ring (one connection for it and the notices' clones)
+        #: this rank's member of the rank ring, on the connection of :attr:`coord`
         self.ring: RingWatch | None = None
         if heartbeats:
             self.ring = RingWatch(
