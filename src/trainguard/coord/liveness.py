@@ -27,8 +27,9 @@ One interval of one member, two store operations:
    ``blank``: never ``add``, a TCPStore server drops the connection of an ``add`` to a value that
    is no number), so that reading never blocks on a missing key.
 3. **Judge** on this process's monotonic clock (:meth:`RingWatch.clock`): a member whose value
-   did not change for ``timeout`` is silent. A value that is not a counter counts as a counter
-   that does not move; ``blank`` (never beat) is not judged by :meth:`RingWatch.look`.
+   did not change for ``timeout`` is silent. In the rank ring's :meth:`RingWatch.look` a value
+   that is not a counter counts as a counter that does not move and ``blank`` (never beat) is
+   not judged; the node ring compares the values as they are.
 4. **Restart the clocks when starved**: if this watcher's previous look is longer ago than
    ``max(timeout / 2, 2 * interval)`` (the store did not answer, or this process got no CPU or
    was stopped), that time says nothing about the others: every clock starts afresh instead of
