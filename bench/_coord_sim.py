@@ -21,8 +21,8 @@ makes, made by the library's own code on that rank's client:
 - death notices: :func:`trainguard.restart.sidecar._notice.write_notice`;
 - liveness: one :class:`trainguard.restart.sidecar._watch.Watch` per simulated rank, the
   watches of a node of 8 on one connection (``shared``, as the node watcher's), stepped by
-  :meth:`Watch.step` at the moments :meth:`Watch.wake` asks for, each rank's beats at a random
-  phase of the interval (as ranks started at unrelated moments beat); a silent node is a run of consecutive ranks whose
+  its ring's :meth:`RingWatch.step` at the moments :meth:`RingWatch.wake` asks for, each
+  rank's beats at a random phase of the interval (as ranks started at unrelated moments beat); a silent node is a run of consecutive ranks whose
   beats stop, declared and noticed by the real code.
 
 What is simulated: ranks are not processes. A few worker processes (``procs``) each run a few

@@ -383,7 +383,7 @@ class _Worker:
         conns = held() - before
 
         def warm(watch: Any) -> None:  # each sidecar makes its observed counters once, at start
-            watch.ensure(watch.observed(params["round"], roster))
+            watch.ring.ensure(watch.ring.observed(params["round"], roster))
 
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(warm, watches))
@@ -392,7 +392,7 @@ class _Worker:
         k = self.spec["threads"]
         counters = [[0, 0, 0] for _ in range(k)]
         for i, watch in enumerate(watches):
-            watch.beat_store = Counting(watch.beat_store, counters[i % k])
+            watch.ring.store = Counting(watch.ring.store, counters[i % k])
         out: dict[str, Any] = {"conns": conns, "ranks": len(watches), "last": {}, "declared": {}}
         out["lag"] = 0.0  # the latest a watch was stepped after it asked, seconds
         out["window"] = [[0.0, 0.0, 0.0] for _ in range(k)]
@@ -422,8 +422,8 @@ class _Worker:
         params: dict[str, Any],
         out: dict[str, Any],
     ) -> None:
-        """Step each watch when it asks (:meth:`Watch.wake`), each beating at its own phase;
-        the silent ranks stop at ``quiet_at``. Counts the operations of ``count``."""
+        """Step each watch's ring when it asks (:meth:`RingWatch.wake`), each beating at its
+        own phase; the silent ranks stop at ``quiet_at``. Counts the operations of ``count``."""
         silent = set(params["silent"])
         interval = self.cfg.heartbeat_interval
         start = params["start"]
@@ -455,16 +455,16 @@ class _Worker:
             watch = watches[i]
             if watch.rank in silent and now >= params["quiet_at"] and now >= next_beat:
                 continue  # this rank is silent from now on
-            had = len(watch.declared)
+            had = len(watch.ring.gone)
             beats = now >= next_beat
-            next_beat = watch.step(next_beat)
+            next_beat = watch.ring.step(next_beat)
             done = time.monotonic()
             if beats and watch.rank in silent:
                 out["last"][watch.rank] = done
-            if len(watch.declared) != had:
-                for r in watch.declared:
+            if len(watch.ring.gone) != had:
+                for r in watch.ring.gone:
                     out["declared"].setdefault(r, done)
-            heapq.heappush(heap, (watch.wake(next_beat), i, next_beat))
+            heapq.heappush(heap, (watch.ring.wake(next_beat), i, next_beat))
 
 
 def worker_main(conn: Connection, spec: dict[str, Any]) -> None:

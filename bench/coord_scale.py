@@ -10,7 +10,7 @@ growth between sizes and the issue's targets (measured at the largest N), met or
 What is real and what is simulated: see ``bench/_coord_sim.py``. In short: the store process
 is the library's, started as the initial rank 0 starts it; every simulated rank has its own
 store client and runs the library's own code (the monitor's wait, ``Session.arrive`` /
-``Session.take``, ``write_notice``, ``Watch.step``); the ranks are not processes but take
+``Session.take``, ``write_notice``, ``RingWatch.step``); the ranks are not processes but take
 turns on a few threads of a few worker processes, so the round times are an upper bound.
 
 Baseline, in the same command: each size again with every rank waiting at the store itself

@@ -3,7 +3,7 @@ and the heartbeats at a size no multi-process test reaches.
 
 Each simulated rank has its own store client and runs the library's own code (the monitor's
 wait through its node watcher's relay, ``Session.arrive``/``Session.take``, ``write_notice``,
-``Watch.step``), driven in turn by a few threads of this process; a silent node is eight
+``RingWatch.step``), driven in turn by a few threads of this process; a silent node is eight
 consecutive ranks whose heartbeats stop.
 """
 

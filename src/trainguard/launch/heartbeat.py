@@ -1,5 +1,7 @@
 """One heartbeat per node: the agents watch each other in a ring through the coordination store.
 
+The ring (beats, reads, clocks, their restart when this process was starved) is
+:class:`trainguard.coord.liveness.RingWatch`; this module holds the agents' judgement of a node.
 Protocol (one :class:`NodeHeartbeat` per agent, every agent of a generation starts its own right
 after the rendezvous, with the same ``run_id``, ``generation``, ``nodes``, ``interval`` and
 ``timeout``):
@@ -48,6 +50,7 @@ from typing import Any
 
 from trainguard import _torchcompat
 from trainguard._timeouts import Timeout, seconds, shorter
+from trainguard.coord.liveness import BYE, RingWatch, ring_after
 from trainguard.errors import ConfigError, CoordinationError
 from trainguard.launch._keys import node_key, ranks_key
 
@@ -55,7 +58,6 @@ __all__ = ["NodeHeartbeat", "node_ranks", "publish_ranks"]
 
 logger = logging.getLogger(__name__)
 
-BYE = b"bye"  # the node ended normally
 LOST = b"lost/"  # prefix of the mark a watcher writes over a lost node's last value
 
 _Call = tuple[Callable[..., None], tuple[int, ...]]
@@ -123,20 +125,28 @@ class NodeHeartbeat:
         self._on_reachable = on_reachable
         self._clock = clock
         self._base = store
-        self._store = self._connection()
         self._failed = False  # the last beat failed: the next one connects afresh
         #: when (by ``clock``) the last beat that reached the store started; None before.
         self.last_ok: float | None = None
         self._key = node_key(run_id, generation, node)
         self._instance = uuid.uuid4().hex[:12].encode() + b"/"
-        self._sent = 0
-        self._mine: bytes | None = None  # the value of this node's last beat
-        self._successors = [(node + i) % nodes for i in range(1, nodes)]
+        # the ring: its own connection, beats guarded by this instance's last value, the
+        # target and its backup; ``gone`` holds the nodes this heartbeat saw gone (lost or bye)
+        self._ring = RingWatch(
+            self._connection(),
+            lambda n: node_key(run_id, generation, n),
+            me=node,
+            interval=self.interval,
+            timeout=self.timeout,
+            window=2,
+            name="node",
+            blank=b"",
+            prefix=self._instance,
+            guarded=True,
+            clock=clock,
+        )
+        self._successors = ring_after(node, range(nodes))
         self._window = min(2, nodes - 1)  # how many successors the next beat reads
-        self._ensured: set[int] = set()  # successors whose key exists (reading never blocks)
-        self._seen: dict[int, tuple[bytes, float]] = {}  # node -> (value, when it last moved)
-        self._away: set[int] = set()  # nodes this heartbeat saw gone (lost or bye)
-        self._last_beat: float | None = None
         #: nodes this heartbeat declared lost, in order (a node again if it came back and
         #: was lost again).
         self.declared: list[int] = []
@@ -163,7 +173,17 @@ class NodeHeartbeat:
         self._caller = threading.Thread(target=self._run_calls, name="tg-node-calls", daemon=True)
         self._caller.start()
         self.beat()
-        self._beats = threading.Thread(target=self._run_beats, name="tg-node-beats", daemon=True)
+        self._beats = threading.Thread(
+            target=self._ring.run,
+            args=(self._stop,),
+            kwargs={
+                "first": time.monotonic() + self.interval,
+                "beat": self._beat_unless_evicted,
+                "on_error": self._beat_failed,
+            },
+            name="tg-node-beats",
+            daemon=True,
+        )
         self._beats.start()
 
     def close(self, *, bye: bool = True) -> None:
@@ -173,9 +193,9 @@ class NodeHeartbeat:
         if self._beats is not None:
             self._beats.join(self.timeout)
         with self._lock:
-            if not self._closed and bye and not self.evicted and self._mine is not None:
+            if not self._closed and bye and not self.evicted and self._ring.mine is not None:
                 try:
-                    self._store.set(self._key, BYE)
+                    self._ring.store.set(self._key, BYE)
                 except Exception as exc:  # the store may be gone with the job
                     logger.warning("node %d could not say goodbye: %s", self.node, exc)
             self._closed = True
@@ -183,17 +203,15 @@ class NodeHeartbeat:
             self._calls.put(None)
             self._caller.join(self.timeout)
 
-    def _run_beats(self) -> None:
-        next_beat = time.monotonic() + self.interval
-        while not self._stop.wait(max(0.0, next_beat - time.monotonic())):
-            next_beat = max(next_beat + self.interval, time.monotonic())
-            if self.evicted:
-                return
-            try:
-                self.beat()
-            except Exception as exc:
-                self._failed = True
-                logger.warning("node %d heartbeat failed: %s", self.node, exc)
+    def _beat_unless_evicted(self) -> bool:
+        if self.evicted:
+            return False  # the beat thread ends
+        self.beat()
+        return True
+
+    def _beat_failed(self, exc: Exception) -> None:
+        self._failed = True
+        logger.warning("node %d heartbeat failed: %s", self.node, exc)
 
     def _run_calls(self) -> None:
         while (item := self._calls.get()) is not None:
@@ -222,7 +240,7 @@ class NodeHeartbeat:
         sure to exist)."""
         asked = self._clock()
         if self._failed:
-            self._store = self._connection()  # raises while the store is out of reach
+            self._ring.store = self._connection()  # raises while the store is out of reach
         if not self._beat_own():
             return
         self.last_ok = asked
@@ -234,55 +252,32 @@ class NodeHeartbeat:
         self.target = None
         while start < end:
             window = self._successors[start:end]
-            self._ensure(window)
-            keys = [node_key(self.run_id, self.generation, n) for n in window]
-            values = [bytes(v) for v in self._store.multi_get(keys)]
-            now = self._clock()
-            if start == 0:
-                self._restart_clocks(asked, now)
+            values, now = self._ring.read(window)
+            if start == 0 and self._ring.restart_clocks(asked, now):
+                # This process saw nothing for a while: that time says nothing about the others.
+                logger.info(
+                    "node %d: no beat for %.1f s; clocks start afresh", self.node, now - asked
+                )
             lives, end = self._judge(window, values, now, lives, start)
             start, end = end, min(len(self._successors), end + 2 - lives)
         self._window = end if lives == 2 else len(self._successors)
-
-    def _restart_clocks(self, asked: float, now: float) -> None:
-        quiet = max(self.timeout / 2, 2 * self.interval)
-        if self._last_beat is not None and now - self._last_beat > quiet:
-            # This process saw nothing for a while: that time says nothing about the others.
-            logger.info("node %d: no beat for %.1f s; clocks start afresh", self.node, now - asked)
-            self._seen.clear()
-        self._last_beat = asked
 
     def _beat_own(self) -> bool:
         with self._lock:
             if self._closed or self.evicted:
                 return False
-            self._sent += 1
-            value = self._instance + str(self._sent).encode()
-            if self._mine is None:  # a replacement node overwrites the lost mark on purpose
-                self._store.set(self._key, value)
-            else:
-                got = bytes(self._store.compare_set(self._key, self._mine, value))
-                if got != value and got.startswith(self._instance):
-                    # an earlier beat of ours landed after its call failed
-                    got = bytes(self._store.compare_set(self._key, got, value))
-                if got != value:
-                    self.evicted = True
-                    logger.error(
-                        "node %d was declared lost by another node (its key holds %r); it "
-                        "stops beating",
-                        self.node,
-                        got[:60],
-                    )
-                    self._call(self._on_evicted)
-                    return False
-            self._mine = value
+            got = self._ring.beat()  # a replacement node's first beat overwrites the lost mark
+            if got is not None:
+                self.evicted = True
+                logger.error(
+                    "node %d was declared lost by another node (its key holds %r); it "
+                    "stops beating",
+                    self.node,
+                    got[:60],
+                )
+                self._call(self._on_evicted)
+                return False
             return True
-
-    def _ensure(self, window: Sequence[int]) -> None:
-        for n in window:
-            if n not in self._ensured:  # compare_set from "" creates a missing key only
-                self._store.compare_set(node_key(self.run_id, self.generation, n), "", "")
-                self._ensured.add(n)
 
     def _judge(
         self, window: Sequence[int], values: Sequence[bytes], now: float, lives: int, offset: int
@@ -293,19 +288,13 @@ class NodeHeartbeat:
             if raw == BYE or raw.startswith(LOST):
                 self._went(n, raw)
                 continue
-            if n in self._away:
-                self._away.discard(n)
+            if n in self._ring.gone:
+                self._ring.gone.discard(n)
                 if lives == 0:  # reported by its watcher only, not by those it backs up
                     logger.warning("node %d beats again (a replacement took its place)", n)
                     self._call(self._on_back, n)
-            previous = self._seen.get(n)
-            if previous is None or previous[0] != raw:
-                self._seen[n] = (raw, now)
-            elif (
-                lives == 0
-                and now - previous[1] >= self.timeout
-                and not self._declare(n, raw, now - previous[1], now)
-            ):
+            silent = self._ring.clock(n, raw, now)
+            if lives == 0 and silent >= self.timeout and not self._declare(n, raw, silent, now):
                 continue
             if lives == 0:
                 self.target = n
@@ -317,7 +306,7 @@ class NodeHeartbeat:
     def _declare(self, n: int, raw: bytes, silent: float, now: float) -> bool:
         """Mark node ``n`` lost unless it moved; True when it is still live."""
         mark = LOST + f"{self.node}/".encode() + self._instance
-        got = bytes(self._store.compare_set(node_key(self.run_id, self.generation, n), raw, mark))
+        got = bytes(self._ring.store.compare_set(self._ring.key(n), raw, mark))
         if got == mark:
             self._went(n, mark)
             self.declared.append(n)
@@ -327,13 +316,13 @@ class NodeHeartbeat:
         if got == BYE or got.startswith(LOST):
             self._went(n, got)
             return False
-        self._seen[n] = (got, now)  # it beat just now
+        self._ring.clock(n, got, now)  # it beat just now: its clock starts
         return True
 
     def _went(self, n: int, raw: bytes) -> None:
-        self._seen.pop(n, None)
-        if n not in self._away:
-            self._away.add(n)
+        self._ring.forget(n)
+        if n not in self._ring.gone:
+            self._ring.gone.add(n)
             logger.info("node %d is gone (%s)", n, "ended" if raw == BYE else "lost")
 
 

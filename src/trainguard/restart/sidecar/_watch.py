@@ -23,29 +23,15 @@ TCPStore operation on a server that stopped answering blocks far past its timeou
   pidfd (``pidfd_send_signal``), so they never reach a process that reused the pid; with
   ``group_kill`` a SIGCONT goes first (a stopped process cannot handle SIGTERM) and every signal
   goes to the process group the training process leads, if it leads one.
-- ``tg-beats`` (sidecar only): counts this rank's counter up every ``heartbeat_interval`` and
-  reads the counters of the ranks it observes (one ``multi_get``); a rank whose counter did not
-  move for ``heartbeat_timeout`` by this process's clock is gone: a ``tg-notice`` thread with a
-  connection of its own (opened for the notice) writes the notice, so a notice waiting on a
-  barrier never stops the beats. A value that is not a counter counts as a counter that does
-  not move.
-
-Who observes whom (O(N) store traffic in all, not O(N^2)): the ranks of the current round in
-initial-rank order form a ring, and each sidecar observes the :data:`WINDOW` ranks that follow
-its own on it, leaving out the ranks it declared gone or that said goodbye (so its window moves
-on past them). Each rank is thus observed by the ``WINDOW`` ranks before it: losing any few
-observers blinds nobody, and a node (consecutive initial ranks, as torchrun hands them out) of
-up to ``WINDOW - 1`` ranks lost at once still has live observers of each of its ranks that
-started their clocks before it went silent, so all of them are declared. An observer looks
-again at the moment an observed rank's clock runs out (:meth:`Watch.wake`), not at its next
-beat: a rank is declared ``heartbeat_timeout`` after the first of its observers saw its last
-beat (each observer sees it up to one interval late, the observers' beats fall at unrelated
-moments, so with ``WINDOW`` of them the first is usually a small fraction of an interval
-late). A longer silent run is declared a window at a time (one more ``heartbeat_timeout`` per
-``WINDOW`` ranks). Every observer that finds a rank silent writes its notice: the notice is
-idempotent, the first one counts the rank out. Per interval each sidecar makes two store
-operations (``set``, ``multi_get`` of ``WINDOW`` keys), plus one ``multi_get`` at the moment
-an observed rank falls silent.
+- ``tg-beats`` (sidecar only): this rank's member of the rank ring
+  (:class:`trainguard.coord.liveness.RingWatch`, whose docstring holds the protocol): it counts
+  this rank's counter up every ``heartbeat_interval`` and judges the :data:`WINDOW` ranks after
+  it among the current round's roster (one ``multi_get``), looking again at the moment an
+  observed rank's clock runs out; a rank silent for ``heartbeat_timeout`` by this process's
+  clock is gone: a ``tg-notice`` thread with a connection of its own (opened for the notice)
+  writes the notice, so a notice waiting on a barrier never stops the beats. Every observer
+  that finds a rank silent writes its notice: the notice is idempotent, the first one counts
+  the rank out.
 
 The sidecar holds one store connection (beats, its goodbye, its own rank's death notice: a
 TCPStore client serializes its operations), plus one per notice about another rank while it
@@ -55,7 +41,6 @@ rank's own death notice then has a connection of its own too.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import json
 import logging
@@ -68,14 +53,15 @@ from collections.abc import Callable
 from typing import Any
 
 from trainguard import events
+from trainguard.coord.liveness import RingWatch
 from trainguard.coord.store import connect
 from trainguard.restart.sidecar._config import SidecarConfig
-from trainguard.restart.sidecar._counter import log_bad_counter, read_counter
 from trainguard.restart.sidecar._notify import notify
 
 logger = logging.getLogger("trainguard.restart.sidecar")
 
-#: how many ranks each sidecar observes (the ones after it on the ring, see the module doc).
+#: how many ranks each sidecar observes (the ones after it on the ring, see
+#: :mod:`trainguard.coord.liveness`).
 #: 32: the last rank of a silent node of 8 still has 24 live observers, so the first of them
 #: sees its last beat ~1/25 of an interval late on average (16 gave 0.25 s beyond
 #: heartbeat_timeout for a node at 4,096 simulated ranks, 32 gives 0.09 s); the same two
@@ -129,7 +115,6 @@ class Watch:
         if store is None:
             store = connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
         self.coord: Any = store
-        self.beat_store: Any = self.coord if heartbeats else None  # one connection for both
         self.pidfd = os.pidfd_open(self.parent) if pidfd is None else pidfd
         self.lock = threading.Lock()  # guards the fields below, shared by the threads
         self.round = -1
@@ -143,27 +128,33 @@ class Watch:
         self.threads: list[threading.Thread] = []
         self.notices: list[threading.Thread] = []
         self.buffer = b""
-        # heartbeats of the others: rank -> (counter, when it last moved by our clock)
-        self.seen: dict[int, tuple[int, float]] = {}
-        self.declared: set[int] = set()
-        self.last_beat = time.monotonic()
-        self.sent = 0  # this rank's heartbeat counter
-        self.due: float | None = None  # when an observed rank is late unless it moves
-        # the observed ranks for (round, how many declared), and the counters known to exist
-        self.window: tuple[tuple[int, int], list[int]] = ((-2, 0), [])
-        self.ensured: set[int] = set()
+        #: this rank's member of the rank ring, on the connection of :attr:`coord`
+        self.ring: RingWatch | None = None
+        if heartbeats:
+            self.ring = RingWatch(
+                store,
+                self.keys.heartbeat,
+                me=self.rank,
+                interval=cfg.heartbeat_interval,
+                timeout=cfg.heartbeat_timeout,
+                window=WINDOW,
+                name="rank",
+                members=self.position,
+                on_silent=self.silent,
+            )
+            self.ring.ensure([self.rank])
         #: the node watcher's hook for the rank's asks of its relay (:mod:`._relay`)
         self.on_relay: Callable[[dict[str, Any]], None] | None = None
-        if heartbeats:
-            self.ensure([self.rank])
 
     # lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
         """Start the clock of the hard timeout and the threads (tg-hard, tg-beats)."""
         self.last_line = time.monotonic()
         self.threads = [threading.Thread(target=self.enforce_hard_timeout, name="tg-hard")]
-        if self.heartbeats:
-            self.threads.append(threading.Thread(target=self.beats, name="tg-beats"))
+        if self.ring is not None:
+            self.threads.append(
+                threading.Thread(target=self.ring.run, args=(self.done,), name="tg-beats")
+            )
         for thread in self.threads:
             thread.daemon = True
             thread.start()
@@ -179,7 +170,8 @@ class Watch:
     def close(self) -> None:
         """Drop the store connections and the pidfd (after :meth:`stop`)."""
         self.coord = None
-        self.beat_store = None
+        if self.ring is not None:
+            self.ring.store = None
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
@@ -254,107 +246,13 @@ class Watch:
             if self.group_kill and os.getpgid(self.parent) == self.parent:
                 os.killpg(self.parent, sig)
 
-    # tg-beats: heartbeats and verdicts (sidecar only) -------------------------------------
-    def beats(self) -> None:
-        next_beat = time.monotonic()
-        while not self.done.wait(max(0.0, self.wake(next_beat) - time.monotonic())):
-            next_beat = self.step(next_beat)
-
-    def wake(self, next_beat: float) -> float:
-        """When the beats thread has something to do: the next beat, or before it the deadline
-        of an observed rank (see :meth:`judge`), so that a silent rank is declared at its
-        deadline, not up to an interval later at the next beat."""
-        return next_beat if self.due is None else min(next_beat, self.due)
-
-    def step(self, next_beat: float) -> float:
-        """What is due now: this rank's beat once ``next_beat`` is reached (then a look at
-        the others), else a look at the others once a deadline is. Returns the next beat's
-        time. A failed store operation is logged, and no deadline is looked at again before
-        the next beat."""
-        now = time.monotonic()
-        try:
-            if now >= next_beat:
-                next_beat = max(next_beat + self.cfg.heartbeat_interval, now)
-                self.beat()
-            elif self.due is not None and now >= self.due:
-                self.judge()
-        except Exception as exc:
-            self.due = None
-            logger.warning("heartbeat failed: %s", exc)
-        return next_beat
-
-    def ensure(self, ranks: list[int]) -> None:
-        """Make the counters of ``ranks`` exist, so that reading them never blocks on a missing
-        key. Not by add(): a TCPStore server drops the connection of an add to a value that is
-        no number."""
-        for r in ranks:
-            if r not in self.ensured:
-                self.beat_store.compare_set(self.keys.heartbeat(r), "", b"0")
-                self.ensured.add(r)
-
-    def observed(self, n: int, roster: tuple[int, ...]) -> list[int]:
-        """The ranks this sidecar observes in round ``n`` (see the module docstring)."""
-        key = (n, len(self.declared))
-        if self.window[0] == key:
-            return self.window[1]
-        ring = sorted(r for r in roster if r != self.rank and r not in self.declared)
-        start = bisect.bisect_right(ring, self.rank)
-        window = (ring[start:] + ring[:start])[:WINDOW]
-        self.window = (key, window)
-        return window
-
-    def beat(self) -> None:
-        """This rank's beat, then a look at the ranks it observes: two store operations."""
-        self.sent += 1  # set, not add: whatever another writer left there is overwritten
-        self.beat_store.set(self.keys.heartbeat(self.rank), str(self.sent))
-        self.judge()
-
-    def judge(self) -> None:
-        """Read the counters of the observed ranks (one ``multi_get``) and declare those whose
-        counter did not move for ``heartbeat_timeout`` by this process's clock. Sets
-        :attr:`due`: the earliest moment one of them would be late, if it does not move."""
-        store = self.beat_store
-        asked = time.monotonic()
-        n, roster = self.position()
-        if n < 0:  # judged once every rank passed the first barrier
-            return
-        others = self.observed(n, roster)
-        if not others:
-            return
-        self.ensure(others)
-        values = store.multi_get([self.keys.heartbeat(r) for r in others])
-        now = time.monotonic()
-        timeout = self.cfg.heartbeat_timeout
-        if now - self.last_beat > max(timeout / 2, 2 * self.cfg.heartbeat_interval):
-            # This process saw nothing for a while (the store did not answer, or this process
-            # got no CPU): that time says nothing about the others. Start their clocks afresh.
-            self.seen = {}
-        self.last_beat = asked
-        watched = set(others)  # a rank that comes back into the window starts afresh
-        self.seen = {r: v for r, v in self.seen.items() if r in watched}
-        for r, raw in zip(others, values, strict=True):
-            if bytes(raw) == b"bye":  # that rank finished normally
-                self.declared.add(r)
-                continue
-            counter = read_counter(bytes(raw))
-            if counter == 0:
-                continue  # judged only once it beat
-            previous = self.seen.get(r)
-            if counter < 0 and (previous is None or previous[0] >= 0):
-                log_bad_counter(r, bytes(raw))
-            if previous is None or previous[0] != counter:
-                self.seen[r] = (counter, now)
-            elif now - previous[1] >= timeout:
-                self.declared.add(r)
-                del self.seen[r]
-                cause = f"silent: no heartbeat for {now - previous[1]:.1f} s (heartbeat_timeout)"
-                logger.warning("rank %d is %s", r, cause)
-                self.notices.append(self.notice_thread(r, n, roster, cause))
-        self.due = min((t for _, t in self.seen.values()), default=None)
-        if self.due is not None:
-            self.due += timeout
-
     # notices -----------------------------------------------------------------------------
+    def silent(self, r: int, silent: float, n: int, roster: tuple[int, ...]) -> None:
+        """The ring found rank ``r`` silent in round ``n``: its notice (:meth:`notice_thread`)."""
+        cause = f"silent: no heartbeat for {silent:.1f} s (heartbeat_timeout)"
+        logger.warning("rank %d is %s", r, cause)
+        self.notices.append(self.notice_thread(r, n, roster, cause))
+
     def notice_thread(
         self, r: int, n: int, roster: tuple[int, ...], cause: str
     ) -> threading.Thread:

@@ -1,0 +1,331 @@
+"""One liveness ring: each member beats a counter of its own and watches the next few members'.
+
+Two users, one protocol:
+
+- the rank sidecars (:class:`trainguard.restart.sidecar._watch.Watch`, ``name="rank"``): one
+  member per rank of the current round, a window of 32, every member of the window judged, a
+  look at the moment an observed member's clock runs out;
+- the launcher's agents (:class:`trainguard.launch.heartbeat.NodeHeartbeat`, ``name="node"``):
+  one member per node, a window of two live nodes (the target it judges and a backup whose
+  clock it keeps), its own judgement (a lost mark written with ``compare_set``).
+
+Keys (the user names them, :attr:`RingWatch.key`): one per member, for example
+``<round prefix>hb/<rank>`` or ``trainguard/launch/<run_id>/g<gen>/node/<node>``. A key holds
+the member's own ``prefix`` followed by its counter in decimal digits (``blank`` until its first
+beat), or ``bye`` once the member ended normally; a user may give other values a meaning of its
+own (the agents' lost mark).
+
+One interval of one member, two store operations:
+
+1. **Beat** (:meth:`RingWatch.beat`): count the own counter up and write it, with ``set`` (what
+   another writer left there is overwritten) or, ``guarded``, with ``compare_set`` from the
+   member's own last value, so that a mark another member wrote over it is found (the beat then
+   returns that value and writes nothing).
+2. **Read** (:meth:`RingWatch.read`): the keys of the members that follow this one in ring order
+   (ascending, wrapping around: :func:`ring_after`), at most ``window`` of them, in one
+   ``multi_get``. Each key is made to exist once first (``compare_set`` from ``""`` to
+   ``blank``: never ``add``, a TCPStore server drops the connection of an ``add`` to a value that
+   is no number), so that reading never blocks on a missing key.
+3. **Judge** on this process's monotonic clock (:meth:`RingWatch.clock`): a member whose value
+   did not change for ``timeout`` is silent. In the rank ring's :meth:`RingWatch.look` a value
+   that is not a counter counts as a counter that does not move and ``blank`` (never beat) is
+   not judged; the node ring compares the values as they are.
+4. **Restart the clocks when starved**: if this watcher's previous look is longer ago than
+   ``max(timeout / 2, 2 * interval)`` (the store did not answer, or this process got no CPU or
+   was stopped), that time says nothing about the others: every clock starts afresh instead of
+   declaring everyone silent at once.
+
+Store traffic: O(N) in all per interval (each key read by about ``window`` watchers), never
+every member reading every other member's key. :meth:`RingWatch.run` drives the intervals on
+the real monotonic clock: a beat every ``interval`` and, with :attr:`RingWatch.due` set by
+:meth:`RingWatch.look`, a look between beats at the moment an observed member would be late.
+
+The rank ring (:meth:`RingWatch.look`): the ranks of the current round in initial-rank order
+form the ring, and each sidecar observes the ``window`` ranks that follow its own on it,
+leaving out the ranks it saw gone (declared, or said goodbye), so that its window moves on past
+them. Each rank is thus observed by the ``window`` ranks before it: losing any few observers
+blinds nobody, and a node (consecutive initial ranks, as torchrun hands them out) of up to
+``window - 1`` ranks lost at once still has live observers of each of its ranks that started
+their clocks before it went silent, so all of them are declared. An observer looks again at the
+moment an observed rank's clock runs out, not at its next beat: a rank is declared ``timeout``
+after the first of its observers saw its last beat (each observer sees it up to one interval
+late, the observers' beats fall at unrelated moments, so with ``window`` of them the first is
+usually a small fraction of an interval late). A longer silent run is declared a window at a
+time (one more ``timeout`` per ``window`` ranks). Every observer that finds a rank silent
+reports it (``on_silent``; the sidecar's death notice is idempotent, the first counts the rank
+out). Per interval each member makes two store operations (``set``, ``multi_get`` of
+``window`` keys), plus one ``multi_get`` at the moment an observed rank falls silent.
+
+The node ring (:mod:`trainguard.launch.heartbeat`) reads its successors in chunks until it has
+two live ones, within the same beat (a lost target's backup is judged at once), and keeps
+reading the gone ones (a replacement node is seen beating again).
+
+No torch here: the sidecar process imports this module (it talks to the store through
+:mod:`trainguard.coord._wire`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
+
+from trainguard.errors import ConfigError
+
+__all__ = ["BYE", "MAX_DIGITS", "RingWatch", "read_counter", "ring_after"]
+
+logger = logging.getLogger(__name__)
+
+#: the value of a member that ended normally: it is never judged again
+BYE = b"bye"
+#: the most digits a heartbeat counter has (a beat every millisecond for a billion years has 20;
+#: Python refuses to read an int of more than 4,300 digits)
+MAX_DIGITS = 20
+
+
+def read_counter(raw: bytes) -> int:
+    """A heartbeat counter read from the store: 0 for none yet, -1 for a value that is no
+    counter (not digits, or more than :data:`MAX_DIGITS` of them)."""
+    if not raw:
+        return 0
+    return int(raw) if len(raw) <= MAX_DIGITS and raw.isdigit() else -1
+
+
+def ring_after(me: int, members: Iterable[int]) -> list[int]:
+    """``members`` (``me`` left out) in ring order after ``me``: ascending from the first one
+    above ``me``, wrapping around to the smallest."""
+    ring = sorted(m for m in members if m != me)
+    start = bisect.bisect_right(ring, me)
+    return ring[start:] + ring[:start]
+
+
+class RingWatch:
+    """One member's beat and its watch over the next members of the ring (module docstring).
+
+    Args:
+        store: the store client the beats and reads use (:attr:`store`; a user that connects
+            afresh replaces it).
+        key: the key of a member.
+        me: this member.
+        interval: seconds between beats.
+        timeout: a member whose value did not move for this long by this process's clock is
+            silent.
+        window: how many members after this one it observes.
+        name: what a member is, for the log ("rank", "node").
+        blank: the value a key is created with before its member's first beat.
+        prefix: what this member writes before its counter (guarded: unique to this writer).
+        guarded: beat with ``compare_set`` from the own last value (see :meth:`beat`).
+        members: for :meth:`look`: the ring's epoch (below 0: not judged yet) and its members;
+            the window is cached per epoch and per how many members were seen gone.
+        on_silent: for :meth:`look`: called (on the beat thread) with a member, how long it
+            was silent, and the epoch and members it was judged in.
+        clock: monotonic clock in seconds (tests give a fake one).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        key: Callable[[int], str],
+        *,
+        me: int,
+        interval: float,
+        timeout: float,
+        window: int,
+        name: str = "member",
+        blank: bytes = b"0",
+        prefix: bytes = b"",
+        guarded: bool = False,
+        members: Callable[[], tuple[int, tuple[int, ...]]] | None = None,
+        on_silent: Callable[[int, float, int, tuple[int, ...]], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.key, self.me, self.name = key, me, name
+        self.interval, self.timeout, self.window = interval, timeout, window
+        self.blank, self.prefix, self.guarded = blank, prefix, guarded
+        self.members, self.on_silent = members, on_silent
+        self.clock_fn = clock
+        self.sent = 0  # this member's counter
+        #: this member's last value written (None before its first beat)
+        self.mine: bytes | None = None
+        #: the observed members' clocks: member -> (what it showed, when that last changed)
+        self.seen: dict[int, tuple[Hashable, float]] = {}
+        #: members this watcher saw gone (ended or declared); :meth:`look` skips them
+        self.gone: set[int] = set()
+        #: when an observed member is late unless it moves (set by :meth:`look`)
+        self.due: float | None = None
+        self.last_look: float | None = None  # when the previous look started
+        self.ensured: set[int] = set()  # members whose key exists (reading never blocks)
+        self._window: tuple[tuple[int, int], list[int]] = ((-2, 0), [])
+
+    # the beat ----------------------------------------------------------------------------
+    def beat(self) -> bytes | None:
+        """Write this member's next value; None when written. ``guarded``: from its own last
+        value only; a value found in its place that an earlier beat of this writer left (its
+        call failed after it landed) is overwritten too; any other is returned, unchanged."""
+        self.sent += 1
+        value = self.prefix + str(self.sent).encode()
+        if not self.guarded or self.mine is None:  # the first guarded beat overwrites on purpose
+            self.store.set(self.key(self.me), value)
+        else:
+            got = bytes(self.store.compare_set(self.key(self.me), self.mine, value))
+            if got != value and got.startswith(self.prefix):
+                got = bytes(self.store.compare_set(self.key(self.me), got, value))
+            if got != value:
+                return got
+        self.mine = value
+        return None
+
+    # reading -----------------------------------------------------------------------------
+    def ensure(self, members: Iterable[int]) -> None:
+        """Make the keys of ``members`` exist (``compare_set`` from ``""``: a missing key only)."""
+        for m in members:
+            if m not in self.ensured:
+                self.store.compare_set(self.key(m), "", self.blank)
+                self.ensured.add(m)
+
+    def read(self, members: Sequence[int]) -> tuple[list[bytes], float]:
+        """The values of ``members`` (one ``multi_get``) and when they were read."""
+        self.ensure(members)
+        values = [bytes(v) for v in self.store.multi_get([self.key(m) for m in members])]
+        return values, self.clock_fn()
+
+    # the clocks --------------------------------------------------------------------------
+    def restart_clocks(self, asked: float, now: float) -> bool:
+        """A look that started at ``asked`` read its values at ``now``: if the previous look
+        started more than ``max(timeout / 2, 2 * interval)`` before ``now``, this watcher was
+        starved and every clock starts afresh (True)."""
+        quiet = max(self.timeout / 2, 2 * self.interval)
+        starved = self.last_look is not None and now - self.last_look > quiet
+        if starved:
+            self.seen.clear()
+        self.last_look = asked
+        return starved
+
+    def clock(self, member: int, reading: Hashable, now: float) -> float:
+        """Seconds ``member`` has shown ``reading`` by this process's clock at ``now``; 0.0
+        when it changed (or is seen for the first time): its clock starts."""
+        previous = self.seen.get(member)
+        if previous is None or previous[0] != reading:
+            self.seen[member] = (reading, now)
+            return 0.0
+        return now - previous[1]
+
+    def forget(self, member: int) -> None:
+        """Drop ``member``'s clock (it went; should it come back it starts afresh)."""
+        self.seen.pop(member, None)
+
+    # the rank ring's look ----------------------------------------------------------------
+    def observed(self, epoch: int, members: tuple[int, ...]) -> list[int]:
+        """The first ``window`` members after this one in ring order, those seen gone left
+        out."""
+        key = (epoch, len(self.gone))
+        if self._window[0] == key:
+            return self._window[1]
+        window = ring_after(self.me, (m for m in members if m not in self.gone))[: self.window]
+        self._window = (key, window)
+        return window
+
+    def look(self) -> None:
+        """Read the observed members (one ``multi_get``) and judge each: ``bye`` is gone, a
+        counter that did not move for ``timeout`` is silent (gone too, ``on_silent``), a
+        member that never beat is not judged. Sets :attr:`due`."""
+        if self.members is None or self.on_silent is None:
+            raise ConfigError("RingWatch.look needs members= and on_silent=: pass both")
+        asked = self.clock_fn()
+        epoch, members = self.members()
+        if epoch < 0:  # judged once every member passed the first barrier
+            return
+        others = self.observed(epoch, members)
+        if not others:
+            return
+        values, now = self.read(others)
+        self.restart_clocks(asked, now)
+        watched = set(others)  # a member that comes back into the window starts afresh
+        self.seen = {m: v for m, v in self.seen.items() if m in watched}
+        for m, raw in zip(others, values, strict=True):
+            if raw == BYE:  # that member finished normally
+                self.gone.add(m)
+                continue
+            counter = read_counter(raw)
+            if counter == 0:
+                continue  # judged only once it beat
+            previous = self.seen.get(m)
+            if counter < 0 and (previous is None or previous[0] != -1):  # newly no counter
+                self._log_bad_counter(m, raw)
+            silent = self.clock(m, counter, now)
+            if silent >= self.timeout:
+                self.gone.add(m)
+                self.forget(m)
+                self.on_silent(m, silent, epoch, members)
+        self.due = self.deadline()
+
+    def deadline(self) -> float | None:
+        """The earliest moment an observed member is late unless it moves."""
+        first = min((t for _, t in self.seen.values()), default=None)
+        return None if first is None else first + self.timeout
+
+    def _log_bad_counter(self, m: int, raw: bytes) -> None:
+        why = f"no counter ({len(raw)} bytes: {raw[:40]!r})"
+        logger.warning(
+            "%s %d's heartbeat in the store is %s: judged as silent unless it moves",
+            self.name,
+            m,
+            why,
+        )
+
+    # the intervals -----------------------------------------------------------------------
+    def beat_and_look(self) -> bool:
+        """The rank ring's interval: this member's beat, then :meth:`look`."""
+        self.beat()
+        self.look()
+        return True
+
+    def wake(self, next_beat: float) -> float:
+        """When there is something to do: the next beat, or before it :attr:`due`."""
+        return next_beat if self.due is None else min(next_beat, self.due)
+
+    def step(
+        self,
+        next_beat: float,
+        beat: Callable[[], bool] | None = None,
+        on_error: Callable[[Exception], None] | None = None,
+    ) -> float | None:
+        """What is due now: ``beat`` (default :meth:`beat_and_look`) once ``next_beat`` is
+        reached, else a :meth:`look` once :attr:`due` is. Returns the next beat's time, None
+        when ``beat`` returned False (no more beats). A failure goes to ``on_error`` (default:
+        logged), and no deadline is looked at again before the next beat."""
+        now = time.monotonic()
+        try:
+            if now >= next_beat:
+                next_beat = max(next_beat + self.interval, now)
+                if not (beat or self.beat_and_look)():
+                    return None
+            elif self.due is not None and now >= self.due:
+                self.look()
+        except Exception as exc:
+            self.due = None
+            if on_error is None:
+                logger.warning("heartbeat failed: %s", exc)
+            else:
+                on_error(exc)
+        return next_beat
+
+    def run(
+        self,
+        stop: threading.Event,
+        *,
+        first: float | None = None,
+        beat: Callable[[], bool] | None = None,
+        on_error: Callable[[Exception], None] | None = None,
+    ) -> None:
+        """Beat every ``interval`` from ``first`` (default now) until ``stop`` is set or
+        ``beat`` returns False (see :meth:`step`)."""
+        next_beat: float | None = time.monotonic() if first is None else first
+        while next_beat is not None and not stop.wait(
+            max(0.0, self.wake(next_beat) - time.monotonic())
+        ):
+            next_beat = self.step(next_beat, beat, on_error)
