@@ -4,7 +4,7 @@ One :class:`Watch` per wrapped call of one training process. It runs in two plac
 
 - in the sidecar process (``python -m trainguard.restart.sidecar``): fed from the sidecar's
   stdin, it also beats this rank's heartbeat and judges the others' (:meth:`Watch.run_piped`);
-- inside the launcher's agent (:class:`trainguard.launch._service.SidecarService`): fed from a
+- inside the launcher's agent (:class:`trainguard.restart.sidecar.agent_service.SidecarService`): fed from a
   Unix socket connection, without heartbeats (the agent beats once per node), and it kills the
   worker's whole process group at the hard timeout (``group_kill``).
 
