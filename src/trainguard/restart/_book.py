@@ -24,6 +24,11 @@ taken out of ``gone`` and its departure undone (its left mark deleted, ``left`` 
 once, whoever deletes the mark), so that the store process does not exit while it still
 serves. A layout writer whose layout lost the publication counts out again the ranks it
 admitted that the published round does not hold.
+
+A round's outcome (its stop key) is written here only: :func:`propose` (the first proposal
+wins) and :meth:`RoundBook.complete` (the last active rank to return proposes ``complete``).
+Every proposer (a rank's fault or hang, the monitor's close, a newcomer's admission, a death
+notice, the straggler policy) goes through them.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from trainguard.restart import _records
 from trainguard.restart._repeat import Repeats
 from trainguard.restart.policy._round import RoundPolicies
 from trainguard.restart.policy.layout import Layout
+from trainguard.restart.state import RoundOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +64,14 @@ def peek(store: Any, key: str) -> bytes | None:
     if not store.check([key]):
         return None
     return barrier.read_set(store, key)
+
+
+def propose(store: Any, keys: Keyspace, n: int, outcome: RoundOutcome) -> bool:
+    """Propose ``outcome`` for round ``n`` on ``store``: one ``compare_set`` of the round's
+    stop key from unset. True when this proposal won (it is the round's outcome); False when
+    another outcome was there first (that one holds)."""
+    value = outcome.encode()
+    return bytes(store.compare_set(keys.stop(n), "", value)) == value
 
 
 @dataclasses.dataclass(eq=False)
@@ -117,6 +131,17 @@ class RoundBook:
         elif admitted:
             self._recount(admitted, published)
         return published
+
+    def propose(self, n: int, outcome: RoundOutcome) -> bool:
+        """Propose ``outcome`` for round ``n`` (:func:`propose`); True when it won."""
+        return propose(self.store, self.keys, n, outcome)
+
+    def complete(self, n: int, active: int) -> bool:
+        """Count one returned function of round ``n``, whose ``active`` ranks run it; the last
+        one proposes ``complete`` (True when that proposal won)."""
+        if int(self.store.add(self.keys.done(n), 1)) != active:
+            return False
+        return self.propose(n, RoundOutcome.complete())
 
     def enter(self, ready: dict[str, Any]) -> None:
         """Follow the published round ``ready``: its ranks are the next barrier's roster.

@@ -120,8 +120,7 @@ class Newcomer:
         admit = current is not None and not current["end"] and self._grows(m, current)
         events.emit("join_wait", waiting_round=m, admit=admit)
         if admit and peek(self.store, self.keys.ready(m)) is None:  # not published meanwhile
-            outcome = RoundOutcome.admit(self.rank)
-            self.store.compare_set(self.keys.stop(m - 1), "", outcome.encode())
+            self.book.propose(m - 1, RoundOutcome.admit(self.rank))
 
     def _grows(self, m: int, current: dict[str, Any]) -> bool:
         """Would the rank assignment and filter make more ranks active with this one?"""

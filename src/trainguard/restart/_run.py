@@ -27,9 +27,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from trainguard import _progress, events
+from trainguard import _progress, _torchcompat, events
 from trainguard.errors import BarrierTimeoutError, JobEndedError, RetryLimitError
 from trainguard.restart import _diagnose, _launch
+from trainguard.restart._book import RoundBook
 from trainguard.restart._interrupt import Kick
 from trainguard.restart._preconnect import Preconnect
 from trainguard.restart._session import Session
@@ -40,6 +41,7 @@ from trainguard.restart.monitor import Monitor, MonitorHooks
 from trainguard.restart.sidecar import AgentSidecar, Sidecar, SidecarConfig, start_helper
 from trainguard.restart.state import RestartInterrupt, RoundOutcome, RoundState, describe
 from trainguard.restart.watchdog import Watchdog
+from trainguard.stragglers import Stragglers
 from trainguard.stragglers._watch import StragglerWatch
 
 logger = logging.getLogger(__name__)
@@ -66,8 +68,7 @@ class WrappedCall:
         self.watchdog: Watchdog | None = None
         self.preconnect: Preconnect | None = None
         self.call: CallWrapper | None = None
-        slow = cfg.stragglers
-        self.stragglers = StragglerWatch(slow, self.session, cfg.store_timeout) if slow else None
+        self.stragglers: StragglerWatch | None = None  # made once the session is open
         self.left_early = False
         self.entered = False  # this process entered a round (a newcomer may never)
         self.round_store: str | None = None  # the round store's "host:port" (ready["pg"])
@@ -113,6 +114,8 @@ class WrappedCall:
         """Connect, start the sidecar, the monitor thread and the watchdog thread."""
         cfg = self.cfg
         self.session.open()
+        if cfg.stragglers:
+            self.stragglers = self._straggler_watch(cfg.stragglers)
         if cfg.sidecar:
             self.sidecar = self._start_sidecar(log_dir)
             self.sidecar.handshake(cfg.store_timeout)
@@ -129,14 +132,15 @@ class WrappedCall:
             abort_timeout=cfg.abort_timeout,
             source=self.session.outcome,
         )
-        hang_store = self.session.coord  # never blocked for long: see Session
         session = self.session
+        book = session.book  # on the coordination connection, never blocked for long
+        assert book is not None
         self.preconnect = Preconnect(session.coord, session.keys, timeout=cfg.store_timeout)
         session.later = self.preconnect.later  # its record of the round before, off the path
         self.watchdog = Watchdog(
             thread_id=threading.get_ident(),
             state=self._progress_state,
-            on_hang=lambda n, why: self._hang(hang_store, n, why),
+            on_hang=lambda n, why: self._hang(book, n, why),
             soft_timeout=cfg.soft_timeout,
             interval=min(0.1, cfg.soft_timeout / 20),
             sidecar=self.sidecar,
@@ -401,14 +405,30 @@ class WrappedCall:
         monitor = self.monitor
         return self.state.round, bool(monitor is not None and monitor.in_function), self.call
 
-    def _hang(self, store: Any, n: int, why: str) -> None:
+    def _hang(self, book: RoundBook, n: int, why: str) -> None:
         """Watchdog thread: record a hang (or the sidecar's loss) as round ``n``'s fault."""
         kind = "Hang" if why.startswith("hang") else "SidecarLost"
         outcome = RoundOutcome.fault(self.launch.rank, why, kind)
         try:
-            store.compare_set(self.session.keys.stop(n), "", outcome.encode())
+            book.propose(n, outcome)
         except Exception as exc:
             logger.error("could not record the fault %r: %s", why, exc)
+
+    def _straggler_watch(self, slow: Stragglers) -> StragglerWatch:
+        """The straggler detector, given what it needs of this call: the keyspace, its own
+        store connection for the rate limit, and the proposal of this rank's fault."""
+        session, rank = self.session, self.launch.rank
+
+        def propose(n: int, why: str) -> bool:
+            return session.stop(n, RoundOutcome.fault(rank, why, "Straggler"))
+
+        return StragglerWatch(
+            slow,
+            session.keys,
+            clone=lambda: _torchcompat.clone_store(session.coord),
+            propose=propose,
+            timeout=self.cfg.store_timeout,
+        )
 
     def _take_out(self) -> BaseException | None:
         take_out = self.cfg.stragglers.take_out if self.cfg.stragglers else None

@@ -303,13 +303,13 @@ class Session:
     # round outcome -------------------------------------------------------------------------
     def complete(self, n: int, active: int) -> None:
         """Count this rank's function as returned; the last one marks the round complete."""
-        if int(self.coord.add(self.keys.done(n), 1)) == active:
-            self.coord.compare_set(self.keys.stop(n), "", RoundOutcome.complete().encode())
+        assert self.book is not None, "the session is not open"
+        self.book.complete(n, active)
 
     def stop(self, n: int, outcome: RoundOutcome) -> bool:
         """Propose ``outcome`` for round ``n``; True if it was the first (it wins)."""
-        value = outcome.encode()
-        return bytes(self.coord.compare_set(self.keys.stop(n), "", value)) == value
+        assert self.book is not None, "the session is not open"
+        return self.book.propose(n, outcome)
 
     # leaving -------------------------------------------------------------------------------
     def leave(self) -> None:

@@ -42,6 +42,7 @@ from trainguard import events
 from trainguard._threads import serve
 from trainguard.coord.barrier import wait_forever
 from trainguard.coord.keys import Keyspace
+from trainguard.restart._book import propose
 from trainguard.restart._interrupt import (
     cancel_in,
     in_torch_distributed,
@@ -197,7 +198,7 @@ class Monitor:
             n = self._watching if not self._outcome_ready.is_set() else None
         if n is not None:
             with contextlib.suppress(Exception):
-                self._store.compare_set(self._keys.stop(n), "", RoundOutcome.end("closed").encode())
+                propose(self._store, self._keys, n, RoundOutcome.end("closed"))
         self._jobs.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():

@@ -36,7 +36,7 @@ from typing import Any
 from trainguard import events
 from trainguard.coord.barrier import wait_key
 from trainguard.restart import _records
-from trainguard.restart._book import RoundBook, peek
+from trainguard.restart._book import RoundBook, peek, propose
 from trainguard.restart._repeat import Repeats
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.state import RoundOutcome
@@ -82,8 +82,7 @@ def write_notice(
         if n >= 0 and r in roster and not store.check([keys.member(n + 1, r)]):
             # Gone inside round n: a fault of that round, so the others abort it. (A
             # newcomer waiting outside the roster was in no round: nothing to abort.)
-            outcome = RoundOutcome.fault(r, cause, "RankGone")
-            store.compare_set(keys.stop(n), "", outcome.encode())
+            book.propose(n, RoundOutcome.fault(r, cause, "RankGone"))
         if not book.take_arrival(n + 1, r, cause):
             break  # its departure is recorded before any record of its own: it is out
         # It had arrived at round n+1's barrier. The barrier completes now without waiting
@@ -129,8 +128,7 @@ def _awaits_return(store: Any, cfg: SidecarConfig, r: int, n: int, cause: str) -
     spares = [s for s in ready["spare"] if s != r]
     if any(peek(store, keys.left_mark(s)) is None for s in spares) and not ready["end"]:
         return False  # a live idle spare takes r's place at once
-    outcome = RoundOutcome.fault(r, cause, "RankGone")
-    store.compare_set(keys.stop(n), "", outcome.encode())
+    propose(store, keys, n, RoundOutcome.fault(r, cause, "RankGone"))
     return True
 
 
