@@ -33,6 +33,7 @@ from trainguard.restart import _diagnose, _launch
 from trainguard.restart._book import RoundBook
 from trainguard.restart._interrupt import Kick
 from trainguard.restart._preconnect import Preconnect
+from trainguard.restart._records import RoundLayout
 from trainguard.restart._session import Session
 from trainguard.restart.abort import GroupSockets, destroy_groups, shutdown_connections_to
 from trainguard.restart.call import CallWrapper
@@ -71,7 +72,7 @@ class WrappedCall:
         self.stragglers: StragglerWatch | None = None  # made once the session is open
         self.left_early = False
         self.entered = False  # this process entered a round (a newcomer may never)
-        self.round_store: str | None = None  # the round store's "host:port" (ready["pg"])
+        self.round_store: str | None = None  # the round store's "host:port" (ready.pg)
         self.raised: Exception | None = None  # what the function raised in this round
         self.state = RoundState(
             round=0, initial_rank=self.launch.rank, initial_world_size=self.launch.world_size
@@ -182,7 +183,7 @@ class WrappedCall:
         mark = _progress.count()
         while True:
             progress, mark = _progress.count() != mark, _progress.count()
-            ready: dict[str, Any] | None
+            ready: RoundLayout | None
             if joined is not None:
                 (n, ready), joined = joined, None
             else:
@@ -230,7 +231,7 @@ class WrappedCall:
             )
             n += 1
 
-    def _join(self, leaving: BaseException | None) -> tuple[int, dict[str, Any]] | None:
+    def _join(self, leaving: BaseException | None) -> tuple[int, RoundLayout] | None:
         """A newcomer's first round (:meth:`Session.join`), None when the job completed
         before it was admitted; raises ``leaving`` (its health check failed)."""
         if leaving is not None:
@@ -244,18 +245,18 @@ class WrappedCall:
 
         return self.session.join(notify)
 
-    def _enter(self, n: int, ready: dict[str, Any]) -> None:
+    def _enter(self, n: int, ready: RoundLayout) -> None:
         """Take round ``n`` as published; raise if the job stops there."""
         self.entered = True
         self.state = RoundState.of_layout(ready, self.launch.rank, self.launch.world_size)
         if self.sidecar is not None:
             self.sidecar.send({"round": n, "roster": list(self.session.roster)})
         events.set_context(round=n)
-        if ready["end"]:
+        if ready.end:
             causes = {**self.state.gone, **self.state.faults}
             lost = "; ".join(f"rank {r}: {why}" for r, why in sorted(self.state.gone.items()))
             raise RetryLimitError(
-                ready["end"] + (f"; ranks lost: {lost}" if lost else ""), causes=causes
+                ready.end + (f"; ranks lost: {lost}" if lost else ""), causes=causes
             )
         events.emit(
             "round_start",
@@ -266,20 +267,20 @@ class WrappedCall:
         )
 
     # one round ----------------------------------------------------------------------------
-    def _round(self, n: int, ready: dict[str, Any]) -> tuple[RoundOutcome, Any, str | None]:
+    def _round(self, n: int, ready: RoundLayout) -> tuple[RoundOutcome, Any, str | None]:
         """Round ``n`` on this rank: (its outcome, the function's value, this rank's fault)."""
         monitor = self.monitor
         assert monitor is not None
         state = self.state
         RestartInterrupt.last = None
-        self.round_store = ready["pg"] if state.active else None
+        self.round_store = ready.pg if state.active else None
         monitor.watch(n)
         if self.preconnect is not None:
             self.preconnect.ahead(n + 1)
         if not state.active:
             return self._wait(n, None, "spare"), None, None
-        timer = self.stragglers.start(state, ready["pg"]) if self.stragglers else None
-        call = CallWrapper(state, monitor, ready["pg"], self.cfg.store_timeout, timer)
+        timer = self.stragglers.start(state, ready.pg) if self.stragglers else None
+        call = CallWrapper(state, monitor, ready.pg, self.cfg.store_timeout, timer)
         self.call = call
         kwargs = dict(self.kwargs)
         if self.param is not None:
@@ -289,7 +290,7 @@ class WrappedCall:
         returned = False
         self.raised = None
         try:
-            with _launch.round_environment(self._round_env(ready["pg"])):
+            with _launch.round_environment(self._round_env(ready.pg)):
                 try:
                     if self.cfg.initialize is not None:
                         self.cfg.initialize(state)

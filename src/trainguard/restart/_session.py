@@ -19,6 +19,7 @@ from trainguard.restart import _records
 from trainguard.restart._book import RoundBook, peek
 from trainguard.restart._join import Newcomer, Notify
 from trainguard.restart._launch import Launch, is_local_address
+from trainguard.restart._records import BarrierRecord, RoundLayout
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.sidecar._relayclient import RelayReader
 from trainguard.restart.state import RoundOutcome
@@ -198,7 +199,7 @@ class Session:
     # barrier ------------------------------------------------------------------------------
     def barrier(
         self, n: int, *, leaving: str | None, fault: str | None, progress: bool = False
-    ) -> dict[str, Any] | None:
+    ) -> RoundLayout | None:
         """Round ``n``'s barrier (see :mod:`._book`); returns the published round (None for a
         leaving rank). ``fault``: this rank's fault that ended round ``n-1``, if it was the
         first; ``progress``: this rank made progress in round ``n-1``."""
@@ -219,13 +220,13 @@ class Session:
         record = self._record(leaving, fault, progress)
         found = book.record(n, self.irank, record)
         if found is not None:  # another process declared this rank gone meanwhile
-            self._declared_gone(n, found.get("leave"))
+            self._declared_gone(n, found.leave)
         raw = book.arrive(n)
         if raw is None and leaving is None and self.relay is not None:
             self.relay.ask("ready", n)  # the relay waits for the layout while this rank does
         return raw
 
-    def take(self, n: int, raw: bytes | None, start: float) -> dict[str, Any]:
+    def take(self, n: int, raw: bytes | None, start: float) -> RoundLayout:
         """The second half of :meth:`barrier`: wait for round ``n``'s layout unless ``raw``
         is it, read it, follow it (``start``: when this rank arrived, for the event)."""
         book = self.book
@@ -246,14 +247,14 @@ class Session:
             raw = barrier.wait_key(self._watch_store(), self.keys.ready(n), timeout, what=what)
         waited = time.monotonic() - start
         ready = _records.layout(raw)
-        if str(self.irank) in ready["gone"]:  # declared gone after it arrived
-            self._declared_gone(n, ready["gone"][str(self.irank)])
+        if self.irank in ready.gone:  # declared gone after it arrived
+            self._declared_gone(n, ready.gone[self.irank])
         events.emit("barrier", duration=waited, round_=n, last=last)
         book.enter(ready)
         self.later(book.tidy)
         return ready
 
-    def join(self, notify: Notify | None) -> tuple[int, dict[str, Any]] | None:
+    def join(self, notify: Notify | None) -> tuple[int, RoundLayout] | None:
         """A newcomer's way in (:mod:`._join`), instead of round 0's barrier: the first
         round it is laid out in and its layout; None when the job completed first.
         ``notify(round, roster)``: tells this rank's sidecar where it waits."""
@@ -273,8 +274,8 @@ class Session:
             return None
         n, ready = joined
         waited = time.monotonic() - start
-        if str(self.irank) in ready["gone"]:  # declared gone after it arrived
-            self._declared_gone(n, ready["gone"][str(self.irank)])
+        if self.irank in ready.gone:  # declared gone after it arrived
+            self._declared_gone(n, ready.gone[self.irank])
         events.set_context(round=n)
         events.emit(
             "launch_admitted", duration=waited, incarnation=self.launch.incarnation, waited=waited
@@ -282,15 +283,15 @@ class Session:
         book.enter(ready)
         return joined
 
-    def _record(self, leaving: str | None, fault: str | None, progress: bool) -> dict[str, Any]:
-        return {
-            "r": self.irank,
-            "host": self.host,
-            "local_rank": self.launch.local_rank,
-            "leave": leaving,
-            "fault": fault,
-            "progress": progress,
-        }
+    def _record(self, leaving: str | None, fault: str | None, progress: bool) -> BarrierRecord:
+        return BarrierRecord(
+            rank=self.irank,
+            host=self.host,
+            local_rank=self.launch.local_rank,
+            leave=leaving,
+            fault=fault,
+            progress=progress,
+        )
 
     def _declared_gone(self, n: int, why: str | None) -> None:
         self.left = True  # whoever declared it gone counted it out of the job

@@ -37,7 +37,6 @@ from trainguard import events
 from trainguard.coord.barrier import wait_key
 from trainguard.restart import _records
 from trainguard.restart._book import RoundBook, peek, propose
-from trainguard.restart._repeat import Repeats
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.state import RoundOutcome
 
@@ -90,8 +89,8 @@ def write_notice(
         raw = wait_key(store, keys.ready(n + 1), cfg.barrier_timeout, what="barrier")
         ready = _records.layout(raw)
         n += 1
-        roster = _records.roster(ready["active"], ready["spare"])
-        if r not in roster or ready.get("end"):
+        roster = ready.roster
+        if r not in roster or ready.end:
             break
     counted = book.count_out(r)
     notice = Notice(r, n, cause, counted, time.monotonic() - start)
@@ -106,8 +105,8 @@ def _follow(book: RoundBook, n: int) -> None:
     raw = peek(book.store, book.keys.ready(n)) if n >= 0 else None
     if raw is not None:
         ready = _records.layout(raw)
-        book.gone = {int(k): v for k, v in ready["gone"].items()}
-        book.repeats = Repeats.decode(ready.get("repeats"))
+        book.gone = dict(ready.gone)
+        book.repeats = ready.repeats
 
 
 def _awaits_return(store: Any, cfg: SidecarConfig, r: int, n: int, cause: str) -> bool:
@@ -123,10 +122,10 @@ def _awaits_return(store: Any, cfg: SidecarConfig, r: int, n: int, cause: str) -
     if raw is None:
         return False
     ready = _records.layout(raw)
-    if r not in ready["active"] and r not in ready["spare"]:
+    if not ready.holds(r):
         return False
-    spares = [s for s in ready["spare"] if s != r]
-    if any(peek(store, keys.left_mark(s)) is None for s in spares) and not ready["end"]:
+    spares = [s for s in ready.spare if s != r]
+    if any(peek(store, keys.left_mark(s)) is None for s in spares) and not ready.end:
         return False  # a live idle spare takes r's place at once
     propose(store, keys, n, RoundOutcome.fault(r, cause, "RankGone"))
     return True
