@@ -39,11 +39,10 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from trainguard.coord import barrier
 from trainguard.coord.keys import Keyspace, encode
-from trainguard.coord.store import parse_addr, probe
+from trainguard.coord.store import StoreLike, parse_addr, probe
 from trainguard.errors import ConfigError, RetryLimitError
 from trainguard.restart import _records
 from trainguard.restart._records import BarrierRecord, RoundLayout
@@ -55,7 +54,7 @@ from trainguard.restart.state import RoundOutcome
 logger = logging.getLogger(__name__)
 
 
-def peek(store: Any, key: str) -> bytes | None:
+def peek(store: StoreLike, key: str) -> bytes | None:
     """The value of ``key``, None when it is not set; never waits (unlike ``get``) and never
     sets it (``compare_set`` with an expected value that no value equals).
 
@@ -67,7 +66,7 @@ def peek(store: Any, key: str) -> bytes | None:
     return barrier.read_set(store, key)
 
 
-def propose(store: Any, keys: Keyspace, n: int, outcome: RoundOutcome) -> bool:
+def propose(store: StoreLike, keys: Keyspace, n: int, outcome: RoundOutcome) -> bool:
     """Propose ``outcome`` for round ``n`` on ``store``: one ``compare_set`` of the round's
     stop key from unset. True when this proposal won (it is the round's outcome); False when
     another outcome was there first (that one holds)."""
@@ -92,7 +91,7 @@ class RoundBook:
         repeats: the run of rounds that failed the same way, as of the last published round.
     """
 
-    store: Any
+    store: StoreLike
     keys: Keyspace
     world: int
     policies: RoundPolicies

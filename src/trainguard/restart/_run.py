@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from trainguard import _progress, _torchcompat, events
+from trainguard import _progress, events
 from trainguard.errors import BarrierTimeoutError, JobEndedError, RetryLimitError
 from trainguard.restart import _diagnose, _launch
 from trainguard.restart._book import RoundBook
@@ -426,7 +426,7 @@ class WrappedCall:
         return StragglerWatch(
             slow,
             session.keys,
-            clone=lambda: _torchcompat.clone_store(session.coord),
+            clone=session.clone_coord,
             propose=propose,
             timeout=self.cfg.store_timeout,
         )

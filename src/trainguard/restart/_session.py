@@ -13,7 +13,7 @@ from trainguard import _env, _torchcompat, events
 from trainguard.coord import _bind, _secret, barrier
 from trainguard.coord._startfail import StartNotice
 from trainguard.coord.keys import Keyspace
-from trainguard.coord.store import StoreProcess, connect, parse_addr
+from trainguard.coord.store import StoreLike, StoreProcess, connect, parse_addr
 from trainguard.errors import CoordinationError, RestartError
 from trainguard.restart import _records
 from trainguard.restart._book import RoundBook, peek
@@ -49,7 +49,7 @@ class Session:
         self.world = launch.world_size
         self.host = socket.gethostname()
         self.book: RoundBook | None = None
-        self.watch_store: Any = None
+        self.watch_store: StoreLike | None = None
         self.relay: RelayReader | None = None
         #: runs a store chore off the restart's path (the call's worker thread; at once here)
         self.later: Callable[[Callable[[], None]], None] = _now
@@ -65,7 +65,7 @@ class Session:
         self.over = False
 
     @property
-    def coord(self) -> Any:
+    def coord(self) -> StoreLike:
         """This rank's connection to the coordination store (open sessions only)."""
         assert self.book is not None, "the session is not open"
         return self.book.store
@@ -105,8 +105,9 @@ class Session:
                 notice.publish(str(exc))  # the others fail at once with it
                 raise
         gave_up = None if first else notice.failure
+        coord: StoreLike
         if given is not None and not isinstance(given, str):
-            coord = _torchcompat.clone_store(given)
+            coord = given.clone()  # the user's TCPStore (its clone() is checked by the config)
         else:
             coord = connect(host, port, timeout=cfg.store_timeout, gave_up=gave_up)
         if first:
@@ -129,7 +130,7 @@ class Session:
             writer=self.irank,
         )
 
-    def watch(self, helper: Any) -> Any:
+    def watch(self, helper: Any) -> StoreLike:
         """Where the long waits go (after :meth:`open`, before the first barrier): the relay
         of ``helper`` (this rank's sidecar handle) when it has one, else a new connection of
         this rank's own. Returns the store connection that the monitor may write to when it
@@ -156,12 +157,19 @@ class Session:
         logger.warning("%s; waiting at the store instead", exc)
         self.relay = None
 
-    def _watch_store(self) -> Any:
+    def _watch_store(self) -> StoreLike:
         """The connection of the long waits without a relay (made on first use)."""
         with self._lock:
             if self.watch_store is None:
-                self.watch_store = _torchcompat.clone_store(self.coord)
+                self.watch_store = self.clone_coord()
             return self.watch_store
+
+    def clone_coord(self) -> StoreLike:
+        """A new connection to the coordination store, of the caller's own."""
+        clone = _torchcompat.clone_store(self.coord)
+        if clone is None:  # a user's store is checked for clone(); connect() makes clients
+            raise CoordinationError("the coordination store's client cannot be cloned")
+        return clone
 
     def _hosts_standby(self) -> bool:
         """Whether this rank starts the standby store process: local rank 0 of node 1 (the

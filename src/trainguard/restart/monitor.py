@@ -36,12 +36,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from trainguard import events
 from trainguard._threads import serve
 from trainguard.coord.barrier import wait_forever
 from trainguard.coord.keys import Keyspace
+from trainguard.coord.store import StoreLike
 from trainguard.restart._book import propose
 from trainguard.restart._interrupt import (
     cancel_in,
@@ -98,7 +98,7 @@ class Monitor:
 
     def __init__(
         self,
-        store: Any,
+        store: StoreLike,
         keys: Keyspace,
         thread_id: int,
         *,

@@ -33,11 +33,11 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from trainguard import events
 from trainguard.coord.keys import Keyspace
-from trainguard.coord.store import connect, parse_addr
+from trainguard.coord.store import StoreLike, connect, parse_addr
 from trainguard.stragglers import _timing
 from trainguard.stragglers.config import Stragglers
 from trainguard.stragglers.scores import (
@@ -91,7 +91,7 @@ class StragglerWatch:
         cfg: Stragglers,
         keys: Keyspace,
         *,
-        clone: Callable[[], Any],
+        clone: Callable[[], StoreLike],
         propose: Propose,
         timeout: float,
     ) -> None:
@@ -140,7 +140,7 @@ class _Round:
         self.thread.join(self.watch.timeout + 5.0)
 
     def _run(self) -> None:
-        store: Any = None
+        store: StoreLike | None = None
         try:
             while (k := self.queue.get()) is not None:
                 try:
@@ -154,7 +154,7 @@ class _Round:
         finally:
             del store
 
-    def _window(self, store: Any, k: int) -> None:
+    def _window(self, store: StoreLike, k: int) -> None:
         medians = self.timer.medians()
         if not medians:
             return

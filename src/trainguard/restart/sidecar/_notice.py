@@ -31,10 +31,10 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from trainguard import events
 from trainguard.coord.barrier import wait_key
+from trainguard.coord.store import StoreLike
 from trainguard.restart import _records
 from trainguard.restart._book import RoundBook, peek, propose
 from trainguard.restart.sidecar._config import SidecarConfig
@@ -54,7 +54,7 @@ class Notice:
 
 
 def write_notice(
-    store: Any,
+    store: StoreLike,
     cfg: SidecarConfig,
     r: int,
     n: int,
@@ -109,7 +109,7 @@ def _follow(book: RoundBook, n: int) -> None:
         book.repeats = ready.repeats
 
 
-def _awaits_return(store: Any, cfg: SidecarConfig, r: int, n: int, cause: str) -> bool:
+def _awaits_return(store: StoreLike, cfg: SidecarConfig, r: int, n: int, cause: str) -> bool:
     """With no live idle spare in round ``n``, make round ``n`` a fault and leave ``r`` in
     the roster of round ``n+1`` (True). False: an ordinary notice is needed (there is a
     spare, ``r`` already arrived at ``n+1``, or round ``n`` is not readable)."""
