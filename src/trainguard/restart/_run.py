@@ -39,10 +39,9 @@ from trainguard.restart.abort import GroupSockets, destroy_groups, shutdown_conn
 from trainguard.restart.call import CallWrapper
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.monitor import Monitor, MonitorHooks
-from trainguard.restart.sidecar import AgentSidecar, Sidecar, SidecarConfig, start_helper
+from trainguard.restart.sidecar import AgentSidecar, Sidecar, start_for
 from trainguard.restart.state import RestartInterrupt, RoundOutcome, RoundState, describe
 from trainguard.restart.watchdog import Watchdog
-from trainguard.stragglers import Stragglers
 from trainguard.stragglers._watch import StragglerWatch
 
 logger = logging.getLogger(__name__)
@@ -113,12 +112,26 @@ class WrappedCall:
 
     def _start(self, log_dir: Any, kick: Kick | None) -> None:
         """Connect, start the sidecar, the monitor thread and the watchdog thread."""
-        cfg = self.cfg
-        self.session.open()
-        if cfg.stragglers:
-            self.stragglers = self._straggler_watch(cfg.stragglers)
+        cfg, session, rank = self.cfg, self.session, self.launch.rank
+        session.open()
+        if cfg.stragglers:  # the detector reaches the round through what it is given only
+            self.stragglers = StragglerWatch(
+                cfg.stragglers,
+                session.keys,
+                clone=session.clone_coord,
+                propose=lambda n, why: session.stop(n, RoundOutcome.fault(rank, why, "Straggler")),
+                timeout=cfg.store_timeout,
+            )
         if cfg.sidecar:
-            self.sidecar = self._start_sidecar(log_dir)
+            assert session.coord_addr is not None
+            self.sidecar = start_for(
+                cfg,
+                session.keys,
+                session.coord_addr,
+                rank=rank,
+                world=session.world,
+                log_dir=log_dir,
+            )
             self.sidecar.handshake(cfg.store_timeout)
         hooks = MonitorHooks(
             aborted=self._aborted,
@@ -126,14 +139,13 @@ class WrappedCall:
             kick=kick.send if kick is not None else None,
         )
         self.monitor = Monitor(
-            self.session.watch(self.sidecar),
-            self.session.keys,
+            session.watch(self.sidecar),
+            session.keys,
             threading.get_ident(),
             hooks=hooks,
             abort_timeout=cfg.abort_timeout,
-            source=self.session.outcome,
+            source=session.outcome,
         )
-        session = self.session
         book = session.book  # on the coordination connection, never blocked for long
         assert book is not None
         self.preconnect = Preconnect(session.coord, session.keys, timeout=cfg.store_timeout)
@@ -415,22 +427,6 @@ class WrappedCall:
         except Exception as exc:
             logger.error("could not record the fault %r: %s", why, exc)
 
-    def _straggler_watch(self, slow: Stragglers) -> StragglerWatch:
-        """The straggler detector, given what it needs of this call: the keyspace, its own
-        store connection for the rate limit, and the proposal of this rank's fault."""
-        session, rank = self.session, self.launch.rank
-
-        def propose(n: int, why: str) -> bool:
-            return session.stop(n, RoundOutcome.fault(rank, why, "Straggler"))
-
-        return StragglerWatch(
-            slow,
-            session.keys,
-            clone=session.clone_coord,
-            propose=propose,
-            timeout=self.cfg.store_timeout,
-        )
-
     def _take_out(self) -> BaseException | None:
         take_out = self.cfg.stragglers.take_out if self.cfg.stragglers else None
         return self._hook("health_check", self.state, take_out) if take_out else None
@@ -442,20 +438,6 @@ class WrappedCall:
     # helpers ------------------------------------------------------------------------------
     def _hook(self, name: str, state: RoundState, hook: Any = None) -> BaseException | None:
         return _diagnose.run_hook(name, hook or getattr(self.cfg, name), state)
-
-    def _start_sidecar(self, log_dir: Any) -> Sidecar | AgentSidecar:
-        """This rank's helper (:func:`~trainguard.restart.sidecar.start_helper`)."""
-        session = self.session
-        assert session.coord_addr is not None
-        config = SidecarConfig.build(
-            self.cfg,
-            rank=self.launch.rank,
-            world=self.launch.world_size,
-            keys=session.keys,
-            addr=session.coord_addr,
-            log_dir=log_dir,
-        )
-        return start_helper(config)
 
     def _leave_fn(self) -> None:
         """Leave the function; a restart interrupt arriving meanwhile is absorbed."""
