@@ -86,10 +86,11 @@ class RoundState:
 class RoundOutcome:
     """How round ``n`` ended: the value of the round's stop key in the store.
 
-    Any rank (or a sidecar writing a death notice) proposes an outcome with ``compare_set``;
-    the first proposal wins and every rank's monitor acts on it (:mod:`.monitor`). Built with
-    :meth:`fault`, :meth:`end` or :meth:`complete`; stored as JSON by :meth:`encode` (unset
-    fields left out) and read back by :meth:`decode`.
+    Any rank (or a sidecar writing a death notice) proposes an outcome with ``compare_set``
+    (:func:`trainguard.restart._book.propose`, its one writer); the first proposal wins and
+    every rank's monitor acts on it (:mod:`.monitor`). Built with :meth:`fault`, :meth:`end`
+    or :meth:`complete`; stored as JSON by :meth:`encode` (unset fields left out) and read
+    back by :meth:`decode`.
 
     Attributes:
         why: ``"complete"`` (every active rank returned), ``"fault"`` (restart the round),
