@@ -15,9 +15,13 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainguard.restart._records import RoundLayout
 
 JOB = "sim"
 LOCAL = 8  # simulated ranks per node
@@ -103,15 +107,15 @@ class _Assignments:
     ends, store address and departures; one rank in 16 compares its whole copy."""
 
     def __init__(self) -> None:
-        self.first: list[int] | None = None
+        self.first: Sequence[int] | None = None
         self.where: dict[int, int] = {}
         self.shape: tuple[Any, ...] = ()
         self.digest = 0
         self.count = 0
 
-    def of(self, r: int, ready: dict[str, Any]) -> tuple[int, int, int]:
-        active = ready["active"]
-        shape = (len(active), active[:1], active[-1:], ready["pg"], sorted(ready["gone"]))
+    def of(self, r: int, ready: RoundLayout) -> tuple[int, int, int]:
+        active = ready.active
+        shape = (len(active), active[:1], active[-1:], ready.pg, sorted(ready.gone))
         if self.first is None:
             self.first, self.shape = active, shape
             self.where = {a: i for i, a in enumerate(active)}

@@ -35,7 +35,7 @@ import os
 import re
 import warnings
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar, cast
 
 from trainguard.errors import UnsupportedTorchError, UntestedTorchWarning
 
@@ -245,18 +245,22 @@ def _port_of(fd: int) -> int:
     return port
 
 
-def clone_store(store: Any) -> Any:
+_S = TypeVar("_S")  # a store client
+
+
+def clone_store(store: _S) -> _S | None:
     """A new client connection to ``store``'s server: ``store.clone()`` where it has one, a
     ``TCPStore`` client made anew for a ``TCPStore`` without it (torch 2.6); None for any other
     store (it cannot be cloned)."""
     clone = getattr(store, "clone", None)
     if callable(clone):
-        return clone()
+        return cast(_S, clone())  # the same kind of client as ``store``
     import torch.distributed as dist
 
     if isinstance(store, dist.TCPStore):
         tcp: Any = store  # torch's stubs lack the timeout property
-        return dist.TCPStore(tcp.host, tcp.port, is_master=False, timeout=tcp.timeout)
+        new = dist.TCPStore(tcp.host, tcp.port, is_master=False, timeout=tcp.timeout)
+        return cast(_S, new)
     return None
 
 

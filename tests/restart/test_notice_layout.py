@@ -10,6 +10,7 @@ from tests.restart.test_rejoin import _published_round_0
 def test_a_notice_that_lays_out_the_round_admits_a_waiting_newcomer() -> None:
     from trainguard.restart import _records
     from trainguard.restart._book import RoundBook
+    from trainguard.restart._records import BarrierRecord
     from trainguard.restart.sidecar._notice import write_notice
 
     store, keys, cfg = _published_round_0(tr.MaxActiveWorldSize(2))  # active 0, 1; spare 2
@@ -20,19 +21,19 @@ def test_a_notice_that_lays_out_the_round_admits_a_waiting_newcomer() -> None:
         store.set(keys.pg_addr(n), "127.0.0.1:1")
     for r, book in books.items():
         book.enter(_records.layout(store.get(keys.ready(0))))
-        book.record(1, r, {"r": r, "host": "h", "local_rank": r, "leave": None, "fault": None})
+        book.record(1, r, BarrierRecord(r, "h", r))
     assert books[0].arrive(1) is None and books[2].arrive(1) is not None
     one = _records.layout(store.get(keys.ready(1)))
-    assert one["active"] == [0, 2] and "1" in one["gone"]
+    assert one.active == [0, 2] and 1 in one.gone
     # rank 1's respawn waits for round 2 with its record; rank 0 arrives; rank 2's node is
     # lost and the notice for it is the last arrival: it lays round 2 out
-    newcomer = {"r": 1, "host": "h", "local_rank": 1, "leave": None, "fault": None}
+    newcomer = BarrierRecord(1, "h", 1)
     books[0].enter(one)
     assert books[0].record(2, 1, newcomer) is None
-    books[0].record(2, 0, {"r": 0, "host": "h", "local_rank": 0, "leave": None, "fault": None})
+    books[0].record(2, 0, BarrierRecord(0, "h", 0))
     assert books[0].arrive(2) is None
     write_notice(store, cfg, 2, 1, (0, 2), "node lost")
     two = _records.layout(store.get(keys.ready(2)))
-    assert two["end"] is None
-    assert two["active"] == [0, 1]  # the newcomer took the free rank
-    assert set(two["gone"]) == {"2"}  # gone now: rank 2 (rank 1 came back)
+    assert two.end is None
+    assert two.active == [0, 1]  # the newcomer took the free rank
+    assert set(two.gone) == {2}  # gone now: rank 2 (rank 1 came back)

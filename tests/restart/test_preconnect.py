@@ -91,6 +91,7 @@ def test_a_rank_s_record_of_the_round_before_is_deleted_off_the_restart_s_path()
     from trainguard.coord.keys import Keyspace
     from trainguard.restart import _preconnect, _records
     from trainguard.restart._book import RoundBook, peek
+    from trainguard.restart._records import BarrierRecord
     from trainguard.restart.config import WrapperConfig
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False)
@@ -100,7 +101,7 @@ def test_a_rank_s_record_of_the_round_before_is_deleted_off_the_restart_s_path()
     for n in (0, 1):
         store.set(keys.pg_addr(n), "127.0.0.1:1")
         for r, book in enumerate(books):
-            book.record(n, r, {"r": r, "host": "h", "local_rank": r, "leave": None, "fault": None})
+            book.record(n, r, BarrierRecord(r, "h", r))
             raw = book.arrive(n)
         assert raw is not None
         for book in books:

@@ -145,6 +145,7 @@ def _published_round_0(filter_: Any) -> tuple[Any, Any, Any]:
 
     from trainguard.coord.keys import Keyspace
     from trainguard.restart._book import RoundBook
+    from trainguard.restart._records import BarrierRecord
     from trainguard.restart.sidecar import SidecarConfig
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False)
@@ -156,7 +157,7 @@ def _published_round_0(filter_: Any) -> tuple[Any, Any, Any]:
     store.set(keys.pg_addr(0), "127.0.0.1:1")
     for r in range(3):
         book = RoundBook(store, keys, 3, wcfg.policies, store_timeout=5.0, writer=r)
-        book.record(0, r, {"r": r, "host": "h", "local_rank": r, "leave": None, "fault": None})
+        book.record(0, r, BarrierRecord(r, "h", r))
         raw = book.arrive(0)
     assert raw is not None and store.get(keys.latest) == raw  # the publisher copied it
     return store, keys, cfg
@@ -192,6 +193,7 @@ def test_returning_notice_without_a_spare_keeps_the_rank_until_let_go() -> None:
 def test_layout_writer_admits_a_gone_rank_and_recounts_it_when_its_layout_loses() -> None:
     from trainguard.restart import _records
     from trainguard.restart._book import RoundBook, peek
+    from trainguard.restart._records import BarrierRecord
     from trainguard.restart.sidecar._notice import write_notice
 
     store, keys, cfg = _published_round_0(None)
@@ -204,14 +206,14 @@ def test_layout_writer_admits_a_gone_rank_and_recounts_it_when_its_layout_loses(
         for r, book in books.items():
             book.enter(_records.layout(store.get(keys.ready(n - 1))))
             if n == 2 and r == 0:  # the newcomer's record, not counted (not in the roster)
-                rec = {"r": 1, "host": "h", "local_rank": 1, "leave": None, "fault": None}
+                rec = BarrierRecord(1, "h", 1)
                 assert books[0].record(2, 1, rec) is None
-            book.record(n, r, {"r": r, "host": "h", "local_rank": r, "leave": None, "fault": None})
+            book.record(n, r, BarrierRecord(r, "h", r))
         if n == 1:
             assert books[0].arrive(1) is None and books[2].arrive(1) is not None
     payload, admitted = books[2]._lay_out(2)
     ready = _records.layout(payload)
-    assert admitted == [1] and ready["active"] == [0, 2, 1] and ready["gone"] == {}
+    assert admitted == [1] and ready.active == [0, 2, 1] and ready.gone == {}
     assert peek(store, keys.left_mark(1)) is None and store.add(keys.left, 0) == 0
     # another writer published round 2 without it: this writer counts it out again
     other = payload.replace(b'"active":[0,2,1]', b'"active":[0,2]')

@@ -31,12 +31,13 @@ import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from trainguard import _env, _private
 from trainguard.coord import barrier
 from trainguard.coord._bind import is_loopback
 from trainguard.coord.keys import Keyspace
+from trainguard.coord.store import StoreLike
 from trainguard.errors import ConfigError, CoordinationError
 
 __all__ = ["Handover", "current", "source"]
@@ -110,7 +111,7 @@ class Handover:
         _active.append(self.secret)
         return self.secret
 
-    def publish(self, store: Any) -> None:
+    def publish(self, store: StoreLike) -> None:
         assert self.secret is not None
         if self.how != "env":
             value = self.secret if self.how == "store" else _digest(self.secret)
@@ -118,7 +119,7 @@ class Handover:
 
     def receive(
         self,
-        store: Any,
+        store: StoreLike,
         timeout: float,
         *,
         ended: str | None = None,
@@ -162,7 +163,7 @@ class Handover:
 
     def _wait(
         self,
-        store: Any,
+        store: StoreLike,
         timeout: float,
         ended: str | None,
         gave_up: Callable[[], str | None] | None,

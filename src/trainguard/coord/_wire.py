@@ -4,7 +4,8 @@ Helper processes (the sidecar, the node watcher) only talk to the coordination s
 torch for that costs each of them ~200 MB of memory and a second or two of CPU. :class:`WireStore`
 has the methods of ``torch.distributed.TCPStore`` that the library's coordination code calls
 (``set``, ``get``, ``add``, ``check``, ``wait``, ``compare_set``, ``multi_get``, ``multi_set``,
-``delete_key``, ``num_keys``, ``clone``) and the same semantics, against a real TCPStore server
+``append``, ``delete_key``, ``num_keys``, ``clone``; it is a
+:class:`~trainguard.coord.store.StoreLike`) and the same semantics, against a real TCPStore server
 (libuv or classic backend). A process that called :func:`activate` gets it from
 :func:`trainguard.coord.store.connect`.
 
@@ -71,6 +72,7 @@ class _Query(enum.IntEnum):
     WAIT = 6
     GETNUMKEYS = 7
     DELETE_KEY = 8
+    APPEND = 9
     MULTI_GET = 10
     MULTI_SET = 11
     CANCEL_WAIT = 12
@@ -286,6 +288,10 @@ class WireStore:
         for key, value in zip(keys, values, strict=True):
             request.key(key).blob(value)
         self._call(request, None)
+
+    def append(self, key: str, value: Value) -> None:
+        """Add ``value`` at the end of ``key``'s value (setting it when unset); no answer."""
+        self._call(_Request(_Query.APPEND).key(key).blob(value), None)
 
     def delete_key(self, key: str) -> bool:
         reply = self._call(_Request(_Query.DELETE_KEY).key(key), 8)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import sys
 import time
 from datetime import timedelta
-from typing import Any
 
+from trainguard.coord.store import StoreLike
 from trainguard.errors import BarrierTimeoutError, CoordinationError, StoreTimeoutError
 
 __all__ = ["late", "timed_out", "wait_all", "wait_forever", "wait_key"]
@@ -39,7 +39,7 @@ def timed_out(exc: BaseException) -> bool:
 _is_timeout = timed_out
 
 
-def wait_all(store: Any, keys: list[str], timeout: float, *, what: str = "") -> bool:
+def wait_all(store: StoreLike, keys: list[str], timeout: float, *, what: str = "") -> bool:
     """Block until every key of ``keys`` is set (woken by the store): True; False after
     ``timeout`` seconds. Any other store failure raises :class:`CoordinationError`."""
     try:
@@ -54,7 +54,7 @@ def wait_all(store: Any, keys: list[str], timeout: float, *, what: str = "") -> 
 _ABSENT = "\x00absent"  # compare_set's expected value for a key that no value equals
 
 
-def read_set(store: Any, key: str) -> bytes | None:
+def read_set(store: StoreLike, key: str) -> bytes | None:
     """The value of ``key``, which a wait just found set; None if it was deleted since.
 
     One store round trip: ``compare_set`` with an expected value that no value equals
@@ -69,7 +69,7 @@ def read_set(store: Any, key: str) -> bytes | None:
     return None if value == _ABSENT.encode() else value
 
 
-def _read_woken(store: Any, key: str, wary: bool) -> bytes | None:
+def _read_woken(store: StoreLike, key: str, wary: bool) -> bytes | None:
     """The value of ``key`` after a wait for it returned; None when it is not set (a false
     wake, or deleted since). ``wary``: a wake of this wait proved false before, so look
     (``check``, which wakes nobody) before reading."""
@@ -86,7 +86,7 @@ def late(what: str, timeout: float) -> BarrierTimeoutError:
     )
 
 
-def wait_key(store: Any, key: str, timeout: float, *, what: str = "") -> bytes:
+def wait_key(store: StoreLike, key: str, timeout: float, *, what: str = "") -> bytes:
     """Block until ``key`` is set (woken by the store, no polling) and return its value.
 
     Raises :class:`BarrierTimeoutError` naming ``what`` after ``timeout`` seconds. A wake
@@ -106,7 +106,7 @@ def wait_key(store: Any, key: str, timeout: float, *, what: str = "") -> bytes:
         wary, left = True, deadline - time.monotonic()
 
 
-def wait_forever(store: Any, key: str) -> bytes:
+def wait_forever(store: StoreLike, key: str) -> bytes:
     """Block until ``key`` is set, however long that takes (in one-day waits)."""
     wary = False
     while True:

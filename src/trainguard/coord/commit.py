@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 
 from trainguard.coord.barrier import wait_all
 from trainguard.coord.keys import decode, encode
+from trainguard.coord.store import as_store
 from trainguard.errors import CoordinationError
 
 if TYPE_CHECKING:
@@ -201,7 +202,8 @@ class CommitRound:
         an :data:`UNCONFIRMED` outcome.
         """
         key = self._key("outcome")
-        if wait_all(self.store, [key], timeout, what=f"the commit outcome at {self.prefix}"):
+        store = as_store(self.store)
+        if wait_all(store, [key], timeout, what=f"the commit outcome at {self.prefix}"):
             return Outcome.decode(self.store.get(key))
         missing = [
             r for r in range(self.world_size) if not self.store.check([self._key(f"done/{r}")])
@@ -210,7 +212,7 @@ class CommitRound:
         mine = self._fail(causes or {self.rank: f"no commit outcome within {timeout:g} s"})
         if mine is not None:
             return mine
-        if wait_all(self.store, [key], timeout):
+        if wait_all(store, [key], timeout):
             return Outcome.decode(self.store.get(key))
         held = Outcome.decode(self.store.get(self._key("decision")))
         if held.failed:  # its maker is publishing it right now

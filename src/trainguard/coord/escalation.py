@@ -20,15 +20,11 @@ Nothing here imports torch until a worker connects.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from trainguard import _env
 from trainguard.coord.keys import escalate_key
-from trainguard.coord.store import connect
+from trainguard.coord.store import StoreLike, connect
 from trainguard.errors import ConfigError
-
-if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
 
 __all__ = ["ask_launcher", "escalate", "escalation_reason"]
 
@@ -36,7 +32,7 @@ __all__ = ["ask_launcher", "escalate", "escalation_reason"]
 DEFAULT_REASON = "escalation requested"
 
 
-def escalate(store: Store, run_id: str, generation: int, reason: str) -> bool:
+def escalate(store: StoreLike, run_id: str, generation: int, reason: str) -> bool:
     """Ask for a whole-job restart of ``generation`` of run ``run_id`` in the launcher's
     coordination ``store``. True when this call's reason is the one kept (it came first)."""
     wanted = reason or DEFAULT_REASON
@@ -44,7 +40,7 @@ def escalate(store: Store, run_id: str, generation: int, reason: str) -> bool:
     return kept == wanted.encode()
 
 
-def escalation_reason(store: Store, run_id: str, generation: int) -> str | None:
+def escalation_reason(store: StoreLike, run_id: str, generation: int) -> str | None:
     """The reason of a whole-job restart asked for in ``generation``, or ``None``. One
     ``check`` when there is none."""
     key = escalate_key(run_id, generation)

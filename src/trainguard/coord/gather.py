@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainguard.coord.barrier import wait_all
 from trainguard.coord.keys import decode, encode
+from trainguard.coord.store import as_store
 from trainguard.errors import CoordinationError
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ def gather(
     """
     store.set(f"{prefix}/{rank}", encode(value).decode())
     keys = [f"{prefix}/{r}" for r in range(world_size)]
-    if not wait_all(store, keys, timeout, what=f"{what} of every rank"):
+    if not wait_all(as_store(store), keys, timeout, what=f"{what} of every rank"):
         missing = [r for r in range(world_size) if not store.check([keys[r]])]
         raise CoordinationError(
             f"ranks did not report {what} within {timeout:g} s" + (f"; {hint}" if hint else ""),

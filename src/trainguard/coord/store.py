@@ -17,18 +17,56 @@ import subprocess
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from trainguard import _subproc
 from trainguard._addr import parse_addr
 from trainguard.coord import _wire
 from trainguard.errors import CoordinationError
 
-__all__ = ["StoreProcess", "connect", "parse_addr", "probe"]
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+__all__ = ["StoreLike", "StoreProcess", "as_store", "connect", "parse_addr", "probe"]
 
 logger = logging.getLogger(__name__)
 
 _ATTEMPT_S = 1.0  # one connect attempt while a reason to give up may come (see connect)
+
+
+@runtime_checkable
+class StoreLike(Protocol):
+    """What the coordination code asks of a store client: torch's ``TCPStore`` and
+    ``PrefixStore`` (a rank), or :class:`._wire.WireStore` (a helper process that never imports
+    torch), whichever :func:`connect` made.
+
+    The operations are TCPStore's, with its semantics: ``get``, ``multi_get`` and ``wait``
+    wait for their keys (up to the store timeout, or ``timeout``); ``compare_set`` sets
+    ``key`` to ``desired`` when its value is ``expected`` (or it is unset and ``expected`` is
+    empty) and returns the value the key then holds; ``append`` adds bytes at the end of a
+    value (creating it). A client serializes its calls: a ``wait`` holds it until it returns.
+
+    Values are ``str`` or ``bytes``: both clients take either (torch's type stubs say ``str``
+    and lack ``append``, so a torch store becomes a ``StoreLike`` through one ``cast`` where it
+    enters, as in :func:`connect`). Arguments are positional: the two clients name them
+    differently.
+    """
+
+    def set(self, key: str, value: str | bytes, /) -> None: ...
+    def get(self, key: str, /) -> bytes: ...
+    def add(self, key: str, amount: int, /) -> int: ...
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes, /) -> bytes: ...
+    def check(self, keys: list[str], /) -> bool: ...
+    def wait(self, keys: list[str], timeout: timedelta = ..., /) -> None: ...
+    def multi_get(self, keys: list[str], /) -> list[bytes]: ...
+    def delete_key(self, key: str, /) -> bool: ...
+    def append(self, key: str, value: str | bytes, /) -> None: ...
+
+
+def as_store(store: Store) -> StoreLike:
+    """``store`` (a torch ``Store``: a TCPStore, a PrefixStore, the rendezvous store) typed as
+    the :class:`StoreLike` it is at run time; the same object (see :class:`StoreLike`)."""
+    return cast(StoreLike, store)
 
 
 def probe(host: str, port: int, timeout: float = 1.0) -> str:
@@ -47,7 +85,7 @@ def probe(host: str, port: int, timeout: float = 1.0) -> str:
 
 def connect(
     host: str, port: int, *, timeout: float, gave_up: Callable[[], str | None] | None = None
-) -> Any:
+) -> StoreLike:
     """A TCPStore client of ``host:port``; retries until the server is up or ``timeout``.
 
     torch's client, or in a helper process that called :func:`._wire.activate` the pure-Python
@@ -62,9 +100,10 @@ def connect(
     import torch.distributed as dist
 
     try:
-        return dist.TCPStore(
+        client = dist.TCPStore(
             host, port, is_master=False, timeout=timedelta(seconds=timeout), use_libuv=True
         )
+        return as_store(client)
     except Exception as exc:
         raise CoordinationError(
             f"could not connect to the coordination store at {host}:{port} within {timeout:g} s "

@@ -43,6 +43,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
 )
 
+from trainguard.coord.store import StoreLike, as_store
 from trainguard.errors import ConfigError, CoordinationError
 from trainguard.launch._keys import escalate_key, vacant_key
 
@@ -73,7 +74,7 @@ class AdmissionGate(RendezvousHandler):
     :meth:`follow` no escalation can have been asked for, so no node is reported waiting.
     """
 
-    def __init__(self, handler: RendezvousHandler, store: Any) -> None:
+    def __init__(self, handler: RendezvousHandler, store: StoreLike) -> None:
         self.handler = handler
         self.store = store
         self.coord: Any = None
@@ -140,7 +141,7 @@ def create_gated_handler(params: RendezvousParameters) -> AdmissionGate:
         )
     backend, store = c10d_rendezvous_backend.create_backend(params)
     handler = dynamic_rendezvous.create_handler(store, backend, params)
-    return AdmissionGate(handler, store)
+    return AdmissionGate(handler, as_store(store))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +178,7 @@ class Vacancy:
         return cls(**value)
 
 
-def _read(store: Any, key: str) -> tuple[bytes, list[Vacancy]]:
+def _read(store: StoreLike, key: str) -> tuple[bytes, list[Vacancy]]:
     """The raw value under ``key`` (``b""`` when missing) and the vacancies it lists."""
     raw = bytes(store.get(key)) if store.check([key]) else b""
     return raw, _decode(key, raw)
@@ -197,7 +198,7 @@ def _decode(key: str, raw: bytes) -> list[Vacancy]:
 
 
 def _update(
-    store: Any, run_id: str, change: Callable[[list[Vacancy]], list[Vacancy] | None]
+    store: StoreLike, run_id: str, change: Callable[[list[Vacancy]], list[Vacancy] | None]
 ) -> list[Vacancy] | None:
     """Apply ``change`` to the vacancy list with ``compare_set`` until it lands; returns the
     list it was applied to, or ``None`` when ``change`` said there was nothing to do."""
@@ -218,7 +219,7 @@ def _update(
         current = _decode(key, raw)
 
 
-def mark_vacant(store: Any, run_id: str, vacancy: Vacancy) -> None:
+def mark_vacant(store: StoreLike, run_id: str, vacancy: Vacancy) -> None:
     """The agent that declared node ``vacancy.node`` lost: offer its group rank to a newcomer
     (in the rendezvous store). Marking the same node and generation again changes nothing."""
 
@@ -231,7 +232,7 @@ def mark_vacant(store: Any, run_id: str, vacancy: Vacancy) -> None:
         logger.info("group rank %d of generation %d is vacant", vacancy.node, vacancy.generation)
 
 
-def claim_vacancy(store: Any, run_id: str) -> Vacancy | None:
+def claim_vacancy(store: StoreLike, run_id: str) -> Vacancy | None:
     """A node that starts while the job runs, before any rendezvous round: take the oldest
     vacancy, or ``None`` when there is none. Each vacancy goes to exactly one claimer."""
     taken = _update(store, run_id, lambda current: current[1:] if current else None)
@@ -241,7 +242,7 @@ def claim_vacancy(store: Any, run_id: str) -> Vacancy | None:
     return taken[0]
 
 
-def drop_vacancies(store: Any, run_id: str, *, before: int) -> None:
+def drop_vacancies(store: StoreLike, run_id: str, *, before: int) -> None:
     """The group-rank-0 agent when generation ``before`` starts: the vacancies of older
     generations are filled by the new rendezvous round; no newcomer may take them."""
 
@@ -252,6 +253,6 @@ def drop_vacancies(store: Any, run_id: str, *, before: int) -> None:
     _update(store, run_id, drop)
 
 
-def vacancies(store: Any, run_id: str) -> list[Vacancy]:
+def vacancies(store: StoreLike, run_id: str) -> list[Vacancy]:
     """The vacancies now offered (for logs and tests)."""
     return _read(store, vacant_key(run_id))[1]

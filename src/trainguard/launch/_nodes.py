@@ -32,7 +32,8 @@ from typing import Any
 
 from torch.distributed.elastic.agent.server.api import Worker, WorkerGroup
 
-from trainguard import events
+from trainguard import _torchcompat, events
+from trainguard.coord.store import StoreLike
 from trainguard.errors import ConfigError
 from trainguard.launch import _compat
 from trainguard.launch._coordstore import CoordStore, Generation
@@ -102,29 +103,29 @@ def adopted_workers(
     ]
 
 
-def replacement_incarnation(store: Any, run_id: str, generation: int, node: int) -> int:
+def replacement_incarnation(store: StoreLike, run_id: str, generation: int, node: int) -> int:
     """The incarnation of a replacement node's workers: k for the k-th node that took
     ``node``'s place in ``generation`` (always >= 1: the workers join as newcomers)."""
     return int(store.add(replaced_key(run_id, generation, node), 1))
 
 
-def mark_done(store: Any, run_id: str, generation: int, node: int) -> None:
+def mark_done(store: StoreLike, run_id: str, generation: int, node: int) -> None:
     """``node``'s workers finished (its agent enters the exit barrier)."""
     store.set(exit_key(run_id, generation, node), DONE)
 
 
-def mark_lost(store: Any, run_id: str, generation: int, node: int) -> None:
+def mark_lost(store: StoreLike, run_id: str, generation: int, node: int) -> None:
     """The agent that declared ``node`` lost: the others' exit barrier does not wait for it."""
     store.set(exit_key(run_id, generation, node), LOST)
 
 
-def reopen(store: Any, run_id: str, generation: int, node: int) -> None:
+def reopen(store: StoreLike, run_id: str, generation: int, node: int) -> None:
     """A replacement node took ``node``'s place: the exit barrier waits for it again."""
     store.delete_key(exit_key(run_id, generation, node))
 
 
 def exit_barrier(
-    store: Any, place: Place, *, timeout: float, poll: float, clock: Any = time.monotonic
+    store: StoreLike, place: Place, *, timeout: float, poll: float, clock: Any = time.monotonic
 ) -> list[int]:
     """Every agent whose workers finished: write ``done`` and wait until every node of
     ``place.generation`` finished or was lost, at most ``timeout`` seconds; stop waiting too
@@ -195,8 +196,8 @@ class NodeWatch:
         if self.gate is None:
             return None
         store = self.gate.store
-        if fresh and callable(getattr(store, "clone", None)):
-            store = store.clone()
+        if fresh:
+            store = _torchcompat.clone_store(store) or store
         vacancy = claim_vacancy(store, self.run_id)
         if vacancy is None:
             return None

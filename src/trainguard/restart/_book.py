@@ -24,6 +24,11 @@ taken out of ``gone`` and its departure undone (its left mark deleted, ``left`` 
 once, whoever deletes the mark), so that the store process does not exit while it still
 serves. A layout writer whose layout lost the publication counts out again the ranks it
 admitted that the published round does not hold.
+
+A round's outcome (its stop key) is written here only: :func:`propose` (the first proposal
+wins) and :meth:`RoundBook.complete` (the last active rank to return proposes ``complete``).
+Every proposer (a rank's fault or hang, the monitor's close, a newcomer's admission, a death
+notice, the straggler policy) goes through them.
 """
 
 from __future__ import annotations
@@ -34,21 +39,22 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from trainguard.coord import barrier
 from trainguard.coord.keys import Keyspace, encode
-from trainguard.coord.store import parse_addr, probe
+from trainguard.coord.store import StoreLike, parse_addr, probe
 from trainguard.errors import ConfigError, RetryLimitError
 from trainguard.restart import _records
+from trainguard.restart._records import BarrierRecord, RoundLayout
 from trainguard.restart._repeat import Repeats
 from trainguard.restart.policy._round import RoundPolicies
 from trainguard.restart.policy.layout import Layout
+from trainguard.restart.state import RoundOutcome
 
 logger = logging.getLogger(__name__)
 
 
-def peek(store: Any, key: str) -> bytes | None:
+def peek(store: StoreLike, key: str) -> bytes | None:
     """The value of ``key``, None when it is not set; never waits (unlike ``get``) and never
     sets it (``compare_set`` with an expected value that no value equals).
 
@@ -58,6 +64,14 @@ def peek(store: Any, key: str) -> bytes | None:
     if not store.check([key]):
         return None
     return barrier.read_set(store, key)
+
+
+def propose(store: StoreLike, keys: Keyspace, n: int, outcome: RoundOutcome) -> bool:
+    """Propose ``outcome`` for round ``n`` on ``store``: one ``compare_set`` of the round's
+    stop key from unset. True when this proposal won (it is the round's outcome); False when
+    another outcome was there first (that one holds)."""
+    value = outcome.encode()
+    return bytes(store.compare_set(keys.stop(n), "", value)) == value
 
 
 @dataclasses.dataclass(eq=False)
@@ -77,7 +91,7 @@ class RoundBook:
         repeats: the run of rounds that failed the same way, as of the last published round.
     """
 
-    store: Any
+    store: StoreLike
     keys: Keyspace
     world: int
     policies: RoundPolicies
@@ -93,14 +107,15 @@ class RoundBook:
         self.roster = self.roster or _records.Ranks(((0, self.world - 1),))  # O(1), not O(N)
         self.previous_roster = self.roster
 
-    def record(self, n: int, r: int, record: dict[str, Any]) -> dict[str, Any] | None:
+    def record(self, n: int, r: int, record: BarrierRecord) -> BarrierRecord | None:
         """Write rank ``r``'s record of round ``n`` unless one is there. Returns None when it
         was written, else the record found (a notice declared ``r`` gone first)."""
-        value = encode(record)
+        value = record.encode()
         current = bytes(self.store.compare_set(self.keys.member(n, r), "", value))
         if current == value:
             return None
-        return _records.record(current) or {"leave": "an unreadable record in the store"}
+        found = _records.record(current)
+        return found or BarrierRecord.departure(r, "an unreadable record in the store")
 
     def arrive(self, n: int) -> bytes | None:
         """Count one arrival; if every record is in, publish the round. Returns the published
@@ -118,7 +133,18 @@ class RoundBook:
             self._recount(admitted, published)
         return published
 
-    def enter(self, ready: dict[str, Any]) -> None:
+    def propose(self, n: int, outcome: RoundOutcome) -> bool:
+        """Propose ``outcome`` for round ``n`` (:func:`propose`); True when it won."""
+        return propose(self.store, self.keys, n, outcome)
+
+    def complete(self, n: int, active: int) -> bool:
+        """Count one returned function of round ``n``, whose ``active`` ranks run it; the last
+        one proposes ``complete`` (True when that proposal won)."""
+        if int(self.store.add(self.keys.done(n), 1)) != active:
+            return False
+        return self.propose(n, RoundOutcome.complete())
+
+    def enter(self, ready: RoundLayout) -> None:
         """Follow the published round ``ready``: its ranks are the next barrier's roster.
 
         A rank (``writer`` >= 0) then has its own record of the round before to delete
@@ -126,11 +152,11 @@ class RoundBook:
         each), the publisher only those of the ranks that the round does not hold
         (:meth:`_delete_round`)."""
         self.previous_roster = self.roster
-        self.roster = _records.roster(ready["active"], ready["spare"])
-        self.gone = {int(k): v for k, v in ready["gone"].items()}
-        self.repeats = Repeats.decode(ready.get("repeats"))
-        if self.writer >= 0 and ready["round"] > 0:
-            self.stale = self.keys.member(ready["round"] - 1, self.writer)
+        self.roster = ready.roster
+        self.gone = dict(ready.gone)
+        self.repeats = ready.repeats
+        if self.writer >= 0 and ready.round > 0:
+            self.stale = self.keys.member(ready.round - 1, self.writer)
 
     def tidy(self) -> None:
         """Delete this writer's record of the round before the one it entered last, if not
@@ -150,17 +176,17 @@ class RoundBook:
         info: dict[int, dict[str, str]] = {}
         progress = False
         for r, rec in zip(self.roster, _records.records([bytes(raw) for raw in raws]), strict=True):
-            if rec is None or rec["r"] != r:  # not this job's: that rank cannot be counted on
+            if rec is None or rec.rank != r:  # not this job's: that rank cannot be counted on
                 gone[r] = "its barrier record in the store is unreadable"
                 continue
-            progress = progress or rec.get("progress") is True
-            if rec.get("fault"):
-                faults[r] = rec["fault"]
-            if rec.get("leave"):
-                gone[r] = rec["leave"]
+            progress = progress or rec.progress is True
+            if rec.fault:
+                faults[r] = rec.fault
+            if rec.leave:
+                gone[r] = rec.leave
             else:
                 present.add(r)
-                info[r] = {"host": str(rec["host"]), "local_rank": str(rec["local_rank"])}
+                info[r] = {"host": rec.host, "local_rank": str(rec.local_rank)}
         admitted = self._admit(n, gone, present, info) if gone else []
         layout = Layout.start(
             round=n,
@@ -179,19 +205,17 @@ class RoundBook:
         repeats = self.repeats.after(faults, progress)
         end = end or repeats.verdict(self.policies.max_repeated_faults)
         pg = self._round_store(n) if present else b""
-        payload = encode(
-            {
-                "round": n,
-                "active": _records.runs(layout.active) if end is None else [],
-                "spare": _records.runs(layout.spares if end is None else sorted(present)),
-                "gone": {str(k): v for k, v in gone.items()},
-                "faults": {str(k): v for k, v in faults.items()},
-                "pg": pg.decode(),
-                "end": end,
-                "repeats": repeats.encode(),
-            }
+        published = RoundLayout(
+            round=n,
+            active=layout.active if end is None else (),
+            spare=layout.spares if end is None else sorted(present),
+            gone=gone,
+            faults=faults,
+            pg=pg.decode(),
+            end=end,
+            repeats=repeats,
         )
-        return payload, admitted
+        return published.encode(), admitted
 
     def _round_store(self, n: int) -> bytes:
         """The address of round ``n``'s store: the first store process's, unless it does not
@@ -223,11 +247,11 @@ class RoundBook:
                 continue
             raw = peek(self.store, self.keys.member(n, r))
             rec = _records.record(raw) if raw is not None else None
-            if rec is None or rec["r"] != r or rec.get("leave"):
+            if rec is None or rec.rank != r or rec.leave:
                 continue
             del gone[r]
             present.add(r)
-            info[r] = {"host": str(rec["host"]), "local_rank": str(rec["local_rank"])}
+            info[r] = {"host": rec.host, "local_rank": str(rec.local_rank)}
             if self.store.delete_key(self.keys.left_mark(r)):
                 self.store.add(self.keys.left, -1)
             admitted.append(r)
@@ -236,8 +260,7 @@ class RoundBook:
     def _recount(self, admitted: list[int], published: bytes) -> None:
         """This writer admitted ``admitted`` but another layout was published: count out
         again those it does not hold."""
-        ready = _records.layout(published)
-        holds = set(ready["active"]) | set(ready["spare"])
+        holds = set(_records.layout(published).roster)
         for r in admitted:
             if r not in holds:
                 self.count_out(r)
@@ -249,8 +272,7 @@ class RoundBook:
         this costs the publisher O(ranks gone), not O(ranks)."""
         if n < 0:
             return
-        ready = _records.layout(published)
-        holds = set(ready["active"]) | set(ready["spare"])
+        holds = set(_records.layout(published).roster)
         keys = self.keys.round_keys(n, [r for r in self.previous_roster if r not in holds])
         for key in keys:
             with contextlib.suppress(Exception):
@@ -264,11 +286,11 @@ class RoundBook:
         Idempotent: an extra count is harmless (see the module docstring). Returns True when
         ``r`` had arrived on its own: a round published before its record was turned into a
         departure still holds ``r`` (the caller then follows ``r`` into that round)."""
-        leave = encode({"r": r, "host": "", "local_rank": -1, "leave": cause, "fault": None})
+        leave = BarrierRecord.departure(r, cause).encode()
         key = self.keys.member(n, r)
         current = bytes(self.store.compare_set(key, "", leave))
         arrived = False
-        while current != leave and not (_records.record(current) or {}).get("leave"):
+        while current != leave and not _leaving(_records.record(current)):
             arrived = True
             current = bytes(self.store.compare_set(key, current, leave))
         self.arrive(n)
@@ -283,6 +305,10 @@ class RoundBook:
         if int(self.store.add(self.keys.left, 1)) >= self.world:
             self.store.set(self.keys.exit, b"done")
         return True
+
+
+def _leaving(rec: BarrierRecord | None) -> bool:
+    return rec is not None and bool(rec.leave)
 
 
 def _answers(addr: bytes) -> bool:

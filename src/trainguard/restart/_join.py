@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from trainguard import events
 from trainguard.coord import barrier
 from trainguard.errors import JobEndedError
 from trainguard.restart import _records
 from trainguard.restart._book import RoundBook, peek
+from trainguard.restart._records import BarrierRecord, RoundLayout
 from trainguard.restart.policy.layout import Layout
 from trainguard.restart.state import RoundOutcome
 
@@ -64,7 +64,7 @@ class Newcomer:
     def __init__(
         self,
         book: RoundBook,
-        record: dict[str, Any],
+        record: BarrierRecord,
         *,
         barrier_timeout: float,
         notify: Notify | None = None,
@@ -72,12 +72,12 @@ class Newcomer:
         self.book = book
         self.store = book.store
         self.keys = book.keys
-        self.rank = int(record["r"])
+        self.rank = record.rank
         self.record = record
         self.barrier_timeout = barrier_timeout
         self.notify = notify
 
-    def join(self) -> tuple[int, dict[str, Any]] | None:
+    def join(self) -> tuple[int, RoundLayout] | None:
         """The first round this rank is laid out in and its layout; None when the job
         completed first. Raises :class:`JobEndedError` when it ended with an error."""
         if self.store.check([self.keys.ended]):
@@ -87,7 +87,7 @@ class Newcomer:
         while True:
             if current is not None:
                 self.book.enter(current)
-            m = current["round"] + 1 if current is not None else 0
+            m = current.round + 1 if current is not None else 0
             found = self.book.record(m, self.rank, self.record)
             if found is None and self.rank in self.book.roster:
                 return m, self._arrive(m)
@@ -97,13 +97,13 @@ class Newcomer:
             if ready is None:
                 return None
             if found is None:
-                if self.rank in _records.roster(ready["active"], ready["spare"]):
+                if ready.holds(self.rank):
                     return m, ready
                 self.store.delete_key(self.keys.member(m, self.rank))  # unread: too late
             logger.info("rank %d: not admitted in round %d; trying the next", self.rank, m)
             current = ready
 
-    def _arrive(self, m: int) -> dict[str, Any]:
+    def _arrive(self, m: int) -> RoundLayout:
         """In the roster of round ``m``: arrive and wait like any rank."""
         raw = self.book.arrive(m)
         if raw is None:
@@ -112,20 +112,19 @@ class Newcomer:
             )
         return _records.layout(raw)
 
-    def _ask(self, m: int, current: dict[str, Any] | None) -> None:
+    def _ask(self, m: int, current: RoundLayout | None) -> None:
         """Waiting outside the roster of round ``m``: tell the sidecar; end the running round
         with an ``admit`` outcome when this rank would make the active world larger."""
         if self.notify is not None:
             self.notify(m - 1, self.book.roster)
-        admit = current is not None and not current["end"] and self._grows(m, current)
+        admit = current is not None and not current.end and self._grows(m, current)
         events.emit("join_wait", waiting_round=m, admit=admit)
         if admit and peek(self.store, self.keys.ready(m)) is None:  # not published meanwhile
-            outcome = RoundOutcome.admit(self.rank)
-            self.store.compare_set(self.keys.stop(m - 1), "", outcome.encode())
+            self.book.propose(m - 1, RoundOutcome.admit(self.rank))
 
-    def _grows(self, m: int, current: dict[str, Any]) -> bool:
+    def _grows(self, m: int, current: RoundLayout) -> bool:
         """Would the rank assignment and filter make more ranks active with this one?"""
-        roster = _records.roster(current["active"], current["spare"])
+        roster = current.roster
         layout = Layout.start(
             round=m,
             initial_world_size=self.book.world,
@@ -139,10 +138,10 @@ class Newcomer:
                 layout = policies.rank_filter(layout)
         except Exception as exc:  # a policy that needs facts of every rank (GroupedByKey)
             logger.debug("cannot tell whether rank %d grows the world: %s", self.rank, exc)
-            return not current["spare"]
-        return len(layout.active) > len(current["active"])
+            return not current.spare
+        return len(layout.active) > len(current.active)
 
-    def _wait(self, m: int) -> dict[str, Any] | None:
+    def _wait(self, m: int) -> RoundLayout | None:
         """Round ``m``'s layout once published; None when the job completed before (round
         ``m - 1`` complete, or its keys already deleted). Woken by the store: first by round
         ``m - 1``'s outcome (a newcomer may wait as long as that round runs), then by round

@@ -35,13 +35,16 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from trainguard._threads import serve
 from trainguard.coord.keys import Keyspace
-from trainguard.coord.store import connect, parse_addr, probe
+from trainguard.coord.store import StoreLike, connect, parse_addr, probe
 from trainguard.restart._book import peek
 from trainguard.restart.abort import GroupSockets, note_rendezvous
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 __all__ = ["Preconnect", "claim"]
 
@@ -58,7 +61,7 @@ class _Slot:
     round: int
     owner: Preconnect
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    store: Any = None
+    store: StoreLike | None = None
 
 
 _lock = threading.Lock()
@@ -73,7 +76,7 @@ def _rendezvous() -> Any:
     return importlib.import_module("torch.distributed.rendezvous")
 
 
-def claim(host: str, port: int, timeout: float) -> Any:
+def claim(host: str, port: int, timeout: float) -> StoreLike | None:
     """The client connected ahead of time to ``host:port``, or None (connect as usual).
 
     Waits up to ``timeout`` seconds for a connect that is still under way. Each client is
@@ -100,8 +103,8 @@ def _create_c10d_store(
     try:
         if rdzv._torchelastic_use_agent_store():
             store = claim(hostname, port, timeout.total_seconds())
-            if store is not None:
-                store.set_timeout(timeout)
+            if store is not None:  # a rank's clients are torch's (see StoreLike)
+                cast("Store", store).set_timeout(timeout)
                 return store
         return original(hostname, port, rank, world_size, timeout, use_libuv)
     except BaseException:
@@ -119,8 +122,8 @@ class Preconnect:
         timeout: the connect timeout in seconds.
     """
 
-    def __init__(self, coord: Any, keys: Keyspace, *, timeout: float) -> None:
-        self._coord = coord
+    def __init__(self, coord: StoreLike, keys: Keyspace, *, timeout: float) -> None:
+        self._coord: StoreLike | None = coord
         self._keys = keys
         self._timeout = timeout
         self._jobs: queue.SimpleQueue[int | Callable[[], None] | None] = queue.SimpleQueue()
@@ -194,8 +197,11 @@ class Preconnect:
             logger.debug("a chore of the pre-connect thread failed: %s", exc)
 
     def _connect(self, n: int) -> None:
+        coord = self._coord
+        if coord is None:
+            return  # closed
         try:
-            raw = peek(self._coord, self._keys.pg_addr(n))
+            raw = peek(coord, self._keys.pg_addr(n))
         except Exception as exc:
             logger.debug("round %d's store address could not be read: %s", n, exc)
             return

@@ -1,9 +1,11 @@
 """The barrier's values read back from the store, their types and shapes checked.
 
 Anyone who can write to the store could leave any bytes under a key, and a rank must never
-act on a value it misread: :func:`layout` returns a published round layout or raises
-:class:`~trainguard.errors.CoordinationError` saying what is wrong with it, :func:`record`
-returns a rank's barrier record or None for one that is unreadable.
+act on a value it misread: :func:`layout` returns a published round layout
+(:class:`RoundLayout`) or raises :class:`~trainguard.errors.CoordinationError` saying what is
+wrong with it, :func:`record` returns a rank's barrier record (:class:`BarrierRecord`) or None
+for one that is unreadable. Neither crashes on any bytes. Each record type's ``encode`` writes
+the JSON that these read (the node watcher reads it too, without torch).
 
 A layout's rank lists (``active``, ``spare``) travel as runs (:func:`runs`): a rank ``r`` or a
 pair ``[a, b]`` for the ranks ``a..b`` in that order, so that the usual layout (ranks in order,
@@ -18,15 +20,18 @@ the layout writer does, pays for every rank).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
+from trainguard.coord.keys import encode
 from trainguard.coord.store import parse_addr
 from trainguard.errors import ConfigError, CoordinationError
+from trainguard.restart._repeat import Repeats
 
-__all__ = ["Ranks", "layout", "record", "records", "runs"]
+__all__ = ["BarrierRecord", "Ranks", "RoundLayout", "layout", "record", "records", "runs"]
 
 _MAX_RANKS = 1 << 22  # a run list that expands to more ranks than this is not a layout
 
@@ -34,7 +39,7 @@ _MAX_RANKS = 1 << 22  # a run list that expands to more ranks than this is not a
 def _load(raw: bytes | str) -> object:
     try:
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: deep nesting
         return None
 
 
@@ -177,8 +182,9 @@ def roster(active: Sequence[int], spare: Sequence[int]) -> Sequence[int]:
 
 
 def _why_by_rank(value: object) -> bool:
+    # ASCII digits only, and few: int() refuses "²" and numbers of thousands of digits
     return isinstance(value, dict) and all(
-        k.isdigit() and isinstance(v, str) for k, v in value.items()
+        k.isascii() and k.isdigit() and len(k) <= 9 and isinstance(v, str) for k, v in value.items()
     )
 
 
@@ -210,18 +216,125 @@ _LAYOUT: dict[str, _Check] = {
 }
 
 
-def layout(raw: bytes | str) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class RoundLayout:
+    """A published round, as :class:`~trainguard.restart._book.RoundBook` lays it out.
+
+    Attributes:
+        round: the round's number.
+        active: the initial ranks that run the function, index = rank in the round.
+        spare: the initial ranks that wait idle.
+        gone: initial ranks that left the job -> why.
+        faults: the faults that ended the round before, initial rank -> description.
+        pg: the round store's ``host:port`` ("" when no rank is present).
+        end: why the job ends at this round (a retry limit, a repeated fault), or None.
+        repeats: the run of rounds that failed the same way (:mod:`._repeat`).
+    """
+
+    round: int
+    active: Sequence[int]
+    spare: Sequence[int]
+    gone: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    faults: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    pg: str = ""
+    end: str | None = None
+    repeats: Repeats = dataclasses.field(default_factory=Repeats)
+
+    @property
+    def roster(self) -> Sequence[int]:
+        """The round's ranks, active then spares (run lists not expanded)."""
+        return roster(self.active, self.spare)
+
+    def holds(self, r: int) -> bool:
+        """Whether initial rank ``r`` is in the round (active or spare)."""
+        return r in self.active or r in self.spare
+
+    def encode(self) -> bytes:
+        """The JSON that the store holds (rank lists as runs, :func:`runs`)."""
+        return encode(
+            {
+                "round": self.round,
+                "active": runs(list(self.active)),
+                "spare": runs(list(self.spare)),
+                "gone": {str(k): v for k, v in self.gone.items()},
+                "faults": {str(k): v for k, v in self.faults.items()},
+                "pg": self.pg,
+                "end": self.end,
+                "repeats": self.repeats.encode(),
+            }
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> RoundLayout:
+        """Inverse of :meth:`encode`; raises :class:`CoordinationError` (see :func:`layout`)."""
+        return layout(raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class BarrierRecord:
+    """One rank's record at a round's barrier (:meth:`RoundBook.record`).
+
+    Attributes:
+        rank: the initial rank it is the record of.
+        host: the rank's host name ("" in a departure written for it).
+        local_rank: its local rank (-1 in a departure written for it).
+        leave: why it leaves the job, or None when it stays.
+        fault: its fault that ended the round before, if it was the first.
+        progress: whether it made progress in the round before (None: not said).
+    """
+
+    rank: int
+    host: str
+    local_rank: int
+    leave: str | None = None
+    fault: str | None = None
+    progress: bool | None = None
+
+    @classmethod
+    def departure(cls, rank: int, cause: str) -> BarrierRecord:
+        """The record that another process (a death notice) writes for a gone rank."""
+        return cls(rank, "", -1, leave=cause)
+
+    def encode(self) -> bytes:
+        """The JSON that the store holds (``progress`` left out when not said)."""
+        doc: dict[str, object] = {
+            "r": self.rank,
+            "host": self.host,
+            "local_rank": self.local_rank,
+            "leave": self.leave,
+            "fault": self.fault,
+        }
+        if self.progress is not None:
+            doc["progress"] = self.progress
+        return encode(doc)
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> BarrierRecord | None:
+        """Inverse of :meth:`encode`; None when ``raw`` is not a record (see :func:`record`)."""
+        return record(raw)
+
+
+def layout(raw: bytes | str) -> RoundLayout:
     """A round layout as :class:`~trainguard.restart._book.RoundBook` publishes it."""
     doc = _load(raw)
     if isinstance(doc, dict):
         # every rank reads the layout each round: its rank lists are parsed once into runs
         # (the check is the parsing itself), never expanded here
-        expanded = {name: Ranks.parse(doc.get(name)) for name in _RANK_LISTS}
+        active, spare = (Ranks.parse(doc.get(name)) for name in _RANK_LISTS)
         bad = [name for name, ok in _LAYOUT.items() if not ok(doc.get(name))]
-        bad[:0] = [name for name, ranks in expanded.items() if ranks is None]
-        if not bad:
-            doc.update(expanded)
-            return doc
+        ranks = zip(_RANK_LISTS, (active, spare), strict=True)
+        bad[:0] = [name for name, parsed in ranks if parsed is None]
+        if not bad and active is not None and spare is not None:
+            return RoundLayout(
+                round=doc["round"],
+                active=active,
+                spare=spare,
+                gone={int(k): v for k, v in doc["gone"].items()},
+                faults={int(k): v for k, v in doc["faults"].items()},
+                pg=doc["pg"],
+                end=doc.get("end"),
+                repeats=Repeats.decode(doc.get("repeats")),
+            )
         problem = "bad " + ", ".join(bad)
     else:
         problem = "not a JSON object"
@@ -233,25 +346,25 @@ def layout(raw: bytes | str) -> dict[str, Any]:
     )
 
 
-def record(raw: bytes | str) -> dict[str, Any] | None:
+def record(raw: bytes | str) -> BarrierRecord | None:
     """A rank's barrier record (see :meth:`RoundBook.record`); None when it is not one."""
     return _checked(_load(raw))
 
 
-def records(raws: Sequence[bytes]) -> list[dict[str, Any] | None]:
+def records(raws: Sequence[bytes]) -> list[BarrierRecord | None]:
     """Many records (the last arriver reads every rank's), as :func:`record` reads each: one
     JSON parse for all of them (a parse per record was most of the last arriver's work at
     thousands of ranks), one each when that fails (a record that is not JSON)."""
     try:
         docs = json.loads(b"[" + b",".join(raws) + b"]")
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         docs = None
     if not isinstance(docs, list) or len(docs) != len(raws):  # a value that was two
         return [record(raw) for raw in raws]
     return [_checked(doc) for doc in docs]
 
 
-def _checked(doc: object) -> dict[str, Any] | None:
+def _checked(doc: object) -> BarrierRecord | None:
     if (
         isinstance(doc, dict)
         and _is_rank(doc.get("r"))
@@ -260,5 +373,13 @@ def _checked(doc: object) -> dict[str, Any] | None:
         and _optional_str(doc.get("leave"))
         and _optional_str(doc.get("fault"))
     ):
-        return doc
+        progress = doc.get("progress")
+        return BarrierRecord(
+            rank=doc["r"],
+            host=doc["host"],
+            local_rank=doc["local_rank"],
+            leave=doc.get("leave"),
+            fault=doc.get("fault"),
+            progress=progress if isinstance(progress, bool) else None,
+        )
     return None

@@ -31,17 +31,19 @@ from trainguard import _progress, events
 from trainguard.errors import BarrierTimeoutError, JobEndedError, RetryLimitError
 from trainguard.restart import _diagnose
 from trainguard.restart import _environment as _launch
+from trainguard.restart._book import RoundBook
 from trainguard.restart._interrupt import Kick
 from trainguard.restart._preconnect import Preconnect
+from trainguard.restart._records import RoundLayout
 from trainguard.restart._session import Session
 from trainguard.restart.abort import GroupSockets, destroy_groups, shutdown_connections_to
 from trainguard.restart.call import CallWrapper
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.monitor import Monitor, MonitorHooks
-from trainguard.restart.sidecar import AgentSidecar, Sidecar, SidecarConfig, start_helper
+from trainguard.restart.sidecar import AgentSidecar, Sidecar, start_for
 from trainguard.restart.state import RestartInterrupt, RoundOutcome, RoundState, describe
 from trainguard.restart.watchdog import Watchdog
-from trainguard.stragglers._watch import StragglerWatch
+from trainguard.stragglers.round import StragglerWatch
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +69,10 @@ class WrappedCall:
         self.watchdog: Watchdog | None = None
         self.preconnect: Preconnect | None = None
         self.call: CallWrapper | None = None
-        slow = cfg.stragglers
-        self.stragglers = StragglerWatch(slow, self.session, cfg.store_timeout) if slow else None
+        self.stragglers: StragglerWatch | None = None  # made once the session is open
         self.left_early = False
         self.entered = False  # this process entered a round (a newcomer may never)
-        self.round_store: str | None = None  # the round store's "host:port" (ready["pg"])
+        self.round_store: str | None = None  # the round store's "host:port" (ready.pg)
         self.raised: Exception | None = None  # what the function raised in this round
         self.state = RoundState(
             round=0, initial_rank=self.launch.rank, initial_world_size=self.launch.world_size
@@ -112,10 +113,26 @@ class WrappedCall:
 
     def _start(self, log_dir: Any, kick: Kick | None) -> None:
         """Connect, start the sidecar, the monitor thread and the watchdog thread."""
-        cfg = self.cfg
-        self.session.open()
+        cfg, session, rank = self.cfg, self.session, self.launch.rank
+        session.open()
+        if cfg.stragglers:  # the detector reaches the round through what it is given only
+            self.stragglers = StragglerWatch(
+                cfg.stragglers,
+                session.keys,
+                clone=session.clone_coord,
+                propose=lambda n, why: session.stop(n, RoundOutcome.fault(rank, why, "Straggler")),
+                timeout=cfg.store_timeout,
+            )
         if cfg.sidecar:
-            self.sidecar = self._start_sidecar(log_dir)
+            assert session.coord_addr is not None
+            self.sidecar = start_for(
+                cfg,
+                session.keys,
+                session.coord_addr,
+                rank=rank,
+                world=session.world,
+                log_dir=log_dir,
+            )
             self.sidecar.handshake(cfg.store_timeout)
         hooks = MonitorHooks(
             aborted=self._aborted,
@@ -123,21 +140,21 @@ class WrappedCall:
             kick=kick.send if kick is not None else None,
         )
         self.monitor = Monitor(
-            self.session.watch(self.sidecar),
-            self.session.keys,
+            session.watch(self.sidecar),
+            session.keys,
             threading.get_ident(),
             hooks=hooks,
             abort_timeout=cfg.abort_timeout,
-            source=self.session.outcome,
+            source=session.outcome,
         )
-        hang_store = self.session.coord  # never blocked for long: see Session
-        session = self.session
+        book = session.book  # on the coordination connection, never blocked for long
+        assert book is not None
         self.preconnect = Preconnect(session.coord, session.keys, timeout=cfg.store_timeout)
         session.later = self.preconnect.later  # its record of the round before, off the path
         self.watchdog = Watchdog(
             thread_id=threading.get_ident(),
             state=self._progress_state,
-            on_hang=lambda n, why: self._hang(hang_store, n, why),
+            on_hang=lambda n, why: self._hang(book, n, why),
             soft_timeout=cfg.soft_timeout,
             interval=min(0.1, cfg.soft_timeout / 20),
             sidecar=self.sidecar,
@@ -179,7 +196,7 @@ class WrappedCall:
         mark = _progress.count()
         while True:
             progress, mark = _progress.count() != mark, _progress.count()
-            ready: dict[str, Any] | None
+            ready: RoundLayout | None
             if joined is not None:
                 (n, ready), joined = joined, None
             else:
@@ -227,7 +244,7 @@ class WrappedCall:
             )
             n += 1
 
-    def _join(self, leaving: BaseException | None) -> tuple[int, dict[str, Any]] | None:
+    def _join(self, leaving: BaseException | None) -> tuple[int, RoundLayout] | None:
         """A newcomer's first round (:meth:`Session.join`), None when the job completed
         before it was admitted; raises ``leaving`` (its health check failed)."""
         if leaving is not None:
@@ -241,18 +258,18 @@ class WrappedCall:
 
         return self.session.join(notify)
 
-    def _enter(self, n: int, ready: dict[str, Any]) -> None:
+    def _enter(self, n: int, ready: RoundLayout) -> None:
         """Take round ``n`` as published; raise if the job stops there."""
         self.entered = True
         self.state = RoundState.of_layout(ready, self.launch.rank, self.launch.world_size)
         if self.sidecar is not None:
             self.sidecar.send({"round": n, "roster": list(self.session.roster)})
         events.set_context(round=n)
-        if ready["end"]:
+        if ready.end:
             causes = {**self.state.gone, **self.state.faults}
             lost = "; ".join(f"rank {r}: {why}" for r, why in sorted(self.state.gone.items()))
             raise RetryLimitError(
-                ready["end"] + (f"; ranks lost: {lost}" if lost else ""), causes=causes
+                ready.end + (f"; ranks lost: {lost}" if lost else ""), causes=causes
             )
         events.emit(
             "round_start",
@@ -263,20 +280,20 @@ class WrappedCall:
         )
 
     # one round ----------------------------------------------------------------------------
-    def _round(self, n: int, ready: dict[str, Any]) -> tuple[RoundOutcome, Any, str | None]:
+    def _round(self, n: int, ready: RoundLayout) -> tuple[RoundOutcome, Any, str | None]:
         """Round ``n`` on this rank: (its outcome, the function's value, this rank's fault)."""
         monitor = self.monitor
         assert monitor is not None
         state = self.state
         RestartInterrupt.last = None
-        self.round_store = ready["pg"] if state.active else None
+        self.round_store = ready.pg if state.active else None
         monitor.watch(n)
         if self.preconnect is not None:
             self.preconnect.ahead(n + 1)
         if not state.active:
             return self._wait(n, None, "spare"), None, None
-        timer = self.stragglers.start(state, ready["pg"]) if self.stragglers else None
-        call = CallWrapper(state, monitor, ready["pg"], self.cfg.store_timeout, timer)
+        timer = self.stragglers.start(state, ready.pg) if self.stragglers else None
+        call = CallWrapper(state, monitor, ready.pg, self.cfg.store_timeout, timer)
         self.call = call
         kwargs = dict(self.kwargs)
         if self.param is not None:
@@ -286,7 +303,7 @@ class WrappedCall:
         returned = False
         self.raised = None
         try:
-            with _launch.round_environment(self._round_env(ready["pg"])):
+            with _launch.round_environment(self._round_env(ready.pg)):
                 try:
                     if self.cfg.initialize is not None:
                         self.cfg.initialize(state)
@@ -402,12 +419,12 @@ class WrappedCall:
         monitor = self.monitor
         return self.state.round, bool(monitor is not None and monitor.in_function), self.call
 
-    def _hang(self, store: Any, n: int, why: str) -> None:
+    def _hang(self, book: RoundBook, n: int, why: str) -> None:
         """Watchdog thread: record a hang (or the sidecar's loss) as round ``n``'s fault."""
         kind = "Hang" if why.startswith("hang") else "SidecarLost"
         outcome = RoundOutcome.fault(self.launch.rank, why, kind)
         try:
-            store.compare_set(self.session.keys.stop(n), "", outcome.encode())
+            book.propose(n, outcome)
         except Exception as exc:
             logger.error("could not record the fault %r: %s", why, exc)
 
@@ -422,20 +439,6 @@ class WrappedCall:
     # helpers ------------------------------------------------------------------------------
     def _hook(self, name: str, state: RoundState, hook: Any = None) -> BaseException | None:
         return _diagnose.run_hook(name, hook or getattr(self.cfg, name), state)
-
-    def _start_sidecar(self, log_dir: Any) -> Sidecar | AgentSidecar:
-        """This rank's helper (:func:`~trainguard.restart.sidecar.start_helper`)."""
-        session = self.session
-        assert session.coord_addr is not None
-        config = SidecarConfig.build(
-            self.cfg,
-            rank=self.launch.rank,
-            world=self.launch.world_size,
-            keys=session.keys,
-            addr=session.coord_addr,
-            log_dir=log_dir,
-        )
-        return start_helper(config)
 
     def _leave_fn(self) -> None:
         """Leave the function; a restart interrupt arriving meanwhile is absorbed."""

@@ -14,12 +14,13 @@ from trainguard._addr import is_local_address
 from trainguard.coord import _bind, _secret, barrier
 from trainguard.coord._startfail import StartNotice
 from trainguard.coord.keys import Keyspace
-from trainguard.coord.store import StoreProcess, connect, parse_addr
+from trainguard.coord.store import StoreLike, StoreProcess, connect, parse_addr
 from trainguard.errors import CoordinationError, RestartError
 from trainguard.restart import _records
 from trainguard.restart._book import RoundBook, peek
 from trainguard.restart._environment import Launch
 from trainguard.restart._join import Newcomer, Notify
+from trainguard.restart._records import BarrierRecord, RoundLayout
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.sidecar._relayclient import RelayReader
 from trainguard.restart.state import RoundOutcome
@@ -49,7 +50,7 @@ class Session:
         self.world = launch.world_size
         self.host = socket.gethostname()
         self.book: RoundBook | None = None
-        self.watch_store: Any = None
+        self.watch_store: StoreLike | None = None
         self.relay: RelayReader | None = None
         #: runs a store chore off the restart's path (the call's worker thread; at once here)
         self.later: Callable[[Callable[[], None]], None] = _now
@@ -65,7 +66,7 @@ class Session:
         self.over = False
 
     @property
-    def coord(self) -> Any:
+    def coord(self) -> StoreLike:
         """This rank's connection to the coordination store (open sessions only)."""
         assert self.book is not None, "the session is not open"
         return self.book.store
@@ -105,8 +106,9 @@ class Session:
                 notice.publish(str(exc))  # the others fail at once with it
                 raise
         gave_up = None if first else notice.failure
+        coord: StoreLike
         if given is not None and not isinstance(given, str):
-            coord = _torchcompat.clone_store(given)
+            coord = given.clone()  # the user's TCPStore (its clone() is checked by the config)
         else:
             coord = connect(host, port, timeout=cfg.store_timeout, gave_up=gave_up)
         if first:
@@ -129,7 +131,7 @@ class Session:
             writer=self.irank,
         )
 
-    def watch(self, helper: Any) -> Any:
+    def watch(self, helper: Any) -> StoreLike:
         """Where the long waits go (after :meth:`open`, before the first barrier): the relay
         of ``helper`` (this rank's sidecar handle) when it has one, else a new connection of
         this rank's own. Returns the store connection that the monitor may write to when it
@@ -156,12 +158,19 @@ class Session:
         logger.warning("%s; waiting at the store instead", exc)
         self.relay = None
 
-    def _watch_store(self) -> Any:
+    def _watch_store(self) -> StoreLike:
         """The connection of the long waits without a relay (made on first use)."""
         with self._lock:
             if self.watch_store is None:
-                self.watch_store = _torchcompat.clone_store(self.coord)
+                self.watch_store = self.clone_coord()
             return self.watch_store
+
+    def clone_coord(self) -> StoreLike:
+        """A new connection to the coordination store, of the caller's own."""
+        clone = _torchcompat.clone_store(self.coord)
+        if clone is None:  # a user's store is checked for clone(); connect() makes clients
+            raise CoordinationError("the coordination store's client cannot be cloned")
+        return clone
 
     def _hosts_standby(self) -> bool:
         """Whether this rank starts the standby store process: local rank 0 of node 1 (the
@@ -199,7 +208,7 @@ class Session:
     # barrier ------------------------------------------------------------------------------
     def barrier(
         self, n: int, *, leaving: str | None, fault: str | None, progress: bool = False
-    ) -> dict[str, Any] | None:
+    ) -> RoundLayout | None:
         """Round ``n``'s barrier (see :mod:`._book`); returns the published round (None for a
         leaving rank). ``fault``: this rank's fault that ended round ``n-1``, if it was the
         first; ``progress``: this rank made progress in round ``n-1``."""
@@ -220,13 +229,13 @@ class Session:
         record = self._record(leaving, fault, progress)
         found = book.record(n, self.irank, record)
         if found is not None:  # another process declared this rank gone meanwhile
-            self._declared_gone(n, found.get("leave"))
+            self._declared_gone(n, found.leave)
         raw = book.arrive(n)
         if raw is None and leaving is None and self.relay is not None:
             self.relay.ask("ready", n)  # the relay waits for the layout while this rank does
         return raw
 
-    def take(self, n: int, raw: bytes | None, start: float) -> dict[str, Any]:
+    def take(self, n: int, raw: bytes | None, start: float) -> RoundLayout:
         """The second half of :meth:`barrier`: wait for round ``n``'s layout unless ``raw``
         is it, read it, follow it (``start``: when this rank arrived, for the event)."""
         book = self.book
@@ -247,14 +256,14 @@ class Session:
             raw = barrier.wait_key(self._watch_store(), self.keys.ready(n), timeout, what=what)
         waited = time.monotonic() - start
         ready = _records.layout(raw)
-        if str(self.irank) in ready["gone"]:  # declared gone after it arrived
-            self._declared_gone(n, ready["gone"][str(self.irank)])
+        if self.irank in ready.gone:  # declared gone after it arrived
+            self._declared_gone(n, ready.gone[self.irank])
         events.emit("barrier", duration=waited, round_=n, last=last)
         book.enter(ready)
         self.later(book.tidy)
         return ready
 
-    def join(self, notify: Notify | None) -> tuple[int, dict[str, Any]] | None:
+    def join(self, notify: Notify | None) -> tuple[int, RoundLayout] | None:
         """A newcomer's way in (:mod:`._join`), instead of round 0's barrier: the first
         round it is laid out in and its layout; None when the job completed first.
         ``notify(round, roster)``: tells this rank's sidecar where it waits."""
@@ -274,8 +283,8 @@ class Session:
             return None
         n, ready = joined
         waited = time.monotonic() - start
-        if str(self.irank) in ready["gone"]:  # declared gone after it arrived
-            self._declared_gone(n, ready["gone"][str(self.irank)])
+        if self.irank in ready.gone:  # declared gone after it arrived
+            self._declared_gone(n, ready.gone[self.irank])
         events.set_context(round=n)
         events.emit(
             "launch_admitted", duration=waited, incarnation=self.launch.incarnation, waited=waited
@@ -283,15 +292,15 @@ class Session:
         book.enter(ready)
         return joined
 
-    def _record(self, leaving: str | None, fault: str | None, progress: bool) -> dict[str, Any]:
-        return {
-            "r": self.irank,
-            "host": self.host,
-            "local_rank": self.launch.local_rank,
-            "leave": leaving,
-            "fault": fault,
-            "progress": progress,
-        }
+    def _record(self, leaving: str | None, fault: str | None, progress: bool) -> BarrierRecord:
+        return BarrierRecord(
+            rank=self.irank,
+            host=self.host,
+            local_rank=self.launch.local_rank,
+            leave=leaving,
+            fault=fault,
+            progress=progress,
+        )
 
     def _declared_gone(self, n: int, why: str | None) -> None:
         self.left = True  # whoever declared it gone counted it out of the job
@@ -304,13 +313,13 @@ class Session:
     # round outcome -------------------------------------------------------------------------
     def complete(self, n: int, active: int) -> None:
         """Count this rank's function as returned; the last one marks the round complete."""
-        if int(self.coord.add(self.keys.done(n), 1)) == active:
-            self.coord.compare_set(self.keys.stop(n), "", RoundOutcome.complete().encode())
+        assert self.book is not None, "the session is not open"
+        self.book.complete(n, active)
 
     def stop(self, n: int, outcome: RoundOutcome) -> bool:
         """Propose ``outcome`` for round ``n``; True if it was the first (it wins)."""
-        value = outcome.encode()
-        return bytes(self.coord.compare_set(self.keys.stop(n), "", value)) == value
+        assert self.book is not None, "the session is not open"
+        return self.book.propose(n, outcome)
 
     # leaving -------------------------------------------------------------------------------
     def leave(self) -> None:

@@ -11,14 +11,17 @@ import inspect
 import time
 import typing
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from trainguard import _progress
-from trainguard.coord.store import connect, parse_addr
+from trainguard.coord.store import StoreLike, connect, parse_addr
 from trainguard.restart._preconnect import claim
 from trainguard.restart.monitor import Monitor
 from trainguard.restart.state import RoundState
-from trainguard.stragglers._timing import Section, Timer, section
+from trainguard.stragglers.round import Section, Timer, section
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 __all__ = ["CallWrapper", "call_param"]
 
@@ -50,7 +53,7 @@ class CallWrapper:
         self._monitor = monitor
         self._pg_addr = pg_addr
         self._timeout = timeout
-        self._store: Any = None
+        self._store: StoreLike | None = None
         self.pings = 0
         self.last_ping = time.monotonic()
         self._timer = timer
@@ -62,8 +65,9 @@ class CallWrapper:
         return self.state.rank
 
     @property
-    def store(self) -> Any:
-        """A client of this round's own store (fresh each round; dropped when it ends).
+    def store(self) -> Store:
+        """A client of this round's own store (fresh each round; dropped when it ends): a
+        ``torch.distributed.TCPStore``.
 
         For ``init_process_group(backend, store=call.store, rank=call.rank,
         world_size=call.world_size)``.
@@ -73,7 +77,7 @@ class CallWrapper:
             # connected ahead of time when a plain init_process_group did not take it
             store = claim(host, port, self._timeout)
             self._store = store if store is not None else connect(host, port, timeout=self._timeout)
-        return self._store
+        return cast("Store", self._store)  # a rank's clients are torch's (see StoreLike)
 
     def ping(self) -> None:
         """Report progress (cheap: a counter and a clock read).

@@ -36,12 +36,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from trainguard import events
 from trainguard._threads import serve
 from trainguard.coord.barrier import wait_forever
 from trainguard.coord.keys import Keyspace
+from trainguard.coord.store import StoreLike
+from trainguard.restart._book import propose
 from trainguard.restart._interrupt import (
     cancel_in,
     in_torch_distributed,
@@ -97,7 +98,7 @@ class Monitor:
 
     def __init__(
         self,
-        store: Any,
+        store: StoreLike,
         keys: Keyspace,
         thread_id: int,
         *,
@@ -197,7 +198,7 @@ class Monitor:
             n = self._watching if not self._outcome_ready.is_set() else None
         if n is not None:
             with contextlib.suppress(Exception):
-                self._store.compare_set(self._keys.stop(n), "", RoundOutcome.end("closed").encode())
+                propose(self._store, self._keys, n, RoundOutcome.end("closed"))
         self._jobs.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():

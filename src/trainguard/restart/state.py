@@ -9,7 +9,9 @@ import time
 import traceback
 from collections.abc import Mapping
 from types import FrameType, MappingProxyType
-from typing import Any, Literal
+from typing import Literal
+
+from trainguard.restart._records import RoundLayout
 
 __all__ = ["RestartInterrupt", "RoundOutcome", "RoundState", "describe"]
 
@@ -60,20 +62,20 @@ class RoundState:
 
     @classmethod
     def of_layout(
-        cls, ready: Mapping[str, Any], initial_rank: int, initial_world_size: int
+        cls, ready: RoundLayout, initial_rank: int, initial_world_size: int
     ) -> RoundState:
         """Initial rank ``initial_rank``'s state in the published round layout ``ready``."""
-        active = tuple(ready["active"])
+        active = tuple(ready.active)
         return cls(
-            round=ready["round"],
+            round=ready.round,
             initial_rank=initial_rank,
             initial_world_size=initial_world_size,
             rank=active.index(initial_rank) if initial_rank in active else None,
             world_size=len(active),
             active_ranks=active,
-            spare_ranks=tuple(ready["spare"]),
-            gone={int(k): v for k, v in ready["gone"].items()},
-            faults={int(k): v for k, v in ready["faults"].items()},
+            spare_ranks=tuple(ready.spare),
+            gone=ready.gone,
+            faults=ready.faults,
         )
 
     def replace(self, **changes: object) -> RoundState:
@@ -84,10 +86,11 @@ class RoundState:
 class RoundOutcome:
     """How round ``n`` ended: the value of the round's stop key in the store.
 
-    Any rank (or a sidecar writing a death notice) proposes an outcome with ``compare_set``;
-    the first proposal wins and every rank's monitor acts on it (:mod:`.monitor`). Built with
-    :meth:`fault`, :meth:`end` or :meth:`complete`; stored as JSON by :meth:`encode` (unset
-    fields left out) and read back by :meth:`decode`.
+    Any rank (or a sidecar writing a death notice) proposes an outcome with ``compare_set``
+    (:func:`trainguard.restart._book.propose`, its one writer); the first proposal wins and
+    every rank's monitor acts on it (:mod:`.monitor`). Built with :meth:`fault`, :meth:`end`
+    or :meth:`complete`; stored as JSON by :meth:`encode` (unset fields left out) and read
+    back by :meth:`decode`.
 
     Attributes:
         why: ``"complete"`` (every active rank returned), ``"fault"`` (restart the round),

@@ -16,10 +16,15 @@ the function and :meth:`StragglerWatch.stop` after it, whatever happened):
    rank that far behind finds its previous window gone, checks first and skips it: a
    ``get`` of a missing key would wait).
 4. With :class:`~trainguard.stragglers.TakeOutStragglers`: after ``windows`` straggling
-   windows in a row it claims a removal (rate limit, coordination store) and records the
+   windows in a row it claims a removal (rate limit, coordination store) and proposes the
    fault ``Straggler`` for the round; the policy then takes the rank out at the health check.
 
 The window keys live in the round's own store, which is closed when the next round starts.
+
+The detector knows nothing of the restart machinery that runs it: it is given the call's
+keyspace, a way to open its own coordination connection and a ``propose`` callable for the
+round's fault (:class:`StragglerWatch`), and it reads the round through :class:`RoundView`,
+which the restart's ``RoundState`` satisfies.
 """
 
 from __future__ import annotations
@@ -27,11 +32,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
-from trainguard import _torchcompat, events
-from trainguard.coord.store import connect, parse_addr
-from trainguard.restart.state import RoundOutcome, RoundState
+from trainguard import events
+from trainguard.coord.keys import Keyspace
+from trainguard.coord.store import StoreLike, connect, parse_addr
 from trainguard.stragglers import _timing
 from trainguard.stragglers.config import Stragglers
 from trainguard.stragglers.scores import (
@@ -43,7 +49,7 @@ from trainguard.stragglers.scores import (
     slowest,
 )
 
-__all__ = ["StragglerWatch"]
+__all__ = ["Propose", "RoundView", "StragglerWatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,24 +57,53 @@ _MAX_RANK = 1 << 24  # initial ranks read back from the store must be below this
 _KEEP = 8  # rank 0 deletes window k - _KEEP at window k: a rank that far behind skips a window
 
 
+class RoundView(Protocol):
+    """What the detector reads of a round (the restart's ``RoundState`` is one)."""
+
+    @property
+    def round(self) -> int: ...
+    @property
+    def initial_rank(self) -> int: ...
+    @property
+    def rank(self) -> int | None: ...
+    @property
+    def active_ranks(self) -> Sequence[int]: ...
+
+
+#: ``(round, why)``: propose the fault ``Straggler`` of this rank for ``round``; True when
+#: that proposal won (it is the round's outcome).
+Propose = Callable[[int, str], bool]
+
+
 class StragglerWatch:
     """Straggler detection for one wrapped call on one rank (see the module docstring).
 
     Args:
         cfg: the settings.
-        session: the call's :class:`~trainguard.restart._session.Session` (its keyspace, and
-            its coordination store, cloned when the policy acts).
+        keys: the call's keyspace (window keys per round; the rate limit's slots).
+        clone: opens a new connection to the coordination store (the rate limit's claim).
+        propose: proposes this rank's ``Straggler`` fault for a round (see :data:`Propose`).
         timeout: store operation timeout (seconds).
     """
 
-    def __init__(self, cfg: Stragglers, session: Any, timeout: float) -> None:
+    def __init__(
+        self,
+        cfg: Stragglers,
+        keys: Keyspace,
+        *,
+        clone: Callable[[], StoreLike],
+        propose: Propose,
+        timeout: float,
+    ) -> None:
         self.cfg = cfg
-        self.session = session
+        self.keys = keys
+        self.clone = clone
+        self.propose = propose
         self.timeout = timeout
         self.best: dict[str, float] = {}  # this rank's best medians, kept across rounds
         self._round: _Round | None = None
 
-    def start(self, state: RoundState, pg_addr: str) -> _timing.Timer:
+    def start(self, state: RoundView, pg_addr: str) -> _timing.Timer:
         """Round ``state.round`` begins on this active rank: its timer (made current)."""
         self.stop()
         self._round = _Round(self, state, pg_addr)
@@ -84,11 +119,11 @@ class StragglerWatch:
 
 
 class _Round:
-    def __init__(self, watch: StragglerWatch, state: RoundState, pg_addr: str) -> None:
+    def __init__(self, watch: StragglerWatch, state: RoundView, pg_addr: str) -> None:
         cfg = watch.cfg
         assert cfg.window is not None
         self.watch, self.state, self.pg_addr = watch, state, pg_addr
-        self.prefix = watch.session.keys.round_prefix(state.round) + "strag/"
+        self.prefix = watch.keys.round_prefix(state.round) + "strag/"
         self.queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self.timer = _timing.Timer(
             window=cfg.window, every=cfg.every, on_window=self.queue.put, cuda=cfg.cuda
@@ -105,7 +140,7 @@ class _Round:
         self.thread.join(self.watch.timeout + 5.0)
 
     def _run(self) -> None:
-        store: Any = None
+        store: StoreLike | None = None
         try:
             while (k := self.queue.get()) is not None:
                 try:
@@ -119,7 +154,7 @@ class _Round:
         finally:
             del store
 
-    def _window(self, store: Any, k: int) -> None:
+    def _window(self, store: StoreLike, k: int) -> None:
         medians = self.timer.medians()
         if not medians:
             return
@@ -180,23 +215,22 @@ class _Round:
             return self.acted
         if self.below < take_out.windows:
             return "reported"
-        session, irank, n = self.watch.session, self.state.initial_rank, self.state.round
+        watch, irank, n = self.watch, self.state.initial_rank, self.state.round
         why = (
             f"straggler: relative score {mine.score:.2f} in section {mine.section!r} "
             f"({mine.own * 1e3:.2f} ms vs {mine.fastest * 1e3:.2f} ms on rank "
             f"{mine.fastest_rank}) below {self.watch.cfg.threshold:g} for {self.below} windows"
         )
-        coord = _torchcompat.clone_store(session.coord)
+        coord = watch.clone()
         try:
-            if not take_out.claim(coord, session.keys.prefix + "strag/", irank):
+            if not take_out.claim(coord, watch.keys.prefix + "strag/", irank):
                 self.acted = "rate limited"
                 return self.acted
-            self.acted = "taken out"
-            take_out.verdict = why
-            logger.warning("rank %d: %s; it leaves the job", irank, why)
-            outcome = RoundOutcome.fault(irank, why, "Straggler").encode()
-            if bytes(coord.compare_set(session.keys.stop(n), "", outcome)) == outcome:
-                events.emit("fault", error=why, type="Straggler")
         finally:
             del coord
+        self.acted = "taken out"
+        take_out.verdict = why
+        logger.warning("rank %d: %s; it leaves the job", irank, why)
+        if watch.propose(n, why):
+            events.emit("fault", error=why, type="Straggler")
         return self.acted

@@ -8,6 +8,7 @@ import math
 import time
 from typing import Any
 
+from trainguard.coord.store import StoreLike
 from trainguard.errors import ConfigError, StragglerError
 
 __all__ = ["Stragglers", "TakeOutStragglers"]
@@ -42,7 +43,7 @@ class TakeOutStragglers:
         if verdict is not None:
             raise StragglerError(verdict, causes={state.initial_rank: verdict})
 
-    def claim(self, store: Any, prefix: str, who: int, now: float | None = None) -> bool:
+    def claim(self, store: StoreLike, prefix: str, who: int, now: float | None = None) -> bool:
         """Claim one removal in the store under ``prefix``: False past the hourly limit.
 
         Slots ``prefix/out/0, 1, ...`` hold the times of the removals; slot ``i`` may be

@@ -26,11 +26,16 @@ default the ranks of one host share one such process, the node watcher (:mod:`._
 - :class:`SidecarService`: the agent's side of :class:`AgentSidecar`: it watches the agent's
   workers (:mod:`.agent_service`).
 - :func:`start_helper`: the one of the three handles that watches this process, started.
+- :func:`start_for`: the same for one wrapped call, its configuration built.
 """
 
 from __future__ import annotations
 
+import os
+
 from trainguard import _env
+from trainguard.coord.keys import Keyspace
+from trainguard.restart.config import WrapperConfig
 from trainguard.restart.sidecar._agent import AgentSidecar as AgentSidecar
 from trainguard.restart.sidecar._agent import agent_address
 from trainguard.restart.sidecar._config import SidecarConfig as SidecarConfig
@@ -40,6 +45,23 @@ from trainguard.restart.sidecar._nodeclient import NodeSidecar as NodeSidecar
 from trainguard.restart.sidecar.agent_service import SidecarService as SidecarService
 
 __all__: list[str] = []
+
+
+def start_for(
+    cfg: WrapperConfig,
+    keys: Keyspace,
+    addr: tuple[str, int],
+    *,
+    rank: int,
+    world: int,
+    log_dir: str | os.PathLike[str] | None,
+) -> Sidecar | AgentSidecar:
+    """The helper that watches initial rank ``rank``'s wrapped call (``cfg``; its keyspace
+    ``keys`` in the coordination store at ``addr``), started: its configuration
+    (:meth:`SidecarConfig.build`), then :func:`start_helper`. The handshake is the caller's
+    (who holds the handle, to stop it, should the handshake fail)."""
+    config = SidecarConfig.build(cfg, rank=rank, world=world, keys=keys, addr=addr, log_dir=log_dir)
+    return start_helper(config)
 
 
 def start_helper(config: SidecarConfig) -> Sidecar | AgentSidecar:

@@ -31,13 +31,12 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from trainguard import events
 from trainguard.coord.barrier import wait_key
+from trainguard.coord.store import StoreLike
 from trainguard.restart import _records
-from trainguard.restart._book import RoundBook, peek
-from trainguard.restart._repeat import Repeats
+from trainguard.restart._book import RoundBook, peek, propose
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.state import RoundOutcome
 
@@ -55,7 +54,7 @@ class Notice:
 
 
 def write_notice(
-    store: Any,
+    store: StoreLike,
     cfg: SidecarConfig,
     r: int,
     n: int,
@@ -82,8 +81,7 @@ def write_notice(
         if n >= 0 and r in roster and not store.check([keys.member(n + 1, r)]):
             # Gone inside round n: a fault of that round, so the others abort it. (A
             # newcomer waiting outside the roster was in no round: nothing to abort.)
-            outcome = RoundOutcome.fault(r, cause, "RankGone")
-            store.compare_set(keys.stop(n), "", outcome.encode())
+            book.propose(n, RoundOutcome.fault(r, cause, "RankGone"))
         if not book.take_arrival(n + 1, r, cause):
             break  # its departure is recorded before any record of its own: it is out
         # It had arrived at round n+1's barrier. The barrier completes now without waiting
@@ -91,8 +89,8 @@ def write_notice(
         raw = wait_key(store, keys.ready(n + 1), cfg.barrier_timeout, what="barrier")
         ready = _records.layout(raw)
         n += 1
-        roster = _records.roster(ready["active"], ready["spare"])
-        if r not in roster or ready.get("end"):
+        roster = ready.roster
+        if r not in roster or ready.end:
             break
     counted = book.count_out(r)
     notice = Notice(r, n, cause, counted, time.monotonic() - start)
@@ -107,11 +105,11 @@ def _follow(book: RoundBook, n: int) -> None:
     raw = peek(book.store, book.keys.ready(n)) if n >= 0 else None
     if raw is not None:
         ready = _records.layout(raw)
-        book.gone = {int(k): v for k, v in ready["gone"].items()}
-        book.repeats = Repeats.decode(ready.get("repeats"))
+        book.gone = dict(ready.gone)
+        book.repeats = ready.repeats
 
 
-def _awaits_return(store: Any, cfg: SidecarConfig, r: int, n: int, cause: str) -> bool:
+def _awaits_return(store: StoreLike, cfg: SidecarConfig, r: int, n: int, cause: str) -> bool:
     """With no live idle spare in round ``n``, make round ``n`` a fault and leave ``r`` in
     the roster of round ``n+1`` (True). False: an ordinary notice is needed (there is a
     spare, ``r`` already arrived at ``n+1``, or round ``n`` is not readable)."""
@@ -124,13 +122,12 @@ def _awaits_return(store: Any, cfg: SidecarConfig, r: int, n: int, cause: str) -
     if raw is None:
         return False
     ready = _records.layout(raw)
-    if r not in ready["active"] and r not in ready["spare"]:
+    if not ready.holds(r):
         return False
-    spares = [s for s in ready["spare"] if s != r]
-    if any(peek(store, keys.left_mark(s)) is None for s in spares) and not ready["end"]:
+    spares = [s for s in ready.spare if s != r]
+    if any(peek(store, keys.left_mark(s)) is None for s in spares) and not ready.end:
         return False  # a live idle spare takes r's place at once
-    outcome = RoundOutcome.fault(r, cause, "RankGone")
-    store.compare_set(keys.stop(n), "", outcome.encode())
+    propose(store, keys, n, RoundOutcome.fault(r, cause, "RankGone"))
     return True
 
 

@@ -8,8 +8,8 @@ it changes in the store) is :func:`~trainguard.restart.sidecar._notice.write_not
 from __future__ import annotations
 
 import logging
-from typing import Any
 
+from trainguard.coord.store import StoreLike
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._notice import Notice, write_notice
 
@@ -17,7 +17,7 @@ logger = logging.getLogger("trainguard.restart.sidecar")
 
 
 def notify(
-    store: Any,
+    store: StoreLike,
     cfg: SidecarConfig,
     r: int,
     where: tuple[int, tuple[int, ...]],

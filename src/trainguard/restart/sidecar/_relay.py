@@ -35,6 +35,7 @@ from typing import Any
 
 from trainguard.coord.barrier import wait_forever
 from trainguard.coord.keys import Keyspace
+from trainguard.coord.store import StoreLike
 
 __all__ = ["KINDS", "WHAT", "Relay"]
 
@@ -66,7 +67,7 @@ class Relay:
         connect: makes a new store connection (each reader thread makes its own).
     """
 
-    def __init__(self, keys: Keyspace, connect: Callable[[], Any]) -> None:
+    def __init__(self, keys: Keyspace, connect: Callable[[], StoreLike]) -> None:
         self.keys = keys
         self._connect = connect
         self._cond = threading.Condition()
@@ -74,7 +75,7 @@ class Relay:
         self._queue: list[tuple[str, int, _Entry]] = []  # keys no reader waits for yet
         self._idle = 0  # reader threads waiting for a key to wait for
         self._readers: list[threading.Thread] = []
-        self._stores: set[Any] = set()  # the readers' connections
+        self._stores: set[StoreLike] = set()  # the readers' connections
         self._closed = False
         self.reads = 0  # store reads made (one per key), for tests and benchmarks
 
@@ -170,7 +171,7 @@ class Relay:
         if store is not None:
             _close(store)
 
-    def _read(self, store: Any, kind: str, n: int) -> tuple[Any, bytes]:
+    def _read(self, store: StoreLike | None, kind: str, n: int) -> tuple[StoreLike | None, bytes]:
         """Round ``n``'s ``kind`` waited for and read on ``store`` (connected first when
         None): the connection to keep (None after a failure) and the reply line."""
         try:
@@ -198,7 +199,7 @@ class Relay:
         return store, line
 
 
-def _interrupt(store: Any) -> None:
+def _interrupt(store: StoreLike) -> None:
     """Wake a wait under way on ``store`` and close it (the pure-Python client's
     :meth:`~trainguard.coord._wire.WireStore.interrupt`; torch's client has no such call and
     is dropped)."""
@@ -208,7 +209,7 @@ def _interrupt(store: Any) -> None:
             interrupt()
 
 
-def _close(store: Any) -> None:
+def _close(store: StoreLike) -> None:
     """Close ``store`` now (its owner's thread, no call under way) rather than when it is
     collected: a descriptor must not outlive the relay."""
     close = getattr(store, "close", None)
