@@ -9,6 +9,7 @@ same ``COMMITTED`` marker as :class:`~trainguard.checkpoint.AsyncCheckpointer`, 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -24,7 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.futures import Future
 
 from trainguard import _timeouts, events
-from trainguard.checkpoint import _commit, _tmpfile
+from trainguard.checkpoint import _commit, _overwrite, _tmpfile
 from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint._load import part_name
 from trainguard.checkpoint.dcp import _items, _metadata
@@ -65,9 +66,14 @@ class StorageWriter(storage.StorageWriter, Closing):
     ``checkpoint_id`` is given: it becomes the path), ``set_up_storage_writer``,
     ``prepare_local_plan`` and ``write_data`` (this rank's file is durable when it returns), and
     on the coordinator ``prepare_global_plan`` and, once every rank's file is durable,
-    ``finish`` (metadata, then the ``COMMITTED`` marker). A path that already holds a committed
-    checkpoint is refused (:class:`CheckpointError`, raised by DCP on every rank): saves never
-    overwrite one.
+    ``finish`` (metadata, then the ``COMMITTED`` marker).
+
+    A path that already holds a committed checkpoint is overwritten safely (``overwrite=True``,
+    the default, as DCP's ``FileSystemWriter``): the new save is written into a sibling
+    directory and swapped in by the coordinator only once it is committed, so a crash at any
+    moment leaves one complete checkpoint at the path, the old or the new one (see
+    :mod:`trainguard.checkpoint._overwrite`). With ``overwrite=False`` such a path is refused
+    (:class:`CheckpointError`, raised by DCP on every rank).
 
     The writer process and the staging buffer live across saves; :meth:`close` (or the end of
     a ``with`` block) stops the process and frees the buffers. One save at a time.
@@ -79,6 +85,7 @@ class StorageWriter(storage.StorageWriter, Closing):
         pin_memory: register staging buffers as pinned memory when CUDA is available.
         writer_nice: nice increment of the writer process (0-19).
         start_timeout: how long to wait for the writer process to start.
+        overwrite: replace a committed checkpoint at the path (safely); False refuses it.
     """
 
     def __init__(
@@ -90,8 +97,11 @@ class StorageWriter(storage.StorageWriter, Closing):
         pin_memory: bool = True,
         writer_nice: int = 10,
         start_timeout: _timeouts.Timeout = 120.0,
+        overwrite: bool = True,
     ) -> None:
         self.path = checkpoint_path(path)
+        self.overwrite = bool(overwrite)
+        self._target = self.path  # where this rank's save writes (a sibling when overwriting)
         if staging_threads is not None and (
             isinstance(staging_threads, bool)
             or not isinstance(staging_threads, int)
@@ -133,6 +143,7 @@ class StorageWriter(storage.StorageWriter, Closing):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.path = checkpoint_path(checkpoint_id, "checkpoint_id")
+        self._target = self.path
 
     @property
     def checkpoint_id(self) -> str:
@@ -147,7 +158,9 @@ class StorageWriter(storage.StorageWriter, Closing):
                     "rank's file is durable, which needs DCP's collectives: drop "
                     "use_collectives=False"
                 )
-            _commit.refuse_overwrite(self.path)
+            if not self.overwrite:
+                _overwrite.settle(self.path)
+                _commit.refuse_overwrite(self.path)
         except CheckpointError:
             self._release_staged()  # this save will not write it: the next stage may reuse it
             raise
@@ -163,7 +176,14 @@ class StorageWriter(storage.StorageWriter, Closing):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
+        """Coordinator only: choose where every rank writes (the path, or a fresh sibling of a
+        committed one), after finishing or cleaning what an interrupted save left there."""
+        target = self.path
+        if self.overwrite:
+            _overwrite.recover(self.path)
+            if _overwrite.needs_sibling(self.path):
+                target = _overwrite.sibling(self.path, _overwrite.token())
+        return [dataclasses.replace(plan, storage_data=target) for plan in plans]
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path)
@@ -176,8 +196,10 @@ class StorageWriter(storage.StorageWriter, Closing):
             self._check_open()
             resolved = _items.resolve(plan, planner)
             name = part_name(self.rank, "trainguard")
-            file = os.path.join(self.path, name)
-            os.makedirs(self.path, exist_ok=True)
+            if isinstance(plan.storage_data, str):
+                self._target = plan.storage_data
+            file = os.path.join(self._target, name)
+            os.makedirs(self._target, exist_ok=True)
             with self._lock:
                 buffer, placed = self._layout(resolved)
                 nbytes = self._write(file, buffer, placed, [e for _, e in resolved])
@@ -202,10 +224,16 @@ class StorageWriter(storage.StorageWriter, Closing):
         metadata.version = _DCP_VERSION
         metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
         metadata.storage_meta = self.storage_meta()
-        _metadata.write(self.path, metadata, fsync=self.fsync)
-        marker = _commit._Marker(self.path, {"world_size": len(results), "format": "dcp"})
+        beside = self._target != self.path
+        _metadata.write(self._target, metadata, fsync=self.fsync)
+        if beside:
+            _overwrite.kill_point("uncommitted")
+        marker = _commit._Marker(self._target, {"world_size": len(results), "format": "dcp"})
         marker.prepare()
         marker.act()
+        if beside:
+            _overwrite.swap(self._target, self.path)
+            self._target = self.path
         events.emit("ckpt_committed", path=self.path, world_size=len(results))
 
     @classmethod
