@@ -23,7 +23,7 @@ from torch.futures import Future
 from trainguard import events
 from trainguard.checkpoint import _commit, _overwrite, _validate
 from trainguard.checkpoint.dcp import _metadata
-from trainguard.checkpoint.dcp.storage_writer import checkpoint_path
+from trainguard.checkpoint.dcp.storage_writer import checkpoint_path, local_path
 from trainguard.checkpoint.fileformat import FileHeader, checksum, read_header, read_range
 from trainguard.checkpoint.layout import unflatten
 from trainguard.errors import (
@@ -154,7 +154,8 @@ class StorageReader(storage.StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
+        """True for a local directory path; False for a URL (``s3://...``) or anything else."""
+        return local_path(checkpoint_id)
 
     # ------------------------------------------------------------------ ours
 

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.futures import Future
 
 from trainguard import _timeouts, events
-from trainguard.checkpoint import _commit, _overwrite, _tmpfile
+from trainguard.checkpoint import _commit, _overwrite, _thread_writer, _tmpfile
 from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint._load import part_name
 from trainguard.checkpoint.dcp import _items, _metadata
@@ -42,17 +42,38 @@ logger = logging.getLogger(__name__)
 _DCP_VERSION = "1.0.0"
 
 
+def local_path(checkpoint_id: object) -> bool:
+    """Whether ``checkpoint_id`` names a local directory (a non-empty str or PathLike that is not
+    a URL such as ``s3://bucket/key``): DCP's ``validate_checkpoint_id`` of this layer."""
+    if not isinstance(checkpoint_id, (str, os.PathLike)):
+        return False
+    text = os.fspath(checkpoint_id)
+    return isinstance(text, str) and bool(text) and "://" not in text and "\0" not in text
+
+
 def checkpoint_path(path: object, what: str = "path") -> str:
-    """``path`` as a string; :class:`ConfigError` unless it is a non-empty str or PathLike."""
+    """``path`` as a string; :class:`ConfigError` unless it is a non-empty str or PathLike of
+    a local directory (not a URL)."""
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"{what}={path!r}: give the checkpoint directory as a str or os.PathLike")
     text = os.fspath(path)
     if not isinstance(text, str) or not text:
         raise ConfigError(f"{what}={path!r}: give a non-empty directory path (a str)")
+    if not local_path(text):
+        raise ConfigError(
+            f"{what}={text!r} is not a local directory: trainguard's DCP storage layer writes "
+            "and reads local (or mounted) file systems only; use a storage layer for that URL "
+            "(or let dcp.save/dcp.load pick one: pass no storage_writer/storage_reader)"
+        )
     return text
 
 
-def _release(writer: WriterProcess, stager: Stager) -> None:
+def _rebuilt(path: str, options: dict[str, Any]) -> StorageWriter:
+    """A StorageWriter unpickled in another process (DCP's PROCESS executor): a new one."""
+    return StorageWriter(path, **options)
+
+
+def _release(writer: WriterProcess | _thread_writer.ThreadWriter, stager: Stager) -> None:
     writer.stop()
     stager.close()
 
@@ -76,7 +97,13 @@ class StorageWriter(storage.StorageWriter, Closing):
     (:class:`CheckpointError`, raised by DCP on every rank).
 
     The writer process and the staging buffer live across saves; :meth:`close` (or the end of
-    a ``with`` block) stops the process and frees the buffers. One save at a time.
+    a ``with`` block) stops the process and frees the buffers. One save at a time. In a
+    daemonic process (a ``multiprocessing.Pool`` worker), which may not start one, files are
+    written from a thread instead. ``dcp.async_save(...,
+    async_checkpointer_type=AsyncCheckpointerType.PROCESS)`` works: the writer is pickled as
+    its arguments and built anew in DCP's background process (with an
+    :class:`~trainguard.checkpoint.dcp.AsyncStager`, whose shared memory cannot go there, it is
+    refused: use the THREAD executor, the default).
 
     Args:
         path: the checkpoint directory (a ``checkpoint_id`` given to ``dcp.save`` replaces it).
@@ -100,6 +127,14 @@ class StorageWriter(storage.StorageWriter, Closing):
         overwrite: bool = True,
     ) -> None:
         self.path = checkpoint_path(path)
+        self._options: dict[str, Any] = {
+            "fsync": fsync,
+            "staging_threads": staging_threads,
+            "pin_memory": pin_memory,
+            "writer_nice": writer_nice,
+            "start_timeout": start_timeout,
+            "overwrite": overwrite,
+        }
         self.overwrite = bool(overwrite)
         self._target = self.path  # where this rank's save writes (a sibling when overwriting)
         if staging_threads is not None and (
@@ -119,7 +154,7 @@ class StorageWriter(storage.StorageWriter, Closing):
         self._stager = Stager(
             threads=staging_threads or min(4, os.cpu_count() or 1), pin=pin_memory
         )
-        self._writer = WriterProcess(nice=writer_nice, start_timeout=start)
+        self._writer = _thread_writer.make_writer(nice=writer_nice, start_timeout=start)
         try:
             self._writer.start()
         except WriterDied as exc:
@@ -238,9 +273,22 @@ class StorageWriter(storage.StorageWriter, Closing):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
+        """True for a local directory path; False for a URL (``s3://...``) or anything else,
+        so that DCP picks another storage layer for it."""
+        return local_path(checkpoint_id)
 
     # ------------------------------------------------------------------ ours
+
+    def __reduce__(self) -> tuple[Any, tuple[str, dict[str, Any]]]:
+        """Pickled as its arguments (DCP's PROCESS executor builds it anew in its process)."""
+        if self._staged is not None:
+            raise CheckpointError(
+                "a state staged by trainguard's AsyncStager lives in this process's shared "
+                "memory and cannot go to DCP's background process: use "
+                "dcp.async_save(..., async_checkpointer_type=AsyncCheckpointerType.THREAD) (the "
+                "default) with AsyncStager, or no async_stager with AsyncCheckpointerType.PROCESS"
+            )
+        return (_rebuilt, (self.path, dict(self._options)))
 
     def close(self) -> None:
         """Stop the writer process, free the staging buffers. Idempotent."""
