@@ -1,0 +1,129 @@
+"""What each of two ranks does for the multi-rank conformance tests (one process group, many
+behaviours, so that each storage layer costs one start of two ranks). Returns, per behaviour,
+plain values the tests compare."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+
+def _value(t: torch.Tensor) -> list[Any]:
+    return t.tolist()  # type: ignore[no-any-return]
+
+
+def _mlp(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def run(root: str, layer_name: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tests.checkpoint.dcp_conformance._layers import Layer
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {}
+    try:
+        with Layer(layer_name) as layer:
+            # replicated plain tensors and values: every rank saves the same, each loads it
+            state = {"w": torch.arange(12.0).reshape(3, 4), "n": 5}
+            dcp.save(state, storage_writer=layer.writer(f"{root}/rep"))
+            back = {"w": torch.zeros(3, 4), "n": 0}
+            dcp.load(back, storage_reader=layer.reader(f"{root}/rep"))
+            out["replicated"] = (_value(back["w"]), back["n"])
+            metadata = layer.reader(f"{root}/rep").read_metadata()
+            out["replicated_chunks"] = len(metadata.state_dict_metadata["w"].chunks)
+
+            # keys only one rank has: each rank loads both
+            dcp.save(
+                {f"r{rank}": torch.full((2,), float(rank))},
+                checkpoint_id=f"{root}/own",
+                storage_writer=layer.writer(f"{root}/own"),
+            )
+            both = {f"r{r}": torch.zeros(2) for r in range(world)}
+            dcp.load(both, storage_reader=layer.reader(f"{root}/own"))
+            out["own_keys"] = {k: _value(v) for k, v in both.items()}
+
+            # a DTensor sharded by rows, loaded into other shardings (resharding)
+            mesh = init_device_mesh("cpu", (world,))
+            full = torch.arange(70.0).reshape(7, 10)  # 7 rows: uneven shards
+            dcp.save(
+                {"d": distribute_tensor(full, mesh, [Shard(0)])},
+                storage_writer=layer.writer(f"{root}/dt"),
+            )
+            for name, placement in (("rows", Shard(0)), ("cols", Shard(1)), ("rep", Replicate())):
+                target = distribute_tensor(torch.zeros(7, 10), mesh, [placement])
+                dcp.load({"d": target}, storage_reader=layer.reader(f"{root}/dt"))
+                out[f"reshard_{name}"] = bool(torch.equal(target.full_tensor(), full))
+            plain = {"d": torch.zeros(7, 10)}  # a sharded save into a plain tensor
+            dcp.load(plain, storage_reader=layer.reader(f"{root}/dt"))
+            out["sharded_to_plain"] = bool(torch.equal(plain["d"], full))
+            # a plain save into a sharded target
+            target = distribute_tensor(torch.zeros(3, 4), mesh, [Shard(1)])
+            dcp.load({"w": target}, storage_reader=layer.reader(f"{root}/rep"))
+            out["plain_to_sharded"] = bool(torch.equal(target.full_tensor(), state["w"]))
+
+            # DDP model and optimizer through torch's state_dict API
+            model = DistributedDataParallel(_mlp(1))
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+            model(torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))).sum().backward()
+            opt.step()
+            model_sd, optim_sd = get_state_dict(model, opt)
+            dcp.save(
+                {"model": model_sd, "optim": optim_sd}, storage_writer=layer.writer(f"{root}/ddp")
+            )
+            model2 = DistributedDataParallel(_mlp(2))
+            opt2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
+            model2(torch.ones(1, 5)).sum().backward()
+            opt2.step()
+            model_sd2, optim_sd2 = get_state_dict(model2, opt2)
+            loaded = {"model": model_sd2, "optim": optim_sd2}
+            dcp.load(loaded, storage_reader=layer.reader(f"{root}/ddp"))
+            set_state_dict(
+                model2, opt2, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+            )
+            out["ddp_params"] = all(
+                torch.equal(a, b)
+                for a, b in zip(model.parameters(), model2.parameters(), strict=True)
+            )
+            s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+            out["ddp_optim"] = set(s1) == set(s2) and all(
+                torch.equal(s1[k][n], s2[k][n]) for k in s1 for n in ("exp_avg", "exp_avg_sq")
+            )
+
+            # async_save from both ranks, then an overwrite of the same id
+            writer = layer.writer(f"{root}/async")
+            for step in (1.0, 2.0):
+                t = {"t": torch.full((4,), step + rank * 10)}
+                dcp.async_save({f"t{rank}": t["t"]}, storage_writer=writer).result()
+                t["t"].fill_(-1.0)
+                back2 = {f"t{r}": torch.zeros(4) for r in range(world)}
+                dcp.load(back2, storage_reader=layer.reader(f"{root}/async"))
+                out[f"async_{step:g}"] = {k: _value(v) for k, v in back2.items()}
+
+            # an overwrite by a sync save, and overwrite=False refused on every rank
+            dcp.save({"t": torch.full((2,), 7.0)}, storage_writer=layer.writer(f"{root}/rep"))
+            back3 = {"t": torch.zeros(2)}
+            dcp.load(back3, storage_reader=layer.reader(f"{root}/rep"))
+            out["overwritten"] = _value(back3["t"])
+            try:
+                dcp.save(
+                    {"t": torch.zeros(2)},
+                    storage_writer=layer.writer(f"{root}/rep", overwrite=False),
+                )
+                out["refused"] = False
+            except BaseException as exc:
+                out["refused"] = "already" in str(exc)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return out
