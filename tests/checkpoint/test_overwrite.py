@@ -65,12 +65,15 @@ from trainguard.checkpoint import AsyncCheckpointer
 from trainguard.checkpoint.dcp import StorageWriter
 kind, path, point, port = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 state = lambda step: {"w": torch.full((64, 32), float(step)), "step": torch.tensor(step)}
-if kind == "dcp":
+if kind.startswith("dcp"):
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    cached = kind == "dcp-cached"  # a planner that reuses its first plan
+    planner = lambda: DefaultSavePlanner(enable_plan_caching=cached)
     writer = StorageWriter(path)
-    dcp.save(state(1), storage_writer=writer)
+    dcp.save(state(1), storage_writer=writer, planner=planner())
     print(writer._writer.pid, flush=True)
     os.environ["TRAINGUARD_OVERWRITE_KILL_AT"] = point
-    dcp.save(state(2), storage_writer=writer)
+    dcp.save(state(2), storage_writer=writer, planner=planner())
 else:
     from torch.distributed import TCPStore
     store = TCPStore("127.0.0.1", port, None, is_master=False)
@@ -118,9 +121,12 @@ _DCP_POINTS = {"uncommitted": 1, "committed": 1, "old-moved": 2, "new-moved": 2}
 
 
 @pytest.mark.parametrize("point", sorted(_DCP_POINTS))
-def test_dcp_overwrite_survives_sigkill_at_each_step(tmp_path: Path, point: str) -> None:
+@pytest.mark.parametrize("planner", ["dcp", "dcp-cached"])
+def test_dcp_overwrite_survives_sigkill_at_each_step(
+    tmp_path: Path, point: str, planner: str
+) -> None:
     path = tmp_path / "ckpt"
-    _run_killed("dcp", path, point)
+    _run_killed(planner, path, point)
     assert latest(tmp_path) == path
     assert _dcp_step(path) == _DCP_POINTS[point]
     # the next save finishes or cleans up what the crash left, then overwrites

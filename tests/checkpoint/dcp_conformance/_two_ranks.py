@@ -123,6 +123,22 @@ def run(root: str, layer_name: str) -> dict[str, Any]:
                 out["refused"] = False
             except BaseException as exc:
                 out["refused"] = "already" in str(exc)
+
+            # a planner that caches its plans, saving again and again to one id
+            from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+            cached = []
+            for step in (1.0, 2.0, 3.0):
+                state = {"c": torch.full((3,), step), f"own{rank}": torch.full((2,), step + rank)}
+                dcp.save(
+                    state,
+                    storage_writer=layer.writer(f"{root}/cached"),
+                    planner=DefaultSavePlanner(enable_plan_caching=True),
+                )
+                back4 = {"c": torch.zeros(3), **{f"own{r}": torch.zeros(2) for r in range(world)}}
+                dcp.load(back4, storage_reader=layer.reader(f"{root}/cached"))
+                cached.append({k: _value(v) for k, v in back4.items()})
+            out["cached_plans"] = cached
             dist.barrier()
     finally:
         dist.destroy_process_group()

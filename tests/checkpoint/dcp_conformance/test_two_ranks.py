@@ -75,3 +75,11 @@ def test_a_two_rank_checkpoint_loads_in_one_process(ranks: Any) -> None:
         target = {"d": torch.zeros(7, 10)}
         dcp.load(target, storage_reader=layer.reader(Path(root) / "dt"), no_dist=True)
     assert torch.equal(target["d"], torch.arange(70.0).reshape(7, 10))
+
+
+def test_a_caching_planner_saving_again_to_one_id(ranks: Any) -> None:
+    _, _, outs = ranks
+    for out in outs:
+        assert out["cached_plans"] == [
+            {"c": [s] * 3, "own0": [s] * 2, "own1": [s + 1] * 2} for s in (1.0, 2.0, 3.0)
+        ]

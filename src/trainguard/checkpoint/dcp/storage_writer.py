@@ -9,7 +9,6 @@ same ``COMMITTED`` marker as :class:`~trainguard.checkpoint.AsyncCheckpointer`, 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import logging
@@ -211,14 +210,12 @@ class StorageWriter(storage.StorageWriter, Closing):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator only: choose where every rank writes (the path, or a fresh sibling of a
-        committed one), after finishing or cleaning what an interrupted save left there."""
-        target = self.path
+        """Coordinator only, while the other ranks wait for the plan: finish or clean what an
+        interrupted save left at the path (so every rank's :meth:`write_data` then sees the same
+        state and chooses the same place to write)."""
         if self.overwrite:
             _overwrite.recover(self.path)
-            if _overwrite.needs_sibling(self.path):
-                target = _overwrite.sibling(self.path, _overwrite.token())
-        return [dataclasses.replace(plan, storage_data=target) for plan in plans]
+        return plans
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path)
@@ -231,8 +228,10 @@ class StorageWriter(storage.StorageWriter, Closing):
             self._check_open()
             resolved = _items.resolve(plan, planner)
             name = part_name(self.rank, "trainguard")
-            if isinstance(plan.storage_data, str):
-                self._target = plan.storage_data
+            self._target = self.path  # a sibling of a committed one (the same on every rank)
+            if self.overwrite and _overwrite.needs_sibling(self.path):
+                seed = os.path.abspath(self.path)  # recover() left no sibling behind
+                self._target = _overwrite.sibling(self.path, _overwrite.token(seed))
             file = os.path.join(self._target, name)
             os.makedirs(self._target, exist_ok=True)
             with self._lock:
