@@ -19,6 +19,26 @@ def _mlp(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
 
 
+def _fsdp(seed: int, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp(seed)
+    mesh = init_device_mesh("cpu", (world,))
+    for part in (model[0], model[2]):
+        fully_shard(part, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> float:
+    loss = model(torch.randn(4, 5, generator=torch.Generator().manual_seed(seed))).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss)
+
+
 def run(root: str, layer_name: str) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -34,9 +54,10 @@ def run(root: str, layer_name: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         with Layer(layer_name) as layer:
+            writer = layer.writer(f"{root}/unused")  # one writer for every save, as a job keeps
             # replicated plain tensors and values: every rank saves the same, each loads it
             state = {"w": torch.arange(12.0).reshape(3, 4), "n": 5}
-            dcp.save(state, storage_writer=layer.writer(f"{root}/rep"))
+            dcp.save(state, checkpoint_id=f"{root}/rep", storage_writer=writer)
             back = {"w": torch.zeros(3, 4), "n": 0}
             dcp.load(back, storage_reader=layer.reader(f"{root}/rep"))
             out["replicated"] = (_value(back["w"]), back["n"])
@@ -47,7 +68,7 @@ def run(root: str, layer_name: str) -> dict[str, Any]:
             dcp.save(
                 {f"r{rank}": torch.full((2,), float(rank))},
                 checkpoint_id=f"{root}/own",
-                storage_writer=layer.writer(f"{root}/own"),
+                storage_writer=writer,
             )
             both = {f"r{r}": torch.zeros(2) for r in range(world)}
             dcp.load(both, storage_reader=layer.reader(f"{root}/own"))
@@ -58,7 +79,8 @@ def run(root: str, layer_name: str) -> dict[str, Any]:
             full = torch.arange(70.0).reshape(7, 10)  # 7 rows: uneven shards
             dcp.save(
                 {"d": distribute_tensor(full, mesh, [Shard(0)])},
-                storage_writer=layer.writer(f"{root}/dt"),
+                checkpoint_id=f"{root}/dt",
+                storage_writer=writer,
             )
             for name, placement in (("rows", Shard(0)), ("cols", Shard(1)), ("rep", Replicate())):
                 target = distribute_tensor(torch.zeros(7, 10), mesh, [placement])
@@ -79,7 +101,9 @@ def run(root: str, layer_name: str) -> dict[str, Any]:
             opt.step()
             model_sd, optim_sd = get_state_dict(model, opt)
             dcp.save(
-                {"model": model_sd, "optim": optim_sd}, storage_writer=layer.writer(f"{root}/ddp")
+                {"model": model_sd, "optim": optim_sd},
+                checkpoint_id=f"{root}/ddp",
+                storage_writer=writer,
             )
             model2 = DistributedDataParallel(_mlp(2))
             opt2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
@@ -101,17 +125,20 @@ def run(root: str, layer_name: str) -> dict[str, Any]:
             )
 
             # async_save from both ranks, then an overwrite of the same id
-            writer = layer.writer(f"{root}/async")
             for step in (1.0, 2.0):
                 t = {"t": torch.full((4,), step + rank * 10)}
-                dcp.async_save({f"t{rank}": t["t"]}, storage_writer=writer).result()
+                dcp.async_save(
+                    {f"t{rank}": t["t"]}, checkpoint_id=f"{root}/async", storage_writer=writer
+                ).result()
                 t["t"].fill_(-1.0)
                 back2 = {f"t{r}": torch.zeros(4) for r in range(world)}
                 dcp.load(back2, storage_reader=layer.reader(f"{root}/async"))
                 out[f"async_{step:g}"] = {k: _value(v) for k, v in back2.items()}
 
             # an overwrite by a sync save, and overwrite=False refused on every rank
-            dcp.save({"t": torch.full((2,), 7.0)}, storage_writer=layer.writer(f"{root}/rep"))
+            dcp.save(
+                {"t": torch.full((2,), 7.0)}, checkpoint_id=f"{root}/rep", storage_writer=writer
+            )
             back3 = {"t": torch.zeros(2)}
             dcp.load(back3, storage_reader=layer.reader(f"{root}/rep"))
             out["overwritten"] = _value(back3["t"])
@@ -124,6 +151,50 @@ def run(root: str, layer_name: str) -> dict[str, Any]:
             except BaseException as exc:
                 out["refused"] = "already" in str(exc)
 
+            # an FSDP2 model and optimizer: save, load into a fresh one, train on identically
+            model3, opt3 = _fsdp(1, world)
+            _step(model3, opt3, 0)
+            msd, osd = get_state_dict(model3, opt3)
+            dcp.save(
+                {"model": msd, "optim": osd}, checkpoint_id=f"{root}/fsdp", storage_writer=writer
+            )
+            model4, opt4 = _fsdp(2, world)
+            _step(model4, opt4, 5)
+            msd4, osd4 = get_state_dict(model4, opt4)
+            fsdp_state = {"model": msd4, "optim": osd4}
+            dcp.load(fsdp_state, storage_reader=layer.reader(f"{root}/fsdp"))
+            set_state_dict(
+                model4,
+                opt4,
+                model_state_dict=fsdp_state["model"],
+                optim_state_dict=fsdp_state["optim"],
+            )
+            out["fsdp_next_loss"] = (_step(model3, opt3, 1), _step(model4, opt4, 1))
+            out["fsdp_params"] = all(
+                torch.equal(a.full_tensor(), b.full_tensor())
+                for a, b in zip(model3.parameters(), model4.parameters(), strict=True)
+            )
+
+            # ranks that build their state dicts in different key orders
+            items = [("k1", torch.ones(2)), ("k2", torch.full((3,), 2.0)), ("k3", 3)]
+            ordered = dict(items if rank == 0 else reversed(items))
+            dcp.save(ordered, checkpoint_id=f"{root}/order", storage_writer=writer)
+            back5 = {"k3": 0, "k2": torch.zeros(3), "k1": torch.zeros(2)}
+            dcp.load(back5, storage_reader=layer.reader(f"{root}/order"))
+            out["key_order"] = {k: v if isinstance(v, int) else _value(v) for k, v in back5.items()}
+
+            # a save and a load on a process group of their own (as async_save users do on gloo)
+            group = dist.new_group(backend="gloo")
+            dcp.save(
+                {"g": torch.full((2,), 4.0)},
+                checkpoint_id=f"{root}/group",
+                storage_writer=writer,
+                process_group=group,
+            )
+            back6 = {"g": torch.zeros(2)}
+            dcp.load(back6, storage_reader=layer.reader(f"{root}/group"), process_group=group)
+            out["own_group"] = _value(back6["g"])
+
             # a planner that caches its plans, saving again and again to one id
             from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -132,7 +203,8 @@ def run(root: str, layer_name: str) -> dict[str, Any]:
                 state = {"c": torch.full((3,), step), f"own{rank}": torch.full((2,), step + rank)}
                 dcp.save(
                     state,
-                    storage_writer=layer.writer(f"{root}/cached"),
+                    checkpoint_id=f"{root}/cached",
+                    storage_writer=writer,
                     planner=DefaultSavePlanner(enable_plan_caching=True),
                 )
                 back4 = {"c": torch.zeros(3), **{f"own{r}": torch.zeros(2) for r in range(world)}}

@@ -83,3 +83,32 @@ def test_a_caching_planner_saving_again_to_one_id(ranks: Any) -> None:
         assert out["cached_plans"] == [
             {"c": [s] * 3, "own0": [s] * 2, "own1": [s + 1] * 2} for s in (1.0, 2.0, 3.0)
         ]
+
+
+def test_fsdp2_model_and_optimizer_resume_identically(ranks: Any) -> None:
+    _, _, outs = ranks
+    for out in outs:
+        assert out["fsdp_params"] is True
+        before, after = out["fsdp_next_loss"]
+        assert before == after  # the resumed model trains on exactly as the saved one
+
+
+def test_an_fsdp2_checkpoint_consolidates_into_one_torch_save_file(ranks: Any) -> None:
+    name, root, _ = ranks
+    with Layer(name) as layer:
+        layer.to_torch_save(Path(root) / "fsdp", str(Path(root) / f"fsdp_{name}.pt"))
+    state = torch.load(Path(root) / f"fsdp_{name}.pt", weights_only=False)
+    shapes = {k: tuple(v.shape) for k, v in state["model"].items()}
+    assert shapes == {"0.weight": (8, 5), "0.bias": (8,), "2.weight": (3, 8), "2.bias": (3,)}
+    assert set(state["optim"]["state"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+def test_ranks_with_differently_ordered_keys(ranks: Any) -> None:
+    _, _, outs = ranks
+    for out in outs:
+        assert out["key_order"] == {"k1": [1.0, 1.0], "k2": [2.0] * 3, "k3": 3}
+
+
+def test_save_and_load_on_a_process_group_of_their_own(ranks: Any) -> None:
+    _, _, outs = ranks
+    assert all(out["own_group"] == [4.0, 4.0] for out in outs)
