@@ -148,7 +148,8 @@ def kill_point(point: str) -> None:
 def settle(directory: str) -> bool:
     """A reader's recovery: when ``directory`` is missing and an interrupted swap left its
     checkpoint beside it, rename that into place (the new one first). Removes nothing; safe
-    to run in many processes at once. True when ``directory`` was put back."""
+    to run in many processes at once. True when ``directory`` was put back; a file system
+    that refuses the rename (read-only) is logged, and the reader then finds no checkpoint."""
     if os.path.lexists(directory):
         return False
     ready = [path for kind, path in _siblings(directory) if committed(path)]
@@ -158,11 +159,12 @@ def settle(directory: str) -> bool:
             os.rename(path, directory)
         except FileNotFoundError:
             continue  # another process took it
-        except OSError:
-            if os.path.lexists(directory):
-                return False  # another process settled it first
-            raise
-        fsync_dir(_split(directory)[0])
+        except OSError as exc:
+            if not os.path.lexists(directory):  # else another process settled it first
+                logger.warning("cannot finish the interrupted overwrite of %s: %s", directory, exc)
+            return False
+        with contextlib.suppress(OSError):
+            fsync_dir(_split(directory)[0])
         logger.info("finished an interrupted overwrite: %s is now %s", path, directory)
         return True
     return False
