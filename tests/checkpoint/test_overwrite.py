@@ -178,6 +178,20 @@ def _two_ranks(root: str) -> dict[str, object]:
                 dist.barrier()
                 out[f"step{step}"] = float(load(path)["w"][0])
             out["entries"] = sorted(os.listdir(root))
+            # a save that fails on one rank (an object JSON cannot hold) changes nothing there
+            bad = {"w": object()} if rank == 1 else {"w": torch.full((8,), -1.0)}
+            try:
+                ckpt.save(bad, path)
+                ckpt.wait()
+            except CheckpointError as exc:
+                out["failed"] = type(exc).__name__
+            dist.barrier()
+            out["after_failure"] = float(load(path)["w"][0])
+            ckpt.save({"w": torch.full((8,), float(40 + rank))}, path)  # cleans what it left
+            ckpt.wait()
+            dist.barrier()
+            out["step4"] = float(load(path)["w"][0])
+            out["entries_after"] = sorted(os.listdir(root))
         with AsyncCheckpointer(commit_timeout=60, overwrite=False) as ckpt:
             try:
                 ckpt.save({"w": torch.zeros(8)}, path)
@@ -195,5 +209,7 @@ def test_async_checkpointer_overwrites_on_every_rank(tmp_path: Path) -> None:
     for rank, out in enumerate(results):
         assert [out[f"step{s}"] for s in (1, 2, 3)] == [10 + rank, 20 + rank, 30 + rank], out
         assert out["entries"] == ["ckpt"], out
+        assert out["failed"] and out["after_failure"] == 30 + rank, out
+        assert out["step4"] == 40 + rank and out["entries_after"] == ["ckpt"], out
         assert "already a committed checkpoint" in str(out["refused"]), out
-        assert out["kept"] == 30 + rank
+        assert out["kept"] == 40 + rank
