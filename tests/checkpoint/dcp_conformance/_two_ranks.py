@@ -195,9 +195,39 @@ def run(root: str, layer_name: str) -> dict[str, Any]:
             dcp.load(back6, storage_reader=layer.reader(f"{root}/group"), process_group=group)
             out["own_group"] = _value(back6["g"])
 
-            # a planner that caches its plans, saving again and again to one id
+            # async_save on its own group, a planner that saves replicas from the lowest rank,
+            # and a DTensor with fewer rows than ranks (an empty local shard)
+            dcp.async_save(
+                {"a": torch.full((2,), 6.0)},
+                checkpoint_id=f"{root}/agroup",
+                storage_writer=writer,
+                process_group=group,
+            ).result()
+            back7 = {"a": torch.zeros(2)}
+            dcp.load(back7, storage_reader=layer.reader(f"{root}/agroup"))
+            out["async_own_group"] = _value(back7["a"])
             from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+            dcp.save(
+                {"low": torch.arange(5.0)},
+                checkpoint_id=f"{root}/low",
+                storage_writer=writer,
+                planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+            )
+            back8 = {"low": torch.zeros(5)}
+            dcp.load(back8, storage_reader=layer.reader(f"{root}/low"))
+            out["lowest_rank"] = _value(back8["low"])
+            thin = torch.arange(3.0).reshape(1, 3)
+            dcp.save(
+                {"thin": distribute_tensor(thin, mesh, [Shard(0)])},
+                checkpoint_id=f"{root}/thin",
+                storage_writer=writer,
+            )
+            target9 = distribute_tensor(torch.zeros(1, 3), mesh, [Shard(1)])
+            dcp.load({"thin": target9}, storage_reader=layer.reader(f"{root}/thin"))
+            out["empty_shard"] = bool(torch.equal(target9.full_tensor(), thin))
+
+            # a planner that caches its plans, saving again and again to one id
             cached = []
             for step in (1.0, 2.0, 3.0):
                 state = {"c": torch.full((3,), step), f"own{rank}": torch.full((2,), step + rank)}

@@ -112,3 +112,18 @@ def test_ranks_with_differently_ordered_keys(ranks: Any) -> None:
 def test_save_and_load_on_a_process_group_of_their_own(ranks: Any) -> None:
     _, _, outs = ranks
     assert all(out["own_group"] == [4.0, 4.0] for out in outs)
+
+
+def test_async_save_on_a_process_group_of_its_own(ranks: Any) -> None:
+    _, _, outs = ranks
+    assert all(out["async_own_group"] == [6.0, 6.0] for out in outs)
+
+
+def test_a_planner_that_saves_replicas_from_the_lowest_rank(ranks: Any) -> None:
+    _, _, outs = ranks
+    assert all(out["lowest_rank"] == [0.0, 1.0, 2.0, 3.0, 4.0] for out in outs)
+
+
+def test_a_dtensor_with_an_empty_local_shard(ranks: Any) -> None:
+    _, _, outs = ranks
+    assert all(out["empty_shard"] for out in outs)
