@@ -8,8 +8,10 @@ suite needs) and runs the compatibility suite, each step with a time limit:
 
 - ``trainguard demo`` (4 ranks + 1 spare through five injected faults, bit-identical end);
 - ``trainguard demo --launch`` (``--no-launch-demo`` leaves it out);
-- the tests of :data:`TESTS`: the wire client and the store process, the DCP layer, the
-  launcher's and trainguard's contract tests of torch internals.
+- the tests of :data:`TESTS`: the wire client and the store process, the DCP layer and its
+  conformance suite (``tests/checkpoint/dcp_conformance``: DCP's own tests' behaviours, each
+  on torch's file system layer and on trainguard's), the safe overwrite, the launcher's and
+  trainguard's contract tests of torch internals.
 
 Writes ``bench/results/compat.json`` (per version: passed, seconds, each step's result and
 the tail of a failed step's output; a run of some versions keeps the others' last results)
@@ -44,6 +46,9 @@ TESTS = (
     "tests/coord/test_coord.py",
     "tests/restart/test_store_start.py",
     "tests/checkpoint/test_dcp_layer.py",
+    "tests/checkpoint/test_dcp_interop.py",
+    "tests/checkpoint/test_overwrite.py",
+    "tests/checkpoint/dcp_conformance",
     "tests/launch/test_compat.py",
     "tests/test_torchcompat.py",
 )

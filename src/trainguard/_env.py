@@ -39,6 +39,8 @@ VARIABLES: dict[str, str] = {
     "or 'process' (one sidecar process per rank); ignored under `trainguard launch`",
     "TRAINGUARD_HOST_NAME": "the host name a rank reports for the placement of local checkpoint "
     "copies (CliqueReplication by host); default socket.gethostname()",
+    "TRAINGUARD_OVERWRITE_KILL_AT": "tests only: SIGKILL this process when a checkpoint "
+    "overwrite reaches this step (uncommitted, committed, old-moved, new-moved)",
     "TRAINGUARD_DEMO_MODEL_MIB": "`trainguard demo` only: pad the demo model's checkpointed state "
     "to about this many MiB per rank (0: no padding); set by `trainguard demo --model-mib`",
 }
@@ -59,6 +61,7 @@ class Settings:
     sidecar: str = "node"
     demo_model_mib: int = 0
     host_name: str | None = None
+    overwrite_kill_at: str | None = None
 
 
 def _parse_addr(value: str) -> tuple[str, int]:
@@ -95,6 +98,18 @@ def _flag(name: str, value: str | None) -> bool:
     if value == "1":
         return True
     raise ConfigError(f"{name}={value!r} must be 1 or 0; set one of them or unset it")
+
+
+_KILL_POINTS = ("uncommitted", "committed", "old-moved", "new-moved")
+
+
+def _kill_point(value: str) -> str:
+    if value not in _KILL_POINTS:
+        raise ConfigError(
+            f"TRAINGUARD_OVERWRITE_KILL_AT={value!r} must be one of {', '.join(_KILL_POINTS)} "
+            "(a test's fault injection); unset it"
+        )
+    return value
 
 
 def _sidecar(value: str) -> str:
@@ -142,4 +157,7 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
         if mib
         else 0,
         host_name=get("TRAINGUARD_HOST_NAME"),
+        overwrite_kill_at=_kill_point(kill)
+        if (kill := get("TRAINGUARD_OVERWRITE_KILL_AT"))
+        else None,
     )

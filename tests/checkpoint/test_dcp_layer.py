@@ -146,7 +146,7 @@ class _DiesBeforeCommit(StorageWriter):
 
 def test_latest_skips_uncommitted_and_committed_paths_are_refused(tmp_path: Path) -> None:
     state = _state()
-    with StorageWriter(tmp_path / "old") as writer:
+    with StorageWriter(tmp_path / "old", overwrite=False) as writer:
         dcp.save(state, storage_writer=writer)
         with pytest.raises(CheckpointException, match="already a committed checkpoint"):
             dcp.save(state, storage_writer=writer)
@@ -176,7 +176,7 @@ class _FailingPlanner(DefaultSavePlanner):
 
 def test_stager_buffer_is_reused_only_when_free(tmp_path: Path) -> None:
     state = _state()
-    with StorageWriter(tmp_path / "x") as writer:
+    with StorageWriter(tmp_path / "x", overwrite=False) as writer:
         dcp.save(state, checkpoint_id=tmp_path / "done", storage_writer=writer)
         with AsyncStager(writer, busy_timeout=0.3) as stager:
             stager.stage(state)  # never saved: the buffer stays reserved for its save

@@ -1,5 +1,5 @@
-"""A save never touches a committed checkpoint: a multi-rank save to a committed path is
-refused on every rank, and the checkpoint there still loads bit-exactly, even when a rank fails
+"""With overwrite=False a save never touches a committed checkpoint: a multi-rank save to a
+committed path is refused on every rank, and the checkpoint there still loads bit-exactly, even when a rank fails
 that save for a reason of its own. A directory whose save failed (never committed) can be saved
 to again."""
 
@@ -50,7 +50,7 @@ def _resave(root: str) -> dict:
     committed, failed = f"{root}/step1", f"{root}/step2"
     out: dict = {}
     try:
-        with AsyncCheckpointer(commit_timeout=60) as ckpt:
+        with AsyncCheckpointer(commit_timeout=60, overwrite=False) as ckpt:
             out["first"] = _save_and_wait(ckpt, _state(rank, 1), committed)
             dist.barrier()
             # rank 1 cannot save its state (an object JSON cannot hold, no pickle=True)

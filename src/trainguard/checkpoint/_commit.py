@@ -55,9 +55,9 @@ def refuse_overwrite(directory: str, *, busy: bool = False) -> None:
         )
     if os.path.lexists(os.path.join(directory, MARKER)):
         raise CheckpointError(
-            f"{directory} is already a committed checkpoint; saves never overwrite one (a "
-            f"failure half-way would destroy it): save to a new path, or remove {directory} "
-            "first"
+            f"{directory} is already a committed checkpoint and this save has overwrite=False: "
+            "save to a new path, pass overwrite=True (the new checkpoint then replaces it only "
+            f"once committed), or remove {directory} first"
         )
 
 
@@ -105,7 +105,9 @@ class Report:
 
     ``file`` is this rank's part (None for a save that failed or was skipped before it reached
     the writer: this rank already knows, the report keeps the others from waiting for it).
-    ``done`` receives the causes (rank -> why; empty when committed).
+    ``done`` receives the causes (rank -> why; empty when committed). ``directory`` is where
+    the parts and the marker are when not at ``path`` (a safe overwrite's sibling); ``then``
+    runs right after the marker is in place, before any rank learns the outcome (the swap).
     """
 
     key: str
@@ -114,6 +116,8 @@ class Report:
     file: str | None = None
     format: str | None = None
     done: Callable[[dict[int, str]], None] | None = None
+    directory: str | None = None
+    then: Callable[[], None] | None = None
 
 
 class Committer:
@@ -185,10 +189,20 @@ class Committer:
         """One round; a description of the failure when the store failed (then nothing is
         known about the outcome: the part stays)."""
         round_ = CommitRound(self._store, report.key, rank=self.rank, world_size=self.world_size)
-        marker = _Marker(report.path, {"world_size": self.world_size, "format": report.format})
+        marker = _Marker(
+            report.directory or report.path,
+            {"world_size": self.world_size, "format": report.format},
+        )
+        then = report.then
+
+        def act() -> None:
+            marker.act()
+            if then is not None:
+                then()
+
         try:
             outcome = round_.report(
-                report.error, prepare=marker.prepare, act=marker.act, discard=marker.discard
+                report.error, prepare=marker.prepare, act=act, discard=marker.discard
             )
             if outcome is None:
                 outcome = round_.wait(self.timeout)

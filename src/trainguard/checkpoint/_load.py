@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from trainguard import events
-from trainguard.checkpoint import _commit, _tmpfile
+from trainguard.checkpoint import _commit, _overwrite, _tmpfile
 from trainguard.checkpoint._formats import FORMATS, is_torch_file
 from trainguard.checkpoint._regular import regular_only
 from trainguard.checkpoint.fileformat import FileHeader, load_file, read_header
@@ -62,6 +62,7 @@ def _torch_load(file: str, allow_pickle: bool) -> Any:
 
 
 def _resolve(path: str, rank: int | None, allow_uncommitted: bool) -> str:
+    _overwrite.settle(path)  # an overwrite a crash interrupted
     if not os.path.isdir(path):
         if not os.path.exists(path):
             hint = (
@@ -238,5 +239,10 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
     root = Path(root)
     if not root.is_dir():
         return None
-    found = [(t, p.name, p) for p in root.iterdir() if (t := _committed_time(p)) is not None]
+    _overwrite.settle_root(str(root))  # overwrites a crash interrupted
+    found = [
+        (t, p.name, p)
+        for p in root.iterdir()
+        if not _overwrite.is_leftover(p.name) and (t := _committed_time(p)) is not None
+    ]
     return max(found)[2] if found else None

@@ -16,7 +16,7 @@ import time
 import torch
 
 from trainguard import events
-from trainguard.checkpoint import _commit, _rebind, _tmpfile
+from trainguard.checkpoint import _commit, _overwrite, _rebind, _tmpfile
 from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint._saves import Job
 from trainguard.checkpoint.staging import Stager
@@ -35,6 +35,7 @@ class SaveWork(Closing):
     world_size: int
     distributed: bool
     fsync: bool
+    overwrite: bool
     close_timeout: float
     _stager: Stager
     _writer: WriterProcess
@@ -92,10 +93,10 @@ class SaveWork(Closing):
     def _write(self, job: Job) -> WriteResult:
         if self._giving_up.is_set():
             raise CheckpointWriteError("close() gave up before this save was written")
-        file = job.handle.file
+        file = job.write_file or job.handle.file
         assert job.flat is not None
         os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
-        if self.distributed:
+        if self.distributed and not self.overwrite:
             _commit.refuse_overwrite(job.handle.path)
         retired, job.retired = job.retired, None
         self._writer.prepare(job.buffer, retired=retired)
@@ -146,7 +147,16 @@ class SaveWork(Closing):
             self._finish(job, causes)
 
         path = job.handle.path
-        return _commit.Report(job.commit_key, path, error, job.handle.file, job.format, done)
+        if not job.write_file:
+            return _commit.Report(job.commit_key, path, error, job.handle.file, job.format, done)
+        beside = os.path.dirname(job.write_file)
+
+        def swap() -> None:
+            _overwrite.finish(beside, path)
+
+        return _commit.Report(
+            job.commit_key, path, error, job.write_file, job.format, done, beside, swap
+        )
 
     def _finish(self, job: Job, causes: dict[int, str]) -> None:
         self._results.put((job.finish(causes, world_size=self.world_size), job))

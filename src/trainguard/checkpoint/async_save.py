@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainguard import _progress, _timeouts, events
-from trainguard.checkpoint import _commit, _link, _rebind
+from trainguard.checkpoint import _commit, _link, _overwrite, _rebind
 from trainguard.checkpoint._closing import serve_holding, stop_serving
 from trainguard.checkpoint._formats import FORMATS
 from trainguard.checkpoint._load import latest, load, part_name
@@ -96,6 +96,10 @@ class AsyncCheckpointer(SaveWork):
         key_prefix: prefix of the store keys this checkpointer uses. With several ranks, every
             rank must create its checkpointers in the same order (each gets a generation number
             from the store, so keys of an earlier checkpointer never count for a later one).
+        overwrite: with several ranks, a save to a committed checkpoint replaces it safely (it
+            is written beside it and swapped in once committed, see
+            :mod:`trainguard.checkpoint._overwrite`); False refuses it (:class:`CheckpointError`).
+            A single process's file is always replaced atomically.
     """
 
     def __init__(
@@ -112,6 +116,7 @@ class AsyncCheckpointer(SaveWork):
         start_timeout: _timeouts.Timeout = 120.0,
         close_timeout: _timeouts.Timeout = 900.0,
         key_prefix: str = "trainguard/ckpt",
+        overwrite: bool = True,
     ) -> None:
         if staging_threads is not None and staging_threads < 1:
             raise ConfigError("staging_threads must be >= 1 (or None for the default)")
@@ -123,6 +128,7 @@ class AsyncCheckpointer(SaveWork):
         started = time.monotonic()
         _link.resolve(store, rank, world_size)  # bad arguments fail here
         self.fsync = fsync
+        self.overwrite = bool(overwrite)
         self._key_prefix = key_prefix
         self._stager = Stager(
             threads=staging_threads or min(4, os.cpu_count() or 1), pin=pin_memory
@@ -210,10 +216,10 @@ class AsyncCheckpointer(SaveWork):
     ) -> SaveHandle | None:
         """Snapshot ``state`` (nested dicts/lists/tuples of tensors and plain values) to ``path``.
 
-        Every rank calls it with the same ``path``, in the same order. With several ranks,
-        ``path`` must not be a committed checkpoint (nor one an earlier save is still
-        committing): that raises :class:`CheckpointError` on every rank and leaves it as it was
-        (a new path per checkpoint; remove an old one to reuse its name). Returns a
+        Every rank calls it with the same ``path``, in the same order. With several ranks, a
+        committed checkpoint at ``path`` is replaced only once the new one is committed (with
+        ``overwrite=False``, and always for one an earlier save is still committing, it raises
+        :class:`CheckpointError` on every rank and leaves it as it was). Returns a
         :class:`SaveHandle`, or None when ``if_busy="skip"`` and the previous save is still
         being written (with several ranks, a rank that skips makes that checkpoint fail on the
         others, which name it as the cause; a save that raises here does the same). Raises the error of an earlier failed save first. Objects JSON cannot hold
@@ -243,9 +249,10 @@ class AsyncCheckpointer(SaveWork):
                 return None
             last.handle.written.wait()
         try:
+            target = path
             if self.distributed:
                 busy = any(h.path == path and not h.finished.is_set() for h in self._pending)
-                _commit.refuse_overwrite(path, busy=busy)
+                target = _overwrite.write_dir(path, seed=key, overwrite=self.overwrite, busy=busy)
             flat = flatten(state, pickle=pickle, allow_sharded=format != "torch")
             placed, data_nbytes = place(flat.entries)
             check_header_fits(placed, flat.skeleton)  # what a reader would refuse
@@ -257,6 +264,8 @@ class AsyncCheckpointer(SaveWork):
                 handle, flat, placed, buffer, format, overlap, on_durable, on_commit, requested
             )
             job.commit_key = handle.commit_key = key
+            if target != path:
+                job.write_file = os.path.join(target, part_name(self.rank, format))
             job.retired = replaced
             if any(e.source.is_cuda for e in flat.entries):
                 job.cuda_stream = torch.cuda.current_stream()

@@ -20,7 +20,8 @@ directory with DCP's metadata and the ``COMMITTED`` marker, so
 :func:`trainguard.checkpoint.latest` finds it. DCP's planners give resharding: load into any
 world size or sharding.
 
-Modules: :mod:`.storage_writer`, :mod:`.storage_reader`, :mod:`.async_stager`; private helpers
+Modules: :mod:`.storage_writer`, :mod:`.storage_reader`, :mod:`.async_stager`,
+:mod:`.format_utils` (to and from one ``torch.save`` file); private helpers
 ``_items`` (write items as file entries) and ``_metadata`` (DCP's metadata file). Importing this
 package imports torch.distributed.checkpoint.
 """
@@ -29,9 +30,16 @@ from __future__ import annotations
 
 from trainguard import _torchcompat
 from trainguard.checkpoint.dcp.async_stager import AsyncStager
+from trainguard.checkpoint.dcp.format_utils import dcp_to_torch_save, torch_save_to_dcp
 from trainguard.checkpoint.dcp.storage_reader import StorageReader
 from trainguard.checkpoint.dcp.storage_writer import StorageWriter
 
-__all__ = ["AsyncStager", "StorageReader", "StorageWriter"]
+__all__ = [
+    "AsyncStager",
+    "StorageReader",
+    "StorageWriter",
+    "dcp_to_torch_save",
+    "torch_save_to_dcp",
+]
 
 _torchcompat.check_torch()  # torch is imported by now

@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from trainguard import events
-from trainguard.checkpoint import _commit, _validate
+from trainguard.checkpoint import _commit, _overwrite, _validate
 from trainguard.checkpoint.dcp import _metadata
-from trainguard.checkpoint.dcp.storage_writer import checkpoint_path
+from trainguard.checkpoint.dcp.storage_writer import checkpoint_path, local_path
 from trainguard.checkpoint.fileformat import FileHeader, checksum, read_header, read_range
 from trainguard.checkpoint.layout import unflatten
 from trainguard.errors import (
@@ -88,9 +88,11 @@ class StorageReader(storage.StorageReader):
         return self.path
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        _overwrite.settle(self.path)  # an overwrite a crash interrupted
         if not os.path.isdir(self.path):
             raise CheckpointError(f"no checkpoint directory at {self.path}")
         marker = os.path.join(self.path, _commit.MARKER)
+        _refuse_other_format(self.path)
         if not self.allow_uncommitted and not os.path.exists(marker):
             raise CheckpointUncommittedError(
                 f"{self.path} has no {_commit.MARKER} marker: its save never completed on "
@@ -152,7 +154,8 @@ class StorageReader(storage.StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
+        """True for a local directory path; False for a URL (``s3://...``) or anything else."""
+        return local_path(checkpoint_id)
 
     # ------------------------------------------------------------------ ours
 
@@ -245,6 +248,24 @@ def _as_tensor(raw: bytearray, entry: str, node: Any, where: str) -> torch.Tenso
     if not isinstance(tensor, torch.Tensor) or "stride" in node:
         raise CheckpointCorruptError(f"{where}: its skeleton node is not a whole tensor")
     return tensor
+
+
+def _refuse_other_format(directory: str) -> None:
+    """:class:`CheckpointError` naming the reader to use when ``directory`` holds a checkpoint
+    of DCP's own file system layout (``.metadata`` and ``__<rank>_<n>.distcp`` files)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    if any(n.endswith(".distcp") for n in names) and not any(
+        n.startswith("rank") and n.endswith(".safetensors") for n in names
+    ):
+        raise CheckpointError(
+            f"{directory} is a checkpoint of another format: DCP's own file system layout "
+            "(.metadata and __N_M.distcp files), not trainguard's; read it with "
+            "torch.distributed.checkpoint.FileSystemReader (dcp.load(state, checkpoint_id="
+            f"{directory!r}) picks it by default)"
+        )
 
 
 def _region(saved: torch.Tensor, item: ReadItem, where: str) -> torch.Tensor:

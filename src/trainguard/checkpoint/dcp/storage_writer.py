@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.futures import Future
 
 from trainguard import _timeouts, events
-from trainguard.checkpoint import _commit, _tmpfile
+from trainguard.checkpoint import _commit, _overwrite, _thread_writer, _tmpfile
 from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint._load import part_name
 from trainguard.checkpoint.dcp import _items, _metadata
@@ -41,17 +41,38 @@ logger = logging.getLogger(__name__)
 _DCP_VERSION = "1.0.0"
 
 
+def local_path(checkpoint_id: object) -> bool:
+    """Whether ``checkpoint_id`` names a local directory (a non-empty str or PathLike that is not
+    a URL such as ``s3://bucket/key``): DCP's ``validate_checkpoint_id`` of this layer."""
+    if not isinstance(checkpoint_id, (str, os.PathLike)):
+        return False
+    text = os.fspath(checkpoint_id)
+    return isinstance(text, str) and bool(text) and "://" not in text and "\0" not in text
+
+
 def checkpoint_path(path: object, what: str = "path") -> str:
-    """``path`` as a string; :class:`ConfigError` unless it is a non-empty str or PathLike."""
+    """``path`` as a string; :class:`ConfigError` unless it is a non-empty str or PathLike of
+    a local directory (not a URL)."""
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"{what}={path!r}: give the checkpoint directory as a str or os.PathLike")
     text = os.fspath(path)
     if not isinstance(text, str) or not text:
         raise ConfigError(f"{what}={path!r}: give a non-empty directory path (a str)")
+    if not local_path(text):
+        raise ConfigError(
+            f"{what}={text!r} is not a local directory: trainguard's DCP storage layer writes "
+            "and reads local (or mounted) file systems only; use a storage layer for that URL "
+            "(or let dcp.save/dcp.load pick one: pass no storage_writer/storage_reader)"
+        )
     return text
 
 
-def _release(writer: WriterProcess, stager: Stager) -> None:
+def _rebuilt(path: str, options: dict[str, Any]) -> StorageWriter:
+    """A StorageWriter unpickled in another process (DCP's PROCESS executor): a new one."""
+    return StorageWriter(path, **options)
+
+
+def _release(writer: WriterProcess | _thread_writer.ThreadWriter, stager: Stager) -> None:
     writer.stop()
     stager.close()
 
@@ -65,12 +86,23 @@ class StorageWriter(storage.StorageWriter, Closing):
     ``checkpoint_id`` is given: it becomes the path), ``set_up_storage_writer``,
     ``prepare_local_plan`` and ``write_data`` (this rank's file is durable when it returns), and
     on the coordinator ``prepare_global_plan`` and, once every rank's file is durable,
-    ``finish`` (metadata, then the ``COMMITTED`` marker). A path that already holds a committed
-    checkpoint is refused (:class:`CheckpointError`, raised by DCP on every rank): saves never
-    overwrite one.
+    ``finish`` (metadata, then the ``COMMITTED`` marker).
+
+    A path that already holds a committed checkpoint is overwritten safely (``overwrite=True``,
+    the default, as DCP's ``FileSystemWriter``): the new save is written into a sibling
+    directory and swapped in by the coordinator only once it is committed, so a crash at any
+    moment leaves one complete checkpoint at the path, the old or the new one (see
+    :mod:`trainguard.checkpoint._overwrite`). With ``overwrite=False`` such a path is refused
+    (:class:`CheckpointError`, raised by DCP on every rank).
 
     The writer process and the staging buffer live across saves; :meth:`close` (or the end of
-    a ``with`` block) stops the process and frees the buffers. One save at a time.
+    a ``with`` block) stops the process and frees the buffers. One save at a time. In a
+    daemonic process (a ``multiprocessing.Pool`` worker), which may not start one, files are
+    written from a thread instead. ``dcp.async_save(...,
+    async_checkpointer_type=AsyncCheckpointerType.PROCESS)`` works: the writer is pickled as
+    its arguments and built anew in DCP's background process (with an
+    :class:`~trainguard.checkpoint.dcp.AsyncStager`, whose shared memory cannot go there, it is
+    refused: use the THREAD executor, the default).
 
     Args:
         path: the checkpoint directory (a ``checkpoint_id`` given to ``dcp.save`` replaces it).
@@ -79,6 +111,7 @@ class StorageWriter(storage.StorageWriter, Closing):
         pin_memory: register staging buffers as pinned memory when CUDA is available.
         writer_nice: nice increment of the writer process (0-19).
         start_timeout: how long to wait for the writer process to start.
+        overwrite: replace a committed checkpoint at the path (safely); False refuses it.
     """
 
     def __init__(
@@ -90,8 +123,19 @@ class StorageWriter(storage.StorageWriter, Closing):
         pin_memory: bool = True,
         writer_nice: int = 10,
         start_timeout: _timeouts.Timeout = 120.0,
+        overwrite: bool = True,
     ) -> None:
         self.path = checkpoint_path(path)
+        self._options: dict[str, Any] = {
+            "fsync": fsync,
+            "staging_threads": staging_threads,
+            "pin_memory": pin_memory,
+            "writer_nice": writer_nice,
+            "start_timeout": start_timeout,
+            "overwrite": overwrite,
+        }
+        self.overwrite = bool(overwrite)
+        self._target = self.path  # where this rank's save writes (a sibling when overwriting)
         if staging_threads is not None and (
             isinstance(staging_threads, bool)
             or not isinstance(staging_threads, int)
@@ -109,7 +153,7 @@ class StorageWriter(storage.StorageWriter, Closing):
         self._stager = Stager(
             threads=staging_threads or min(4, os.cpu_count() or 1), pin=pin_memory
         )
-        self._writer = WriterProcess(nice=writer_nice, start_timeout=start)
+        self._writer = _thread_writer.make_writer(nice=writer_nice, start_timeout=start)
         try:
             self._writer.start()
         except WriterDied as exc:
@@ -133,6 +177,7 @@ class StorageWriter(storage.StorageWriter, Closing):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.path = checkpoint_path(checkpoint_id, "checkpoint_id")
+        self._target = self.path
 
     @property
     def checkpoint_id(self) -> str:
@@ -147,7 +192,9 @@ class StorageWriter(storage.StorageWriter, Closing):
                     "rank's file is durable, which needs DCP's collectives: drop "
                     "use_collectives=False"
                 )
-            _commit.refuse_overwrite(self.path)
+            if not self.overwrite:
+                _overwrite.settle(self.path)
+                _commit.refuse_overwrite(self.path)
         except CheckpointError:
             self._release_staged()  # this save will not write it: the next stage may reuse it
             raise
@@ -163,6 +210,11 @@ class StorageWriter(storage.StorageWriter, Closing):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator only, while the other ranks wait for the plan: finish or clean what an
+        interrupted save left at the path (so every rank's :meth:`write_data` then sees the same
+        state and chooses the same place to write)."""
+        if self.overwrite:
+            _overwrite.recover(self.path)
         return plans
 
     def storage_meta(self) -> StorageMeta | None:
@@ -176,8 +228,12 @@ class StorageWriter(storage.StorageWriter, Closing):
             self._check_open()
             resolved = _items.resolve(plan, planner)
             name = part_name(self.rank, "trainguard")
-            file = os.path.join(self.path, name)
-            os.makedirs(self.path, exist_ok=True)
+            self._target = self.path  # a sibling of a committed one (the same on every rank)
+            if self.overwrite and _overwrite.needs_sibling(self.path):
+                seed = os.path.abspath(self.path)  # recover() left no sibling behind
+                self._target = _overwrite.sibling(self.path, _overwrite.token(seed))
+            file = os.path.join(self._target, name)
+            os.makedirs(self._target, exist_ok=True)
             with self._lock:
                 buffer, placed = self._layout(resolved)
                 nbytes = self._write(file, buffer, placed, [e for _, e in resolved])
@@ -202,17 +258,36 @@ class StorageWriter(storage.StorageWriter, Closing):
         metadata.version = _DCP_VERSION
         metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
         metadata.storage_meta = self.storage_meta()
-        _metadata.write(self.path, metadata, fsync=self.fsync)
-        marker = _commit._Marker(self.path, {"world_size": len(results), "format": "dcp"})
+        beside = self._target != self.path
+        _metadata.write(self._target, metadata, fsync=self.fsync)
+        if beside:
+            _overwrite.kill_point("uncommitted")
+        marker = _commit._Marker(self._target, {"world_size": len(results), "format": "dcp"})
         marker.prepare()
         marker.act()
+        if beside:
+            _overwrite.swap(self._target, self.path)
+            self._target = self.path
         events.emit("ckpt_committed", path=self.path, world_size=len(results))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
+        """True for a local directory path; False for a URL (``s3://...``) or anything else,
+        so that DCP picks another storage layer for it."""
+        return local_path(checkpoint_id)
 
     # ------------------------------------------------------------------ ours
+
+    def __reduce__(self) -> tuple[Any, tuple[str, dict[str, Any]]]:
+        """Pickled as its arguments (DCP's PROCESS executor builds it anew in its process)."""
+        if self._staged is not None:
+            raise CheckpointError(
+                "a state staged by trainguard's AsyncStager lives in this process's shared "
+                "memory and cannot go to DCP's background process: use "
+                "dcp.async_save(..., async_checkpointer_type=AsyncCheckpointerType.THREAD) (the "
+                "default) with AsyncStager, or no async_stager with AsyncCheckpointerType.PROCESS"
+            )
+        return (_rebuilt, (self.path, dict(self._options)))
 
     def close(self) -> None:
         """Stop the writer process, free the staging buffers. Idempotent."""
