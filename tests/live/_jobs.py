@@ -23,8 +23,8 @@ from torch import nn
 TIMEOUTS: dict[str, Any] = {
     "barrier_timeout": 60,
     "completion_timeout": 60,
-    "soft_timeout": 3.0,
-    "hard_timeout": 9.0,
+    "soft_timeout": 10.0,  # a loaded machine stalls a rank for seconds: not a hang here
+    "hard_timeout": 30.0,
     "termination_grace_time": 1.0,
     "heartbeat_interval": 0.2,
     "heartbeat_timeout": 30.0,
@@ -67,7 +67,13 @@ def _partial_step(opt: torch.optim.Optimizer) -> None:
 
 
 def step_once(
-    net: nn.Module, opt: torch.optim.Optimizer, live: Any, step: int, world: int, fault: str
+    net: nn.Module,
+    opt: torch.optim.Optimizer,
+    live: Any,
+    step: int,
+    world: int,
+    fault: str,
+    call: Any = None,
 ) -> None:
     """One step; ``fault`` is what this rank suffers in it ("" for nothing)."""
     x, y = batch(step)
@@ -92,7 +98,7 @@ def step_once(
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
-    with live.update(step):
+    with live.update(step, call):
         if fault == "torn":
             _partial_step(opt)
         opt.step()
@@ -119,11 +125,13 @@ def live_job(
     tamper_rank: int | None = None,
     own_groups: bool = False,
 ) -> dict[str, Any]:
-    """Train ``steps`` steps on ``active`` ranks (the others wait as spares); in round 0,
-    rank ``victim`` suffers ``fault`` at step ``at``. From round 1 on, rank ``tamper_rank``
-    flips a bit of every tensor it sends as a donor. ``own_groups``: every rank is a replica
-    group of its own (sharded state without replicas). A fallback starts again from step 0
-    (these tests keep no checkpoint). Returns the digest and every round's recovery."""
+    """Train ``steps`` steps on ``active`` ranks (the others wait as spares); rank ``victim``
+    suffers ``fault`` at step ``at``, once (the first round that gets there: a loaded machine
+    may add a round before it); the file ``fault`` records that round. In the rounds after
+    it, rank ``tamper_rank`` flips a bit of every tensor it sends as a donor.
+    ``own_groups``: every rank is a replica group of its own (sharded state without
+    replicas). A fallback starts again from step 0 (these tests keep no checkpoint). Returns
+    the digest and every round's recovery."""
     import trainguard.restart as tr
     from trainguard import events
     from trainguard.live import LiveState
@@ -134,6 +142,7 @@ def live_job(
     initial = {k: _clone(v) for k, v in initial.items()}
     live = LiveState(model=net, optimizer=opt, replica_group=_own if own_groups else None)
     recoveries: list[dict[str, Any]] = []
+    marker = Path(out_dir, "fault")
 
     def flip(name: str, data: torch.Tensor) -> torch.Tensor:
         out = data.clone()
@@ -147,7 +156,7 @@ def live_job(
     )
     def train(call: tr.CallWrapper) -> str:
         dist.init_process_group("gloo")
-        if call.round > 0 and call.rank == tamper_rank:
+        if marker.exists() and call.rank == tamper_rank:
             live._tamper = flip
         got = live.recover()
         live._tamper = None
@@ -172,16 +181,25 @@ def live_job(
             }
         )
         for step in range(first, steps):
-            hit = call.round == 0 and call.rank == victim and step == at
-            if hit:
-                Path(out_dir, "fault").write_text(fault)
-            step_once(net, opt, live, step, call.world_size, fault if hit else "")
+            hit = call.rank == victim and step == at and _claim(marker, call.round)
+            step_once(net, opt, live, step, call.world_size, fault if hit else "", call)
             call.ping()
         dist.destroy_process_group()
         return digest(net)
 
     result = train()
     return {"digest": result, "recoveries": recoveries, "step": live.step}
+
+
+def _claim(marker: Path, round_: int) -> bool:
+    """True once per job: creates ``marker`` holding ``round_``."""
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    os.write(fd, str(round_).encode())
+    os.close(fd)
+    return True
 
 
 def _own(rank: int, world: int) -> int:

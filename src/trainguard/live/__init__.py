@@ -14,7 +14,7 @@ lives across rounds), mark each optimizer update with ``live.update(step)``, and
         first = got.step if got.live else load_my_checkpoint()   # then live.restored(first)
         for step in range(first, steps):
             loss = forward_backward(step)
-            with live.update(step):
+            with live.update(step, call):   # a restart waits for the update
                 opt.step()
 
 Protocol (:meth:`LiveState.recover`, a collective): every rank of the new round calls it once,

@@ -15,7 +15,7 @@
             first = got.step
         for step in range(first, steps):
             loss = forward_backward(step)       # a fault here leaves the state at `step`
-            with live.update(step):             # inside: torn; after: at step + 1
+            with live.update(step, call):       # inside: torn; after: at step + 1
                 opt.step()
                 sched.step()
 
@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from trainguard.errors import ConfigError
 from trainguard.live._outcome import Recovery
@@ -39,6 +39,14 @@ __all__ = ["LiveState", "Recovery"]
 logger = logging.getLogger(__name__)
 
 GroupKey = int | str
+
+
+class Atomic(Protocol):
+    """What :meth:`LiveState.update` needs of the round's ``CallWrapper``."""
+
+    def atomic(self) -> contextlib.AbstractContextManager[None]: ...
+
+
 ReplicaGroup = GroupKey | Callable[[int, int], GroupKey] | None
 
 
@@ -105,16 +113,23 @@ class LiveState:
         return self._torn
 
     @contextlib.contextmanager
-    def update(self, step: int) -> Iterator[None]:
+    def update(self, step: int, call: Atomic | None = None) -> Iterator[None]:
         """Mark the optimizer update of step ``step`` (wrap ``optimizer.step()`` and the
         scheduler's step in it): inside, the state is torn; after a normal exit it is at
-        ``step + 1``. An exception (or a restart interrupt) inside leaves it torn."""
+        ``step + 1``. An exception inside leaves it torn.
+
+        Pass the round's ``call`` (:class:`trainguard.restart.CallWrapper`) so that a restart
+        does not interrupt a healthy rank in the middle of its update (the abort waits for it,
+        as for ``call.atomic()``); without it, a fault on another rank that lands while this
+        rank updates tears this rank too. Keep the block local: no collective inside.
+        """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"live.update({step!r}): give the step's number, an int >= 0")
-        self._torn = True
-        yield
-        self._step = step + 1
-        self._torn = False
+        with call.atomic() if call is not None else contextlib.nullcontext():
+            self._torn = True
+            yield
+            self._step = step + 1
+            self._torn = False
 
     def restored(self, step: int) -> None:
         """The caller put the state at ``step`` itself (loaded a checkpoint after a fallback,
