@@ -98,9 +98,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--no-live",
         action="store_true",
-        help="recover every fault from the newest checkpoint, as without trainguard.live "
-        "(default: from the survivors' live state, a checkpoint only when no untorn replica "
-        "survives)",
+        help="recover from checkpoints only (default: the survivors' live state first)",
     )
     p.add_argument("--perturb", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=command)

@@ -24,7 +24,9 @@ class Recovery:
         nbytes: bytes this rank received.
         attempts: transfer passes (more than 1 when a transfer failed its checksum).
         problems: why transfers were refused (checksum mismatches), in order.
-        seconds: how long the recovery took on this rank.
+        seconds: how long the recovery took on this rank (from its call: waiting for the
+            other ranks to call it too is counted).
+        transfer_seconds: the transfer passes on this rank (0 when nobody received).
     """
 
     step: int | None
@@ -37,6 +39,7 @@ class Recovery:
     attempts: int = 0
     problems: tuple[str, ...] = ()
     seconds: float = 0.0
+    transfer_seconds: float = 0.0
 
     @property
     def live(self) -> bool:

@@ -14,6 +14,7 @@ on ``group``:
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -64,6 +65,7 @@ def run(live: LiveState, group: Any) -> Recovery:
     if agreed.fallback is not None:
         return Recovery(None, agreed.fallback, agreed.newest, None)
     pending = list(agreed.receivers)
+    t0 = time.monotonic()
     problems: list[str] = []
     source: int | None = None
     nbytes = attempt = 0
@@ -79,6 +81,7 @@ def run(live: LiveState, group: Any) -> Recovery:
                 tuple(agreed.receivers),
                 attempts=attempt,
                 problems=tuple(problems),
+                transfer_seconds=time.monotonic() - t0,
             )
         failed, got = _pass(live, agreed, pending, attempt, rank, group)
         nbytes += got
@@ -103,6 +106,7 @@ def run(live: LiveState, group: Any) -> Recovery:
         nbytes,
         attempt,
         tuple(problems),
+        transfer_seconds=time.monotonic() - t0 if agreed.receivers else 0.0,
     )
 
 
@@ -153,6 +157,7 @@ def report(got: Recovery) -> None:
         receivers=list(got.receivers),
         received_from=got.received_from,
         nbytes=got.nbytes,
+        transfer=got.transfer_seconds,
         attempts=got.attempts,
         reason=got.fallback,
     )
