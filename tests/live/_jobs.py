@@ -214,3 +214,49 @@ def _clone(value: Any) -> Any:
     if isinstance(value, list):
         return [_clone(v) for v in value]
     return value
+
+
+def transfer_job(flip: bool) -> dict[str, Any]:
+    """Rank 0 sends a state with a large tensor (its own message) and small ones (the pack) to
+    rank 1, whose own large tensor of the same size takes the bytes in place; ``flip``: a bit
+    of the large tensor flips on the way."""
+    from trainguard.live import _transfer
+
+    dist.init_process_group("gloo")
+    try:
+        gen = torch.Generator().manual_seed(5)
+        big = torch.randn(1 << 19, generator=gen)  # 2 MiB
+        state = {"big": big, "small": [torch.arange(10), torch.tensor(2.5)], "step": 3}
+        if dist.get_rank() == 0:
+
+            def tamper(name: str, data: torch.Tensor) -> torch.Tensor:
+                if not flip or name != "big":
+                    return data
+                out = data.clone()
+                out[100] ^= 4
+                return out
+
+            for work in _transfer.send(_transfer.prepare(state, 7), 1, tamper=tamper):
+                work.wait()
+            return {}
+        mine = {"big": torch.zeros(1 << 19), "small": [torch.zeros(10), torch.tensor(0.0)]}
+        into = _transfer.own_bytes(mine)
+        got = _transfer.receive(0, 7, into=into)
+        if got.state is None:
+            return {"problem": got.problem, "nbytes": got.nbytes}
+        return {
+            "problem": None,
+            "same": all(
+                torch.equal(a, b)
+                for a, b in [
+                    (got.state["big"], big),
+                    *zip(got.state["small"], state["small"], strict=True),
+                ]
+            ),
+            "step": got.state["step"],
+            "in_place": got.state["big"].data_ptr() == mine["big"].data_ptr(),
+            "into": sorted(into),
+            "nbytes": got.nbytes,
+        }
+    finally:
+        dist.destroy_process_group()

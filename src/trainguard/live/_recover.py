@@ -118,17 +118,16 @@ def _pass(
     mine = [r for r in pending if agreed.donor(r, attempt) == rank]
     works: list[Any] = []
     if mine:
-        state = live.state_dict()
+        out = _transfer.prepare(live.state_dict(), agreed.step)
         for r in mine:
-            works += _transfer.send(
-                state, agreed.step, _global(r, group), group=group, tamper=live._tamper
-            )
+            works += _transfer.send(out, _global(r, group), group=group, tamper=live._tamper)
     problem: str | None = None
     nbytes = 0
     if rank in pending:
         donor = agreed.donor(rank, attempt)
         assert donor is not None
-        got = _transfer.receive(_global(donor, group), agreed.step, group=group)
+        into = _transfer.own_bytes(live.state_dict())  # its state is replaced anyway
+        got = _transfer.receive(_global(donor, group), agreed.step, group=group, into=into)
         problem, nbytes = got.problem, got.nbytes
         if problem is None:
             live._received(got.state, agreed.step)
