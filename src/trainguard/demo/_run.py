@@ -124,10 +124,13 @@ class _Run:
             if rank == 0 and self.pending_fault is not None:
                 fault, self.pending_fault = self.pending_fault, None
                 took = t - fault["time"]
-                self.recoveries.append({**fault, "resumed_round": rnd, "recovery_s": took})
+                lost = max(0, fault["step"] - first)  # steps done before the fault, run again
+                self.recoveries.append(
+                    {**fault, "resumed_round": rnd, "recovery_s": took, "recomputed": lost}
+                )
                 self.show.line(
                     f"  > round {rnd}: {world} ranks training again {took:.2f} s after the "
-                    f"fault, resumed at step {first} from {source}"
+                    f"fault, resumed at step {first} from {source}, {lost} steps recomputed"
                 )
         elif kind == "done":
             _, rank, process, digest, _rnd, t = msg
@@ -219,7 +222,8 @@ class _Run:
         wall = (self.guard_end or time.time()) - (self.guard_start or self.started)
         show.line(
             f"guarded run finished: {cfg.steps} steps, {len(self.injected)} faults, "
-            f"{len(self.recoveries)} recoveries, {wall:.1f} s"
+            f"{len(self.recoveries)} recoveries, "
+            f"{sum(r['recomputed'] for r in self.recoveries)} steps recomputed, {wall:.1f} s"
         )
         _write_report(cfg.out, show)
         ref = next(iter(self.reference.values()))

@@ -17,6 +17,7 @@ restored and covered by the bit-identical check) while the trained part stays as
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -142,11 +143,13 @@ def train_step(
     y: torch.Tensor,
     world_size: int,
     lr: float | None = None,
+    update: contextlib.AbstractContextManager[Any] | None = None,
 ) -> float:
     """One data-parallel step: local gradients, one flat all_reduce, averaged update.
 
-    ``lr`` (if given) is set on every parameter group first. Returns the global mean loss
-    (all-reduced together with the gradients).
+    ``lr`` (if given) is set on every parameter group first; ``update`` (if given) is entered
+    around ``optimizer.step()`` (``LiveState.update(step)``: it marks the update). Returns the
+    global mean loss (all-reduced together with the gradients).
     """
     if lr is not None:
         for group in optimizer.param_groups:
@@ -164,7 +167,8 @@ def train_step(
         n = g.numel()
         g.copy_(flat[offset : offset + n].view_as(g))
         offset += n
-    optimizer.step()
+    with update if update is not None else contextlib.nullcontext():
+        optimizer.step()
     return float(flat[-1])
 
 

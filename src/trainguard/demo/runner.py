@@ -95,6 +95,11 @@ def add_parser(sub: Any) -> None:
         "the small model alone; memory: about 3-4x this per rank, for the model, staging and "
         "restore buffers)",
     )
+    p.add_argument(
+        "--no-live",
+        action="store_true",
+        help="recover from checkpoints only (default: the survivors' live state first)",
+    )
     p.add_argument("--perturb", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=command)
 
@@ -163,6 +168,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         perturb=args.perturb,
         step_time=step_time,
         take_out_stragglers=args.take_out_stragglers,
+        live=not args.no_live,
     )
 
 
@@ -174,10 +180,12 @@ def command(args: argparse.Namespace) -> int:
         return 2
     where = " under trainguard launch (2 nodes x 2 workers)" if args.launch else ""
     size = f", model state ~{args.model_mib} MiB per rank" if args.model_mib else ""
+    recovery = "live state first" if cfg.live else "checkpoints only (--no-live)"
     print(
         f"trainguard demo{where}: {cfg.ranks} ranks + {cfg.spares} spare(s), {cfg.steps} steps"
         f"{size}, local checkpoint every {cfg.local_every} steps (replicated), disk every "
-        f"{cfg.disk_every}; faults: {', '.join(f.label for f in cfg.faults) or 'none'}"
+        f"{cfg.disk_every}; recovery from {recovery}; faults: "
+        f"{', '.join(f.label for f in cfg.faults) or 'none'}"
     )
     print(f"run directory: {cfg.out}", flush=True)
     with _model_size(args.model_mib):  # every process the run starts inherits it

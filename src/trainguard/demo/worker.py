@@ -39,6 +39,7 @@ from trainguard.errors import StragglerError
 
 if TYPE_CHECKING:
     from trainguard.checkpoint import AsyncCheckpointer, LocalCheckpointManager
+    from trainguard.live import LiveState
     from trainguard.restart import CallWrapper
 
 
@@ -60,6 +61,7 @@ class DemoConfig:
     perturb: bool = False  # test hook: flip one bit of one parameter after the first restore
     step_time: float = 0.0  # a step lasts at least this long (seconds): faults land mid-run
     take_out_stragglers: bool = False  # a persistent straggler leaves, a spare takes over
+    live: bool = True  # recover from the survivors' live state first (False: checkpoints only)
 
     @property
     def world(self) -> int:
@@ -147,6 +149,8 @@ class _Guarded:
         self.lose_root = False  # set by a `lostdir` fault, carried out before the next round
         self.slow = False  # set by a `slow` fault
         self.perturbed = False
+        self.model: _Model | None = None  # built in the first round, kept across rounds
+        self.live: LiveState = None  # type: ignore[assignment]  # with the model
         # built once, used in every round (they re-bind to each round by themselves)
         self.local, self.disk = self._open_checkpointers(cfg.local_root(process))
 
@@ -165,10 +169,22 @@ class _Guarded:
         started = time.time()
         dist.init_process_group("gloo", timeout=timedelta(seconds=60))
         local, disk = self.local, self.disk
-        task = m.TaskConfig()
-        teacher, net = m.make_teacher(task), m.make_model(task)
-        opt = m.make_optimizer(net, task)
-        first, source = self._resume(call, local, net, opt)
+        model = self._model()
+        # the survivors' live state first (every rank, before any other collective); a
+        # checkpoint only when no untorn replica holds it
+        got = self.live.recover() if self.cfg.live else None
+        if got is not None and got.step is not None:
+            first, source = got.step, "live state"
+            if got.receivers:
+                source += f" (rank(s) {list(got.receivers)} received it from a replica)"
+            origin = None
+        else:
+            self._reset(model)
+            first, source = self._resume(local, model.net, model.opt)
+            if got is not None:
+                self.live.restored(first)
+            origin = (local.last_load or {}).get("source") if source.startswith("local") else None
+        self._maybe_perturb(call, model.net)
         self.send(
             "resumed",
             call.round,
@@ -176,18 +192,40 @@ class _Guarded:
             self.process,
             first,
             source,
-            (local.last_load or {}).get("source") if source.startswith("local") else None,
+            origin,
             call.world_size,
             time.time(),
             time.time() - started,
         )
-        self._train(call, local, disk, _Model(task, teacher, net, opt), first)
+        self._train(call, local, disk, model, first)
         local.wait()
         disk.wait()
-        digest = m.parameters_digest(net)
+        digest = m.parameters_digest(model.net)
         self.release()
         self.send("done", call.rank, self.process, digest, call.round, time.time())
         return digest
+
+    def _model(self) -> _Model:
+        """This process's model and optimizer, built in its first round and kept across rounds
+        (their state survives a fault in memory: :class:`trainguard.live.LiveState`)."""
+        if self.model is None:
+            from trainguard.demo import model as m
+            from trainguard.live import LiveState
+
+            task = m.TaskConfig()
+            teacher, net = m.make_teacher(task), m.make_model(task)
+            self.model = _Model(task, teacher, net, m.make_optimizer(net, task))
+            self.live = LiveState(model=net, optimizer=self.model.opt, rng=True)
+        return self.model
+
+    def _reset(self, model: _Model) -> None:
+        """Put ``model`` back to the state a fresh start has (before a checkpoint is loaded
+        into it, or when there is none)."""
+        from trainguard.demo import model as m
+
+        fresh = m.make_model(model.task)
+        model.net.load_state_dict(fresh.state_dict())
+        model.opt.load_state_dict(m.make_optimizer(fresh, model.task).state_dict())
 
     def _open_checkpointers(self, root: Path) -> tuple[LocalCheckpointManager, AsyncCheckpointer]:
         """This process's local and disk checkpointers (closed by :meth:`close`). A spare's
@@ -216,9 +254,7 @@ class _Guarded:
             raise
         return local, disk
 
-    def _resume(
-        self, call: CallWrapper, local: LocalCheckpointManager, net: Any, opt: Any
-    ) -> tuple[int, str]:
+    def _resume(self, local: LocalCheckpointManager, net: Any, opt: Any) -> tuple[int, str]:
         """Restore from the newest checkpoint, local or on disk; returns (first step, source)."""
         import torch
 
@@ -240,12 +276,18 @@ class _Guarded:
             opt.load_state_dict(state["optim"])
             torch.set_rng_state(state["rng"])
             first = int(state["step"])
-            if self.cfg.perturb and not self.perturbed and call.rank == 0:
-                with torch.no_grad():
-                    w = next(net.parameters()).view(-1)
-                    w[:1].view(torch.int32).bitwise_xor_(1)  # one bit of one parameter
-                self.perturbed = True
         return first, source
+
+    def _maybe_perturb(self, call: CallWrapper, net: Any) -> None:
+        """The ``perturb`` test hook: flip one bit of one parameter on rank 0 after the first
+        restore (live or from a checkpoint)."""
+        import torch
+
+        if self.cfg.perturb and not self.perturbed and call.rank == 0 and call.round > 0:
+            with torch.no_grad():
+                w = next(net.parameters()).view(-1)
+                w[:1].view(torch.int32).bitwise_xor_(1)  # one bit of one parameter
+            self.perturbed = True
 
     def _train(
         self,
@@ -269,7 +311,7 @@ class _Guarded:
                 if self.slow:  # a `slow` fault: this process straggles from then on
                     time.sleep(_faults.SLOW_S)
             lr = m.learning_rate(model.task, step, cfg.steps)
-            loss = m.train_step(net, opt, x, y, call.world_size, lr)
+            loss = m.train_step(net, opt, x, y, call.world_size, lr, self.live.update(step, call))
             if cfg.step_time > 0:  # a longer step, as if the model were larger
                 time.sleep(max(0.0, cfg.step_time - (time.monotonic() - t0)))
             events.emit("train_step", step=step, loss=loss, duration=time.monotonic() - t0)

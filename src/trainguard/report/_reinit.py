@@ -4,8 +4,9 @@ Re-initialization is the interval from the latest ``round_start`` of the next ro
 earliest start of that round's first step. It is split into consecutive shares that add up to it,
 from these events of the next round (each a span ``[time - duration, time]`` on some rank):
 
-- **checkpoint find/load**: ``ckpt_load`` and ``local_ckpt_load``; their ``source`` field
-  (``"memory"``, ``"file"`` or ``"peer"``: a part fetched from a peer) names where it came from;
+- **checkpoint find/load**: ``ckpt_load``, ``local_ckpt_load`` and ``live_recover``; their
+  ``source`` field (``"memory"``, ``"file"`` or ``"peer"``: a part fetched from a peer;
+  ``"live"``: the survivors' live state, :mod:`trainguard.live`) names where it came from;
 - **checkpointer set-up**: ``ckpt_setup`` (a checkpointer built, or re-bound to the new round);
 - **process-group set-up**: ``pg_setup`` (recorded by the restart wrapper around every process
   group built while it runs: the rendezvous on the round's store and the group's constructor;
@@ -99,6 +100,7 @@ def recovery_line(i: int, fault: Any) -> str | None:
     where = f"rank {fault.rank}" if fault.rank is not None else "rank ?"
     at = f" at step {fault.step}" if fault.step is not None else ""
     return (
-        f"  {i}. {fault.kind} on {where}{at}: stepping again after {fault.training_again:.3f} s = "
+        f"  {i}. {fault.kind} on {where}{at}: {fault.recomputed_steps} steps recomputed, "
+        f"stepping again after {fault.training_again:.3f} s = "
         + " + ".join(f"{name} {1e3 * s:.0f} ms" for name, s in parts)
     )

@@ -28,7 +28,7 @@ Span = tuple[float, float]
 # a share of re-initialization -> the event kinds that make it, in the order shares take an
 # instant (see trainguard.report._reinit)
 REINIT_SOURCES = {
-    "checkpoint_load": ("ckpt_load", "local_ckpt_load"),
+    "checkpoint_load": ("ckpt_load", "local_ckpt_load", "live_recover"),
     "checkpointer": ("ckpt_setup",),
     "process_group": ("pg_setup",),
 }

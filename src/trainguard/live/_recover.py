@@ -1,0 +1,173 @@
+"""The recovery collective: exchange records, agree (:mod:`._plan`), transfer (:mod:`._transfer`).
+
+Every rank of the round runs :func:`run` once, in the same order, before any other collective
+on ``group``:
+
+1. all-gather of each rank's record (step, torn, replica group key) as three int64 values;
+2. every rank computes the same :class:`._plan.Plan`; a fallback ends here on every rank;
+3. pass ``a`` (0 first): each receiver still pending receives from its ``a``-th donor; each
+   donor sends to the receivers that picked it (in parallel); every receiver checks what it
+   got; an all-reduce of one flag per rank says which receivers are still pending; with no
+   donor left for one of them, every rank falls back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+from trainguard.live import _transfer
+from trainguard.live._outcome import Recovery
+from trainguard.live._plan import FIRST_START, NO_STEP, Plan, Record, plan
+
+if TYPE_CHECKING:
+    from trainguard.live.state import GroupKey, LiveState
+
+__all__ = ["report", "run"]
+
+logger = logging.getLogger("trainguard.live")
+
+
+def _key(key: GroupKey) -> int:
+    if isinstance(key, int):
+        return key
+    return xxhash.xxh3_64_intdigest(key.encode()) >> 1  # fits an int64
+
+
+def _records(live: LiveState, group: Any) -> tuple[int, list[Record]]:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    step, torn = live._record()
+    mine = torch.tensor(
+        [NO_STEP if step is None else step, int(torn), _key(live.group_key(rank, world))],
+        dtype=torch.int64,
+    )
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    return rank, [Record(r, int(t[0]), bool(t[1]), int(t[2])) for r, t in enumerate(gathered)]
+
+
+def run(live: LiveState, group: Any) -> Recovery:
+    """One round's recovery on this rank (see the module docstring)."""
+    if not dist.is_initialized():
+        from trainguard.errors import ConfigError
+
+        raise ConfigError(
+            "live.recover() needs the round's process group: call "
+            "torch.distributed.init_process_group() first"
+        )
+    rank, records = _records(live, group)
+    agreed = plan(records)
+    if agreed.fallback is not None:
+        return Recovery(None, agreed.fallback, agreed.newest, None)
+    pending = list(agreed.receivers)
+    t0 = time.monotonic()
+    problems: list[str] = []
+    source: int | None = None
+    nbytes = attempt = 0
+    while pending:
+        if any(agreed.donor(r, attempt) is None for r in pending):
+            why = "; ".join(problems) or "no donor left"
+            reason = f"live transfer failed on every donor ({why})"
+            return Recovery(
+                None,
+                reason,
+                agreed.newest,
+                None,
+                tuple(agreed.receivers),
+                attempts=attempt,
+                problems=tuple(problems),
+                transfer_seconds=time.monotonic() - t0,
+            )
+        failed, got = _pass(live, agreed, pending, attempt, rank, group)
+        nbytes += got
+        if rank in pending and failed is None:
+            source = agreed.donor(rank, attempt)
+        flags = torch.zeros(len(records), dtype=torch.int64)
+        flags[rank] = int(failed is not None)
+        dist.all_reduce(flags, group=group)
+        if failed is not None:
+            problems.append(failed)
+        # every rank learns every failure's presence; the reasons stay with the receivers
+        problems += [f"rank {r} refused a transfer" for r in pending if flags[r] and r != rank]
+        pending = [r for r in pending if flags[r]]
+        attempt += 1
+    return Recovery(
+        agreed.step,
+        None,
+        agreed.newest,
+        agreed.newest - agreed.step,
+        tuple(agreed.receivers),
+        source,
+        nbytes,
+        attempt,
+        tuple(problems),
+        transfer_seconds=time.monotonic() - t0 if agreed.receivers else 0.0,
+    )
+
+
+def _pass(
+    live: LiveState, agreed: Plan, pending: list[int], attempt: int, rank: int, group: Any
+) -> tuple[str | None, int]:
+    """One transfer pass: why this rank refused what it received (None: it took it, or
+    received nothing) and how many bytes it received."""
+    mine = [r for r in pending if agreed.donor(r, attempt) == rank]
+    works: list[Any] = []
+    if mine:
+        out = _transfer.prepare(live.state_dict(), agreed.step)
+        for r in mine:
+            works += _transfer.send(out, _global(r, group), group=group, tamper=live._tamper)
+    problem: str | None = None
+    nbytes = 0
+    if rank in pending:
+        donor = agreed.donor(rank, attempt)
+        assert donor is not None
+        into = _transfer.own_bytes(live.state_dict())  # its state is replaced anyway
+        got = _transfer.receive(_global(donor, group), agreed.step, group=group, into=into)
+        problem, nbytes = got.problem, got.nbytes
+        if problem is None:
+            live._received(got.state, agreed.step)
+    for work in works:
+        work.wait()
+    return problem, nbytes
+
+
+def _global(rank: int, group: Any) -> int:
+    """``rank`` of ``group`` as a rank of the default group (what send/recv take)."""
+    return rank if group is None else int(dist.get_global_rank(group, rank))
+
+
+def report(got: Recovery) -> None:
+    """Log and emit the outcome (``live_recover``; a fallback also warns)."""
+    from trainguard import events
+
+    events.emit(
+        "live_recover",
+        duration=got.seconds,
+        outcome="live" if got.live else "fallback",
+        source="live" if got.live else None,
+        step=got.step,
+        newest=got.newest,
+        recomputed=got.recomputed,
+        receivers=list(got.receivers),
+        received_from=got.received_from,
+        nbytes=got.nbytes,
+        transfer=got.transfer_seconds,
+        attempts=got.attempts,
+        reason=got.fallback,
+    )
+    if got.fallback == FIRST_START:
+        logger.info("live state: %s; load a checkpoint or start fresh", got.fallback)
+    elif got.fallback is not None:
+        logger.warning("live state: falling back to a checkpoint: %s", got.fallback)
+    elif got.receivers:
+        logger.info(
+            "live state: resumed at step %d, ranks %s received it from replicas (%.3f s)",
+            got.step,
+            list(got.receivers),
+            got.seconds,
+        )
