@@ -34,11 +34,14 @@ PACKAGES = [
     "trainguard.integrations",
     "trainguard.launch",
     "trainguard.launch.worker",
+    "trainguard.live",
+    "trainguard.live.state",
     "trainguard.report",
     "trainguard.restart",
     "trainguard.restart.policy",
     "trainguard.stragglers",
     "trainguard.stragglers.config",
+    "trainguard.stragglers.round",
 ]
 
 

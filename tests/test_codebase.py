@@ -195,7 +195,7 @@ _GROUND = _FLOOR_1 | {
     "events",
     "trainguard",
 }
-_WINGS = _GROUND | {"coord", "checkpoint", "restart", "stragglers", "report", "_teardown"}
+_WINGS = _GROUND | {"coord", "checkpoint", "restart", "stragglers", "report", "_teardown", "live"}
 MAY_IMPORT: dict[str, set[str]] = {
     "errors": set(),
     "_addr": _FLOOR_1,
@@ -218,6 +218,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     # restart's scoring plug-in: restart may use it, it never reaches back into restart
     "stragglers": _GROUND | {"coord"},
     "restart": _GROUND | {"coord", "checkpoint", "stragglers"},
+    # live-state recovery: beside restart (the training function calls it in each round),
+    # on the checkpoint's flattening; restart does not import it
+    "live": _GROUND | {"coord", "checkpoint"},
     # the end of a round for the integrations and the demo (beside restart)
     "_teardown": _GROUND | {"coord", "checkpoint"},
     # the agent: restart's faces and coord

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
+#: what names a replica group: ranks with equal keys hold replicas of the same state
+GroupKey = int | str
+
 __all__ = ["FIRST_START", "NO_STEP", "Plan", "Record", "plan"]
 
 NO_STEP = -1  #: a record's step when the rank holds no live state (a spare, a new process)

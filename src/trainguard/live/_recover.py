@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,14 +23,26 @@ import xxhash
 
 from trainguard.live import _transfer
 from trainguard.live._outcome import Recovery
-from trainguard.live._plan import FIRST_START, NO_STEP, Plan, Record, plan
-
-if TYPE_CHECKING:
-    from trainguard.live.state import GroupKey, LiveState
+from trainguard.live._plan import FIRST_START, NO_STEP, GroupKey, Plan, Record, plan
 
 __all__ = ["report", "run"]
 
 logger = logging.getLogger("trainguard.live")
+
+
+class LiveState(Protocol):
+    """What recovery asks of :class:`trainguard.live.LiveState` (typed here, so that this module
+    never imports the state's module, which calls it)."""
+
+    _tamper: Any
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def group_key(self, rank: int, world_size: int) -> GroupKey: ...
+
+    def _record(self) -> tuple[int | None, bool]: ...
+
+    def _received(self, state: Any, step: int) -> None: ...
 
 
 def _key(key: GroupKey) -> int:

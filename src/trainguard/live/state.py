@@ -33,12 +33,11 @@ from typing import Any, Protocol
 
 from trainguard.errors import ConfigError
 from trainguard.live._outcome import Recovery
+from trainguard.live._plan import GroupKey
 
-__all__ = ["LiveState", "Recovery"]
+__all__ = ["Atomic", "LiveState", "Recovery"]
 
 logger = logging.getLogger(__name__)
-
-GroupKey = int | str
 
 
 class Atomic(Protocol):
