@@ -38,6 +38,9 @@ VARIABLES: dict[str, str] = {
     "or 'process' (one sidecar process per rank); ignored under `trainguard launch`",
     "TRAINGUARD_HOST_NAME": "the host name a rank reports for the placement of local checkpoint "
     "copies (CliqueReplication by host); default socket.gethostname()",
+    "TRAINGUARD_PREEMPTION_GRACE": "seconds from a SIGTERM (preemption) to the end of the job, "
+    "to stop at an agreed step and save it (default 60); `trainguard launch "
+    "--tg-preemption-grace` sets it for its workers",
     "TRAINGUARD_DEMO_MODEL_MIB": "`trainguard demo` only: pad the demo model's checkpointed state "
     "to about this many MiB per rank (0: no padding); set by `trainguard demo --model-mib`",
 }
@@ -58,6 +61,7 @@ class Settings:
     sidecar: str = "node"
     demo_model_mib: int = 0
     host_name: str | None = None
+    preemption_grace: float = 60.0
 
 
 def _parse_addr(value: str) -> tuple[str, int]:
@@ -96,6 +100,19 @@ def _flag(name: str, value: str | None) -> bool:
     if value == "1":
         return True
     raise ConfigError(f"{name}={value!r} must be 1 or 0; set one of them or unset it")
+
+
+def _grace(value: str) -> float:
+    try:
+        grace = float(value)
+    except ValueError:
+        grace = -1.0
+    if not 0 < grace < float("inf"):
+        raise ConfigError(
+            f"TRAINGUARD_PREEMPTION_GRACE={value!r} must be a number of seconds > 0 (e.g. 60, "
+            "shorter than the scheduler's warning before it kills the job); set one or unset it"
+        )
+    return grace
 
 
 def _sidecar(value: str) -> str:
@@ -143,4 +160,5 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
         if mib
         else 0,
         host_name=get("TRAINGUARD_HOST_NAME"),
+        preemption_grace=_grace(grace) if (grace := get("TRAINGUARD_PREEMPTION_GRACE")) else 60.0,
     )
