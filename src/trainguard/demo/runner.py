@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import os
 import sys
 import tempfile
@@ -42,6 +44,8 @@ def add_parser(sub: Any) -> None:
             "  kill       the rank's process is SIGKILLed (a spare takes its rank number)\n"
             "  lostdir    the rank's local checkpoint directory is deleted and the rank raises\n"
             "             (its part is recovered from a replica on a peer)\n"
+            "  preempt    SIGTERM to every process of the job: each rank stops at one agreed\n"
+            "             step and saves it; exit status 75; continue with --resume DIR\n"
             f"default: {_faults.DEFAULT_SCHEDULE}"
         ),
     )
@@ -95,6 +99,12 @@ def add_parser(sub: Any) -> None:
         "the small model alone; memory: about 3-4x this per rank, for the model, staging and "
         "restore buffers)",
     )
+    p.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue the preempted run in DIR (a `preempt` fault ended it) from the step it "
+        "saved, with its settings, and check the end against its fault-free run",
+    )
     p.add_argument("--perturb", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=command)
 
@@ -146,6 +156,8 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     default = "" if args.launch else _faults.DEFAULT_SCHEDULE
     schedule = "" if args.no_faults else (default if args.faults is None else args.faults)
     found = _faults.parse(schedule, ranks=args.ranks, spares=args.spares, steps=args.steps)
+    if args.launch and any(f.kind in _faults.ENDING for f in found):
+        raise ConfigError("--faults preempt@...: run it without --launch")
     out = args.out or tempfile.mkdtemp(prefix="trainguard-demo-")
     os.makedirs(out, exist_ok=True)
     if any(Path(out).iterdir()):
@@ -166,12 +178,32 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     )
 
 
+def resume_config(args: argparse.Namespace) -> DemoConfig:
+    """The configuration of the preempted run in ``--resume DIR``, to continue it."""
+    path = Path(args.resume) / "demo.json"
+    if args.launch:
+        raise ConfigError("--resume continues a run made without --launch; drop --launch")
+    try:
+        saved = json.loads(path.read_text())
+        cfg = DemoConfig.from_json(saved["config"])
+        args.model_mib = int(saved["model_mib"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"--resume {args.resume}: no demo run there ({exc}); give the run directory that "
+            "a preempted `trainguard demo` printed"
+        ) from None
+    return dataclasses.replace(cfg, resumed=True)
+
+
 def command(args: argparse.Namespace) -> int:
     try:
-        cfg = config_from_args(args)
+        cfg = resume_config(args) if args.resume else config_from_args(args)
     except ConfigError as exc:
         print(f"trainguard demo: {exc}", file=sys.stderr)
         return 2
+    if not cfg.resumed:
+        saved = {"config": cfg.to_json(), "model_mib": args.model_mib}
+        Path(cfg.out, "demo.json").write_text(json.dumps(saved) + "\n")
     where = " under trainguard launch (2 nodes x 2 workers)" if args.launch else ""
     size = f", model state ~{args.model_mib} MiB per rank" if args.model_mib else ""
     print(
@@ -180,6 +212,8 @@ def command(args: argparse.Namespace) -> int:
         f"{cfg.disk_every}; faults: {', '.join(f.label for f in cfg.faults) or 'none'}"
     )
     print(f"run directory: {cfg.out}", flush=True)
+    if cfg.resumed:
+        print("resuming the preempted run from its newest checkpoint:", flush=True)
     with _model_size(args.model_mib):  # every process the run starts inherits it
         if args.launch:
             from trainguard.demo._launch import LaunchRun
