@@ -64,3 +64,10 @@ def test_sigterm_to_the_launcher_saves_one_step_exits_75_and_resumes_bit_identic
         assert job.wait(timeout=90) == [0], job.output()
     resumed = [json.loads((out / f"result-{r}.json").read_text()) for r in (0, 1)]
     assert resumed == reference  # bit for bit
+
+
+def test_the_grace_flag_reaches_the_options() -> None:
+    from trainguard.launch.cli import build_parser, options_from_args
+
+    args = build_parser().parse_args(["--tg-preemption-grace=90", "train.py"])
+    assert options_from_args(args).preemption_grace == 90.0

@@ -5,6 +5,7 @@ writer), as Slurm's ``--signal`` delivers it."""
 from __future__ import annotations
 
 import signal
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ import pytest
 from tests._dist import RankGroup, RankResult, run_ranks
 from tests.restart._preempt_jobs import progress, train_job
 from trainguard.checkpoint import latest, load
-from trainguard.restart import Preempted
+from trainguard.errors import ConfigError
+from trainguard.restart import Preempted, WrapperConfig
 from trainguard.restart.preempt import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.timeout(180)
@@ -95,3 +97,21 @@ def test_budget_ran_out_keeps_the_previous_checkpoint_and_logs_the_loss(tmp_path
     first = (out / "logs" / "rank-0.log").read_text()
     assert f"step {stop} is lost, the newest committed checkpoint stays the latest" in first
     assert "Traceback" not in late + first
+
+
+def test_the_grace_budget_comes_from_the_argument_the_environment_or_60_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from trainguard.launch.options import LaunchOptions
+
+    monkeypatch.delenv("TRAINGUARD_PREEMPTION_GRACE", raising=False)
+    assert WrapperConfig().preemption_grace == 60.0
+    monkeypatch.setenv("TRAINGUARD_PREEMPTION_GRACE", "90")
+    assert WrapperConfig().preemption_grace == 90.0
+    assert LaunchOptions().preemption_grace == 90.0
+    assert WrapperConfig(preemption_grace=timedelta(seconds=30)).preemption_grace == 30.0
+    with pytest.raises(ConfigError, match="preemption_grace"):
+        WrapperConfig(preemption_grace=-1)
+    monkeypatch.setenv("TRAINGUARD_PREEMPTION_GRACE", "soon")
+    with pytest.raises(ConfigError, match=r"TRAINGUARD_PREEMPTION_GRACE='soon' must be a number"):
+        WrapperConfig()
