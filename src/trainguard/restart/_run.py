@@ -298,11 +298,10 @@ class WrappedCall:
                     if self.cfg.initialize is not None:
                         self.cfg.initialize(state)
                     monitor.enter_fn(n)
-                    self.preemption.in_function = True
+                    self.preemption.ran = True  # a SIGTERM now ends an unaware function
                     try:
                         value = self.fn(*self.args, **kwargs)
                     finally:
-                        self.preemption.in_function = False
                         self._leave_fn()
                     returned = True
                     self.preemption.returned()

@@ -6,8 +6,9 @@ Protocol (the Wrapper and the wrapped function; every active rank does the same)
 1. For the call, the Wrapper installs a SIGTERM handler in the main thread (the previous one
    is restored when the call ends). The handler only notes the signal: the grace budget
    (``Wrapper(preemption_grace=...)``, ``TRAINGUARD_PREEMPTION_GRACE``, default 60 s) starts
-   then. A SIGTERM that reaches an active rank whose function never called
-   :meth:`~trainguard.restart.CallWrapper.preempted` ends the process at once, as before.
+   then. A SIGTERM that reaches a process whose function ran but never called
+   :meth:`~trainguard.restart.CallWrapper.preempted` ends it at once, as without the handler
+   (a spare that never ran it notes the signal and ends with the others, or at the budget).
 2. At every step boundary the function calls ``call.preempted(step)``, ``step`` being the
    number of steps completed (the step it is about to run). A rank that noticed the signal
    and finds no stop step in the round's store proposes ``step + 1`` (compare-and-set: the
@@ -89,7 +90,7 @@ class Preemption:
         self.noticed: float | None = None  # time.monotonic() of the first SIGTERM
         self.stop_step: int | None = None  # the agreed step, once this rank read it
         self.aware = False  # the function called preempted() at least once
-        self.in_function = False  # an active rank runs the function now
+        self.ran = False  # this process ran the function (it was active in a round)
         self.done = False  # the function returned after the stop (its save is done)
         self._store: Any = None  # the round's store, as the function last used it
         self._place = (rank, 0)  # (rank, world size) in that round
@@ -124,8 +125,9 @@ class Preemption:
             self._installed = False
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self.in_function and not self.aware:
-            # a function that never asks cannot stop at a step: end as without trainguard
+        if self.ran and not self.aware:
+            # a function that never asks cannot stop at a step (the signal may also be the
+            # sidecar's kill at the hard timeout): end as without trainguard
             self.uninstall()
             os.kill(os.getpid(), signal.SIGTERM)
             return
