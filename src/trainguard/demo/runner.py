@@ -3,7 +3,8 @@
 The run itself (processes, progress, faults and recoveries, the report and the bit-identical
 verdict) is :mod:`trainguard.demo._run`, or :mod:`trainguard.demo._launch` under ``--launch``.
 Exit status: 0 when the guarded run's parameters equal the fault-free reference's bit for bit
-on every rank, 1 when they do not, 2 when the run failed.
+on every rank, 1 when they do not, 2 when the run failed, 75 when a ``preempt`` fault stopped it
+(every rank saved one agreed step; ``--resume DIR`` continues it).
 """
 
 from __future__ import annotations
@@ -24,6 +25,19 @@ from trainguard.demo._run import _Run
 from trainguard.demo.worker import DemoConfig
 from trainguard.errors import ConfigError
 
+#: ``trainguard demo --help``: the fault kinds
+_KINDS_HELP = (
+    "fault kinds (KIND@STEP:RANK, comma-separated):\n"
+    "  exception  the rank raises an Exception\n"
+    "  hang       the rank blocks in a GIL-releasing sleep (found after --soft-timeout)\n"
+    "  kill       the rank's process is SIGKILLed (a spare takes its rank number)\n"
+    "  lostdir    the rank's local checkpoint directory is deleted and the rank raises\n"
+    "             (its part is recovered from a replica on a peer)\n"
+    "  preempt    SIGTERM to every process of the job: each rank stops at one agreed\n"
+    "             step and saves it; exit status 75; continue with --resume DIR\n"
+    f"default: {_faults.DEFAULT_SCHEDULE}"
+)
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
@@ -34,20 +48,11 @@ def add_parser(sub: Any) -> None:
             "train a small model for STEPS steps under the in-process restart wrapper with "
             "local (replicated) and asynchronous disk checkpoints, inject the scheduled faults, "
             "then check that the final parameters are bit-identical to a fault-free run of the "
-            "same training. Exit status 0: identical; 1: not identical; 2: the run failed."
+            "same training. Exit status 0: identical; 1: not identical; 2: the run failed; "
+            "75: preempted (a `preempt` fault), continue with --resume."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(
-            "fault kinds (KIND@STEP:RANK, comma-separated):\n"
-            "  exception  the rank raises an Exception\n"
-            "  hang       the rank blocks in a GIL-releasing sleep (found after --soft-timeout)\n"
-            "  kill       the rank's process is SIGKILLed (a spare takes its rank number)\n"
-            "  lostdir    the rank's local checkpoint directory is deleted and the rank raises\n"
-            "             (its part is recovered from a replica on a peer)\n"
-            "  preempt    SIGTERM to every process of the job: each rank stops at one agreed\n"
-            "             step and saves it; exit status 75; continue with --resume DIR\n"
-            f"default: {_faults.DEFAULT_SCHEDULE}"
-        ),
+        epilog=_KINDS_HELP,
     )
     p.add_argument("--ranks", type=int, help="active training ranks (default 4; --launch: 2)")
     p.add_argument("--spares", type=int, help="spare processes (default 1; --launch: 2)")
