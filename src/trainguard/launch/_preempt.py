@@ -53,9 +53,10 @@ def save(agent: TrainguardAgent, grace: float) -> bool:
     codes = [h.proc.returncode for h in handlers]
     if all(c in (0, EXIT_PREEMPTED) for c in codes):
         return EXIT_PREEMPTED in codes
-    logger.error(
-        "preemption: worker exit statuses %s (None: still running, killed now); not every "
-        "worker saved its state",
+    logger.warning(
+        "SIGTERM: the workers ended with statuses %s (%d: saved after a preemption; None: "
+        "still running, killed now)",
         codes,
+        EXIT_PREEMPTED,
     )
     return False

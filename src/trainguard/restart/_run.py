@@ -298,7 +298,7 @@ class WrappedCall:
                     if self.cfg.initialize is not None:
                         self.cfg.initialize(state)
                     monitor.enter_fn(n)
-                    self.preemption.ran = True  # a SIGTERM now ends an unaware function
+                    self.preemption.enter()  # SIGTERM ends it until it asks preempted()
                     try:
                         value = self.fn(*self.args, **kwargs)
                     finally:

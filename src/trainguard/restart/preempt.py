@@ -95,7 +95,8 @@ class Preemption:
         self._store: Any = None  # the round's store, as the function last used it
         self._place = (rank, 0)  # (rank, world size) in that round
         self._previous: Any = None
-        self._installed = False
+        self._installed = False  # our handler is SIGTERM's now
+        self._owned = False  # between install() and uninstall()
         self._timer: threading.Timer | None = None
         self._lock = threading.Lock()
         self._reported = False  # the loss was logged
@@ -103,11 +104,27 @@ class Preemption:
     # the handler ---------------------------------------------------------------------------
     def install(self) -> None:
         """Handle SIGTERM for the call (only the main thread can; elsewhere nothing changes)."""
-        if threading.current_thread() is not threading.main_thread():
+        if not _main_thread():
             logger.debug("not the main thread: SIGTERM keeps its handler (no preemption save)")
             return
         self._previous = signal.signal(signal.SIGTERM, self._on_signal)
-        self._installed = True
+        self._installed = self._owned = True
+
+    def enter(self) -> None:
+        """Main thread, the function starts on this rank: until it calls ``preempted`` (it
+        may never), SIGTERM keeps its previous action (the default kills the process even
+        while a thread holds the GIL, e.g. the sidecar's kill at the hard timeout)."""
+        self.ran = True
+        if self._installed and not self.aware:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._installed = False
+
+    def _aware(self) -> None:
+        """The function called ``preempted``: SIGTERM is a preemption from now on."""
+        self.aware = True
+        if self._owned and not self._installed and _main_thread():
+            signal.signal(signal.SIGTERM, self._on_signal)
+            self._installed = True
 
     def uninstall(self) -> None:
         """Restore the previous handler; stop the budget's timer unless this process was
@@ -123,6 +140,7 @@ class Preemption:
         if self._installed:
             signal.signal(signal.SIGTERM, self._previous)
             self._installed = False
+        self._owned = False
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.ran and not self.aware:
@@ -168,7 +186,8 @@ class Preemption:
             raise ConfigError(
                 f"call.preempted(step={step!r}): pass the number of steps completed (an int >= 0)"
             )
-        self.aware = True
+        if not self.aware:
+            self._aware()
         self._store, self._place = store, (rank, world)
         if self.stop_step is None:
             if store.check([_STOP_KEY]):
@@ -277,6 +296,10 @@ class Preemption:
             late = [r for r in range(world) if not client.check([f"{_DONE_KEY}{r}"])]
             return f" (ranks not done: {late})" if late else ""
         return ""
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 def _seconds(value: float) -> Any:
