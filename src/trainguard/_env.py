@@ -41,6 +41,9 @@ VARIABLES: dict[str, str] = {
     "copies (CliqueReplication by host); default socket.gethostname()",
     "TRAINGUARD_OVERWRITE_KILL_AT": "tests only: SIGKILL this process when a checkpoint "
     "overwrite reaches this step (uncommitted, committed, old-moved, new-moved)",
+    "TRAINGUARD_PREEMPTION_GRACE": "seconds from a SIGTERM (preemption) to the end of the job, "
+    "to stop at an agreed step and save it (default 60); `trainguard launch "
+    "--tg-preemption-grace` sets it for its workers",
     "TRAINGUARD_DEMO_MODEL_MIB": "`trainguard demo` only: pad the demo model's checkpointed state "
     "to about this many MiB per rank (0: no padding); set by `trainguard demo --model-mib`",
 }
@@ -62,6 +65,7 @@ class Settings:
     demo_model_mib: int = 0
     host_name: str | None = None
     overwrite_kill_at: str | None = None
+    preemption_grace: float = 60.0
 
 
 def _parse_addr(value: str) -> tuple[str, int]:
@@ -112,6 +116,19 @@ def _kill_point(value: str) -> str:
     return value
 
 
+def _grace(value: str) -> float:
+    try:
+        grace = float(value)
+    except ValueError:
+        grace = -1.0
+    if not 0 < grace < float("inf"):
+        raise ConfigError(
+            f"TRAINGUARD_PREEMPTION_GRACE={value!r} must be a number of seconds > 0 (e.g. 60, "
+            "shorter than the scheduler's warning before it kills the job); set one or unset it"
+        )
+    return grace
+
+
 def _sidecar(value: str) -> str:
     if value not in ("process", "node"):
         raise ConfigError(
@@ -160,4 +177,5 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
         overwrite_kill_at=_kill_point(kill)
         if (kill := get("TRAINGUARD_OVERWRITE_KILL_AT"))
         else None,
+        preemption_grace=_grace(grace) if (grace := get("TRAINGUARD_PREEMPTION_GRACE")) else 60.0,
     )

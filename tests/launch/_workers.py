@@ -22,6 +22,9 @@ Modes:
   every round raises the same error before it builds a group (the Wrapper gives up after
   ``max_repeated_faults`` rounds). The first process of rank ``--gil-hang-rank`` hangs holding
   the GIL at step 3 (``--hard-timeout``).
+- ``preempt``: (imports torch) the preemption tests' job (``tests/restart/_preempt_jobs.py``),
+  ``--steps`` steps, checkpoints under ``OUT``; writes its final parameters to
+  ``OUT/result-<rank>.json``; preempted, it exits with status 75.
 """
 
 from __future__ import annotations
@@ -143,9 +146,17 @@ def wrapper(out: Path, rank: int, args: argparse.Namespace) -> int:
     return 0
 
 
+def preempt(out: Path, rank: int, args: argparse.Namespace) -> int:
+    from tests.restart._preempt_jobs import train_job
+
+    params = train_job(str(out), steps=args.steps)  # raises Preempted (exit status 75)
+    (out / f"result-{rank}.json").write_text(json.dumps(params))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["run", "env", "gloo", "wrapper"])
+    parser.add_argument("mode", choices=["run", "env", "gloo", "wrapper", "preempt"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--step", type=float, default=0.05)
     parser.add_argument("--steps", type=int, default=None)
@@ -178,6 +189,8 @@ def main() -> int:
         return gloo(args.out, rank, args)
     if args.mode == "wrapper":
         return wrapper(args.out, rank, args)
+    if args.mode == "preempt":
+        return preempt(args.out, rank, args)
     return run(args.out, rank, args)
 
 

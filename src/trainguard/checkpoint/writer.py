@@ -154,7 +154,10 @@ def _writer_main(conn: multiprocessing.connection.Connection, nice: int) -> None
     """Entry point of the writer process."""
     # Ctrl-C reaches the whole foreground process group: the training process decides what to
     # do (close() finishes pending saves); the writer must not die with a half-written file.
+    # SIGTERM too: a preemption signals every process of the job, and the training process
+    # saves its last checkpoint through this writer (it ends when the training process does).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _lower_priority(nice)
     maps: dict[int, mmap.mmap] = {}
     hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainguard-hash")

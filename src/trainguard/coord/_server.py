@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import select
+import signal
 import sys
 import threading
 import time
@@ -213,6 +214,9 @@ def _owner(parent: int, owner: int) -> int | None:
 
 
 def main() -> int:
+    # a preemption signals every process of the job: the ranks still agree and commit their
+    # last checkpoint through this store; it ends with its owner (watch_orphan)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         cfg, _ = _subproc.read_config()
         host = _Host(cfg)

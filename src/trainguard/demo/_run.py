@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
+import os
 import socket
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from trainguard.demo import faults as _faults
 from trainguard.demo.worker import DemoConfig
+from trainguard.restart.preempt import EXIT_PREEMPTED
 
 
 def _free_port() -> int:
@@ -77,6 +80,10 @@ class _Run:
         self.started = 0.0
         self.guard_start: float | None = None
         self.guard_end: float | None = None
+        self.stopped_at: dict[int, int] = {}  # preempted: rank -> the step it saved
+        self.stopped: set[int] = set()  # processes that exited preempted (status 75)
+        if cfg.resumed:
+            self.reference = {int(k): v for k, v in _load_reference(cfg.out).items()}
 
     def handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
@@ -88,6 +95,7 @@ class _Run:
             self.reference[process] = digest
             self.ref_time = max(self.ref_time, seconds)
             if len(self.reference) == self.cfg.ranks:
+                _save_reference(self.cfg.out, self.reference)
                 same = len(set(self.reference.values())) == 1
                 self.show.line(
                     f"reference run without faults: {self.cfg.steps} steps on {self.cfg.ranks} "
@@ -98,6 +106,14 @@ class _Run:
         elif kind == "step":
             _, step, loss, rnd, world, _t = msg
             self.show.progress(step, loss, rnd, world)
+        elif kind == "fault" and msg[1] == "preempt":
+            _, fkind, step, rank, process, rnd, t = msg
+            self.injected.append({"kind": fkind, "step": step, "rank": rank, "round": rnd})
+            pids = _faults.sigterm_job(os.getpid())
+            self.show.line(
+                f"  ! preemption before step {step}: SIGTERM to every process of the job "
+                f"({len(pids)} processes)"
+            )
         elif kind == "fault":
             _, fkind, step, rank, process, rnd, t = msg
             if fkind == "kill":
@@ -132,6 +148,11 @@ class _Run:
                     f"  > round {rnd}: {world} ranks training again {took:.2f} s after the "
                     f"fault, resumed at step {first} from {source}, {lost} steps recomputed"
                 )
+        elif kind == "preempted":
+            _, rank, process, step, _t = msg
+            self.stopped_at[rank] = step
+        elif kind == "stopped":
+            self.stopped.add(msg[1])
         elif kind == "done":
             _, rank, process, digest, _rnd, t = msg
             self.done[rank] = (digest, process)
@@ -205,12 +226,15 @@ class _Run:
             for conn in conns:
                 conn.close()
         for process, proc in enumerate(procs):
-            if proc.exitcode != 0 and process not in self.killed:
+            preempted = proc.exitcode == EXIT_PREEMPTED and process in self.stopped
+            if proc.exitcode != 0 and process not in self.killed and not preempted:
                 self.errors.append(f"process {process} exited with status {proc.exitcode}")
         return self.verdict()
 
     def verdict(self) -> int:
         cfg, show = self.cfg, self.show
+        if self.stopped and not self.errors:
+            return self.preempted()
         missing = sorted(set(range(cfg.ranks)) - set(self.done))
         if missing or self.errors or len(self.reference) != cfg.ranks:
             for error in self.errors:
@@ -225,7 +249,7 @@ class _Run:
             f"{len(self.recoveries)} recoveries, "
             f"{sum(r['recomputed'] for r in self.recoveries)} steps recomputed, {wall:.1f} s"
         )
-        _write_report(cfg.out, show)
+        _write_report(cfg.out, show, cfg.events_dir)
         ref = next(iter(self.reference.values()))
         got = {rank: d for rank, (d, _) in sorted(self.done.items())}
         ok = len(set(self.reference.values())) == 1 and all(d == ref for d in got.values())
@@ -242,15 +266,46 @@ class _Run:
         show.line(f"run directory: {cfg.out}  (trainguard report {cfg.out})")
         return 0 if ok else 1
 
+    def preempted(self) -> int:
+        """The run was preempted: every rank saved one agreed step (75), or it failed (2)."""
+        cfg, show = self.cfg, self.show
+        steps = set(self.stopped_at.values())
+        if sorted(self.stopped_at) != list(range(cfg.ranks)) or len(steps) != 1:
+            show.line(f"error: preempted, but the ranks saved steps {self.stopped_at}")
+            return 2
+        (step,) = steps
+        show.line(
+            f"preempted: every rank stopped at step {step} and saved it (local and disk "
+            f"checkpoints); exit status {EXIT_PREEMPTED}"
+        )
+        show.line(f"continue the run: trainguard demo --resume {cfg.out}")
+        return EXIT_PREEMPTED
 
-def _write_report(out: str, show: _Display) -> None:
+
+def _save_reference(out: str, reference: dict[int, str]) -> None:
+    """Keep the fault-free run's digests, for the check at the end of a resumed run."""
+    import json
+
+    Path(out, "reference.json").write_text(json.dumps(reference) + "\n")
+
+
+def _load_reference(out: str) -> dict[str, str]:
+    import json
+
+    found = json.loads(Path(out, "reference.json").read_text())
+    if not isinstance(found, dict):
+        raise ValueError(f"{out}/reference.json is not a mapping")
+    return found
+
+
+def _write_report(out: str, show: _Display, directory: Path) -> None:
     """Print the goodput report; write report.txt, report.json and timeline.png into ``out``."""
     import json
 
     from trainguard import events, report
     from trainguard.report._reinit import recovery_line
 
-    merged = events.read_events(Path(out) / "events")
+    merged = events.read_events(directory)
     rep = report.analyze(merged)
     lines = [recovery_line(i, f) for i, f in enumerate(rep.faults, 1)]
     if any(lines):

@@ -17,7 +17,11 @@ rank that holds number ``RANK`` when it is about to run step ``STEP``. Kinds:
 ``slow``
     the rank's process sleeps :data:`SLOW_S` in its data section of every step from then on
     (a straggler: no error, the heartbeats are fine). Straggler detection names it; with
-    ``--take-out-stragglers`` it leaves the job and a spare takes its number.
+    ``--take-out-stragglers`` it leaves the job and a spare takes its number;
+``preempt``
+    the demo sends SIGTERM to every process of the job (:func:`sigterm_job`), as a scheduler
+    that preempts it: every rank stops at one agreed step, saves it and exits with status 75;
+    ``trainguard demo --resume DIR`` continues the run (``RANK`` is only where it is asked).
 
 A running demo can be asked for more (:func:`request`, :func:`hold`, :func:`release`: files
 under ``<run>/faults/requested`` that each rank lists before each step).
@@ -29,6 +33,7 @@ restart, does not fire it again).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -39,6 +44,8 @@ from pathlib import Path
 from trainguard.errors import ConfigError
 
 KINDS = ("exception", "hang", "kill", "lostdir", "slow")
+#: kinds that end the run (not in the default schedule): ``preempt``
+ENDING = ("preempt",)
 SLOW_S = 0.02  #: what a ``slow`` fault adds to each step of its process (seconds)
 DEFAULT_SCHEDULE = "exception@45:1,hang@95:2,kill@150:3,lostdir@215:0,slow@240:1"
 
@@ -73,8 +80,10 @@ def parse(text: str, *, ranks: int, spares: int, steps: int) -> tuple[Fault, ...
                 f"write e.g. 'exception@40:1' (kinds: {', '.join(KINDS)})"
             )
         kind, step, rank = m.group(1), int(m.group(2)), int(m.group(3))
-        if kind not in KINDS:
-            raise ConfigError(f"--faults: unknown kind {kind!r}; use one of {', '.join(KINDS)}")
+        if kind not in KINDS + ENDING:
+            raise ConfigError(
+                f"--faults: unknown kind {kind!r}; use one of {', '.join(KINDS + ENDING)}"
+            )
         if not 0 < step < steps:
             raise ConfigError(
                 f"--faults {item.strip()!r}: step {step} must be between 1 and {steps - 1} "
@@ -163,7 +172,7 @@ def requested(run_dir: str | os.PathLike[str]) -> Requests:
 def inject(fault: Fault) -> None:
     """Carry out ``fault`` in this process (``lostdir``'s deletion and ``slow``'s sleeps are
     the caller's part)."""
-    if fault.kind == "slow":
+    if fault.kind in ("slow", "preempt"):  # the demo itself signals a preemption
         return
     if fault.kind == "exception":
         raise InjectedFault(f"injected exception on rank {fault.rank} at step {fault.step}")
@@ -178,3 +187,29 @@ def inject(fault: Fault) -> None:
             f"injected: rank {fault.rank} lost its local checkpoint directory at step {fault.step}"
         )
     raise ConfigError(f"unknown fault kind {fault.kind!r}")
+
+
+def sigterm_job(root: int) -> list[int]:
+    """SIGTERM to every process that descends from ``root`` (the demo's own process), as a
+    scheduler signals every process of a job it preempts: ranks, spares, store server,
+    sidecars, checkpoint writers. Returns the pids signalled."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            parent = int(stat[stat.rfind(b")") + 2 :].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    for pid in found:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    return found

@@ -3,13 +3,16 @@
 The run itself (processes, progress, faults and recoveries, the report and the bit-identical
 verdict) is :mod:`trainguard.demo._run`, or :mod:`trainguard.demo._launch` under ``--launch``.
 Exit status: 0 when the guarded run's parameters equal the fault-free reference's bit for bit
-on every rank, 1 when they do not, 2 when the run failed.
+on every rank, 1 when they do not, 2 when the run failed, 75 when a ``preempt`` fault stopped it
+(every rank saved one agreed step; ``--resume DIR`` continues it).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import os
 import sys
 import tempfile
@@ -22,6 +25,19 @@ from trainguard.demo._run import _Run
 from trainguard.demo.worker import DemoConfig
 from trainguard.errors import ConfigError
 
+#: ``trainguard demo --help``: the fault kinds
+_KINDS_HELP = (
+    "fault kinds (KIND@STEP:RANK, comma-separated):\n"
+    "  exception  the rank raises an Exception\n"
+    "  hang       the rank blocks in a GIL-releasing sleep (found after --soft-timeout)\n"
+    "  kill       the rank's process is SIGKILLed (a spare takes its rank number)\n"
+    "  lostdir    the rank's local checkpoint directory is deleted and the rank raises\n"
+    "             (its part is recovered from a replica on a peer)\n"
+    "  preempt    SIGTERM to every process of the job: each rank stops at one agreed\n"
+    "             step and saves it; exit status 75; continue with --resume DIR\n"
+    f"default: {_faults.DEFAULT_SCHEDULE}"
+)
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
@@ -32,18 +48,11 @@ def add_parser(sub: Any) -> None:
             "train a small model for STEPS steps under the in-process restart wrapper with "
             "local (replicated) and asynchronous disk checkpoints, inject the scheduled faults, "
             "then check that the final parameters are bit-identical to a fault-free run of the "
-            "same training. Exit status 0: identical; 1: not identical; 2: the run failed."
+            "same training. Exit status 0: identical; 1: not identical; 2: the run failed; "
+            "75: preempted (a `preempt` fault), continue with --resume."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(
-            "fault kinds (KIND@STEP:RANK, comma-separated):\n"
-            "  exception  the rank raises an Exception\n"
-            "  hang       the rank blocks in a GIL-releasing sleep (found after --soft-timeout)\n"
-            "  kill       the rank's process is SIGKILLed (a spare takes its rank number)\n"
-            "  lostdir    the rank's local checkpoint directory is deleted and the rank raises\n"
-            "             (its part is recovered from a replica on a peer)\n"
-            f"default: {_faults.DEFAULT_SCHEDULE}"
-        ),
+        epilog=_KINDS_HELP,
     )
     p.add_argument("--ranks", type=int, help="active training ranks (default 4; --launch: 2)")
     p.add_argument("--spares", type=int, help="spare processes (default 1; --launch: 2)")
@@ -100,6 +109,12 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="recover from checkpoints only (default: the survivors' live state first)",
     )
+    p.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue the preempted run in DIR (a `preempt` fault ended it) from the step it "
+        "saved, with its settings, and check the end against its fault-free run",
+    )
     p.add_argument("--perturb", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=command)
 
@@ -151,6 +166,8 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     default = "" if args.launch else _faults.DEFAULT_SCHEDULE
     schedule = "" if args.no_faults else (default if args.faults is None else args.faults)
     found = _faults.parse(schedule, ranks=args.ranks, spares=args.spares, steps=args.steps)
+    if args.launch and any(f.kind in _faults.ENDING for f in found):
+        raise ConfigError("--faults preempt@...: run it without --launch")
     out = args.out or tempfile.mkdtemp(prefix="trainguard-demo-")
     os.makedirs(out, exist_ok=True)
     if any(Path(out).iterdir()):
@@ -172,12 +189,32 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     )
 
 
+def resume_config(args: argparse.Namespace) -> DemoConfig:
+    """The configuration of the preempted run in ``--resume DIR``, to continue it."""
+    path = Path(args.resume) / "demo.json"
+    if args.launch:
+        raise ConfigError("--resume continues a run made without --launch; drop --launch")
+    try:
+        saved = json.loads(path.read_text())
+        cfg = DemoConfig.from_json(saved["config"])
+        args.model_mib = int(saved["model_mib"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"--resume {args.resume}: no demo run there ({exc}); give the run directory that "
+            "a preempted `trainguard demo` printed"
+        ) from None
+    return dataclasses.replace(cfg, resumed=True)
+
+
 def command(args: argparse.Namespace) -> int:
     try:
-        cfg = config_from_args(args)
+        cfg = resume_config(args) if args.resume else config_from_args(args)
     except ConfigError as exc:
         print(f"trainguard demo: {exc}", file=sys.stderr)
         return 2
+    if not cfg.resumed:
+        saved = {"config": cfg.to_json(), "model_mib": args.model_mib}
+        Path(cfg.out, "demo.json").write_text(json.dumps(saved) + "\n")
     where = " under trainguard launch (2 nodes x 2 workers)" if args.launch else ""
     size = f", model state ~{args.model_mib} MiB per rank" if args.model_mib else ""
     recovery = "live state first" if cfg.live else "checkpoints only (--no-live)"
@@ -188,6 +225,8 @@ def command(args: argparse.Namespace) -> int:
         f"{', '.join(f.label for f in cfg.faults) or 'none'}"
     )
     print(f"run directory: {cfg.out}", flush=True)
+    if cfg.resumed:
+        print("resuming the preempted run from its newest checkpoint:", flush=True)
     with _model_size(args.model_mib):  # every process the run starts inherits it
         if args.launch:
             from trainguard.demo._launch import LaunchRun

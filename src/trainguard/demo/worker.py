@@ -36,6 +36,7 @@ from trainguard._teardown import close_round
 from trainguard.demo import faults as _faults
 from trainguard.demo._channel import Channel, PipeChannel
 from trainguard.errors import StragglerError
+from trainguard.restart.preempt import Preempted
 
 if TYPE_CHECKING:
     from trainguard.checkpoint import AsyncCheckpointer, LocalCheckpointManager
@@ -62,6 +63,7 @@ class DemoConfig:
     step_time: float = 0.0  # a step lasts at least this long (seconds): faults land mid-run
     take_out_stragglers: bool = False  # a persistent straggler leaves, a spare takes over
     live: bool = True  # recover from the survivors' live state first (False: checkpoints only)
+    resumed: bool = False  # `--resume`: a preempted run continues (no reference run)
 
     @property
     def world(self) -> int:
@@ -80,6 +82,11 @@ class DemoConfig:
         fields = json.loads(text)
         found = tuple(_faults.Fault(**f) for f in fields.pop("faults"))
         return cls(faults=found, **fields)
+
+    @property
+    def events_dir(self) -> Path:
+        """The event log of the run (a resumed run's own: its rounds count from 0 again)."""
+        return Path(self.out) / ("events-resumed" if self.resumed else "events")
 
     def local_root(self, process: int) -> Path:
         return Path(self.out) / "local" / f"node{process}"
@@ -197,7 +204,9 @@ class _Guarded:
             time.time(),
             time.time() - started,
         )
-        self._train(call, local, disk, model, first)
+        if self._train(call, local, disk, model, first):
+            self.release()  # preempted: the wrapped call raises Preempted
+            return ""
         local.wait()
         disk.wait()
         digest = m.parameters_digest(model.net)
@@ -296,14 +305,18 @@ class _Guarded:
         disk: AsyncCheckpointer,
         model: _Model,
         first: int,
-    ) -> None:
-        """Steps ``first..`` with the scheduled faults, reports to the parent and checkpoints."""
+    ) -> bool:
+        """Steps ``first..`` with the scheduled faults, reports to the parent and checkpoints;
+        True when the job was preempted (the step it stopped at is saved)."""
         from trainguard import events
         from trainguard.demo import model as m
 
         cfg, net, opt = self.cfg, model.net, model.opt
         recent: list[float] = []
         for step in range(first, cfg.steps):
+            if call.preempted(step):
+                self._save_preempted(call, local, disk, model, step, first)
+                return True
             self._maybe_inject(call, step)
             t0 = time.monotonic()
             with call.section("data"):
@@ -327,10 +340,34 @@ class _Guarded:
                     local.save(m.training_state(net, opt, done), done)
             path = Path(cfg.out) / "ckpt" / f"step_{done:06d}"
             # a round that resumed before a committed disk checkpoint does not save it again
-            # (a save never overwrites a committed checkpoint)
+            # (it is the same state; an overwrite would only cost a write)
             if done % cfg.disk_every == 0 and done < cfg.steps and not committed(path):
                 with events.span("ckpt_stall", what="disk", step=step):
                     disk.save(m.training_state(net, opt, done), path)
+        return False
+
+    def _save_preempted(
+        self,
+        call: CallWrapper,
+        local: LocalCheckpointManager,
+        disk: AsyncCheckpointer,
+        model: _Model,
+        step: int,
+        first: int,
+    ) -> None:
+        """The job stops before ``step``: save it (local and disk, unless saved already) and
+        wait for both within the grace budget."""
+        from trainguard.demo import model as m
+
+        cfg, net, opt = self.cfg, model.net, model.opt
+        if step % cfg.local_every and step != first:
+            local.save(m.training_state(net, opt, step), step)
+        path = Path(cfg.out) / "ckpt" / f"step_{step:06d}"
+        if step % cfg.disk_every and not committed(path):
+            disk.save(m.training_state(net, opt, step), path)
+        local.wait(timeout=call.grace_left())
+        disk.wait(timeout=call.grace_left())
+        self.send("preempted", call.rank, self.process, step, time.time())
 
     def release(self, state: Any = None) -> None:
         """End this round's process group (the wrapper's finalize hook, and the end of the
@@ -375,9 +412,8 @@ def main(cfg: DemoConfig, process: int, job_port: int, ref_port: int, conn: Any)
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(job_port),
     )
-    run_process(
-        cfg, process, PipeChannel(conn), ref_port=ref_port, in_reference=process < cfg.ranks
-    )
+    in_reference = process < cfg.ranks and not cfg.resumed
+    run_process(cfg, process, PipeChannel(conn), ref_port=ref_port, in_reference=in_reference)
 
 
 def run_process(
@@ -416,7 +452,7 @@ def run_process(
             from trainguard.demo import model as m
 
             m.warm_up(m.TaskConfig())  # the first optimizer step's imports (seconds)
-        events.configure(Path(cfg.out) / "events")
+        events.configure(cfg.events_dir)
         guarded = _Guarded(cfg, process, channel)  # builds the checkpointers
         wrapper = guarded_wrapper(
             ranks=cfg.ranks,
@@ -437,6 +473,9 @@ def run_process(
             channel.send("idle", process, time.time())
     except StragglerError as exc:  # taken out by the straggler policy: not a failure
         channel.send("straggler", process, str(exc), time.time())
+    except Preempted as exc:  # SIGTERM: the state is saved, the process exits with status 75
+        channel.send("stopped", process, exc.step, time.time())
+        raise
     except BaseException as exc:
         channel.send("error", process, f"{type(exc).__name__}: {exc}")
         raise

@@ -13,6 +13,8 @@ import enum
 import time
 from collections.abc import Callable, Mapping
 
+from trainguard.restart.preempt import EXIT_PREEMPTED
+
 __all__ = [
     "CRASH_LOOP",
     "CRASH_UPTIME",
@@ -135,7 +137,7 @@ class SlotTable:
         if slot.state is not SlotState.RUNNING:
             raise ValueError(f"slot {local_rank} has no running process ({slot.state.value})")
         slot.exit_code = exit_code
-        if exit_code == 0:
+        if exit_code in (0, EXIT_PREEMPTED):  # preempted: its state is saved, not a death
             slot.state = SlotState.DONE
             return None
         now = self.clock()

@@ -32,6 +32,10 @@ Nodes (with the node heartbeat and, for the c10d rendezvous, the admission gate;
    node's group rank and ranks without a rendezvous round, its workers start as newcomers
    (``TRAINGUARD_INCARNATION`` >= 1) and its heartbeat makes the node live again.
 7. The exit barrier runs in the coordination store and counts lost nodes as arrived.
+
+8. Preemption: a SIGTERM to the agent goes to its workers, which save, and the agent waits
+   for them within the grace budget (:mod:`trainguard.launch._preempt`); a worker that exits
+   with status 75 was preempted, its slot is done (:attr:`TrainguardAgent.preempted`).
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from trainguard import _env, events
 from trainguard.coord import _bind
-from trainguard.launch import _agenthooks, _compat
+from trainguard.launch import _agenthooks, _compat, _preempt
 from trainguard.launch._agenthooks import Heartbeat, Service
 from trainguard.launch._coordstore import CoordStore, Generation
 from trainguard.launch._gate import AdmissionGate
@@ -70,6 +74,7 @@ from trainguard.launch._partition import Partition, Verdict
 from trainguard.launch._slots import Escalate, Respawn, SlotPolicy, SlotTable
 from trainguard.launch.heartbeat import NodeHeartbeat
 from trainguard.launch.options import LaunchOptions
+from trainguard.restart.preempt import EXIT_PREEMPTED
 
 __all__ = ["Heartbeat", "Service", "TrainguardAgent"]
 
@@ -150,6 +155,7 @@ class TrainguardAgent(LocalElasticAgent):
         self._error_files: dict[int, str] = {}
         self._died_at: dict[int, float] = {}
         self.last_escalation: str | None = None  # why the last whole-job restart was asked
+        self.preempted = False  # a worker ended preempted (exit status 75)
 
     # rendezvous and start ------------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -199,6 +205,7 @@ class TrainguardAgent(LocalElasticAgent):
             "TRAINGUARD_GENERATION": str(joined.generation),
             "TRAINGUARD_INCARNATION": str(incarnation),
         }
+        env["TRAINGUARD_PREEMPTION_GRACE"] = repr(self.options.preemption_grace)
         if self.events_dir:
             env["TRAINGUARD_EVENTS_DIR"] = self.events_dir
         if self.service is not None:
@@ -309,6 +316,9 @@ class TrainguardAgent(LocalElasticAgent):
         pid = _compat.handler(_compat.pcontext(self), local_rank).proc.pid
         rank, incarnation = self.slots.rank(local_rank), self.slots.incarnation(local_rank)
         decision = self.slots.exited(local_rank, code)
+        if code == EXIT_PREEMPTED:
+            self.preempted = True
+            logger.warning("[%s] rank %d was preempted (its state saved)", group.spec.role, rank)
         # what the dead worker left in its group dies before its respawn; signalled before the
         # reap, while the group's id cannot be another process's
         _compat.reap(
@@ -425,6 +435,9 @@ class TrainguardAgent(LocalElasticAgent):
             self.nodes.exit_barrier()
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        if death_sig == signal.SIGTERM and self._pcontext is not None:
+            self.preempted = _preempt.save(self, self.options.preemption_grace) or self.preempted
+            timeout = 0  # those still running are killed at once
         self._close_heartbeat()
         super()._shutdown(death_sig, timeout)
         tails, self._tails = self._tails, []

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from trainguard.errors import ConfigError, NodeLeftError, RestartError
 from trainguard.launch._jobsecret import establish
 from trainguard.launch.options import LaunchOptions
+from trainguard.restart.preempt import EXIT_PREEMPTED, Preempted
 
 if TYPE_CHECKING:
     from trainguard.launch.agent import TrainguardAgent
@@ -63,6 +64,9 @@ TG_OPTIONS: list[tuple[str, type, Any, str, str]] = [
      "host that reaches its stores can read and forge its keys)"),
     ("fence_timeout", float, 300.0, "S", "how long a node that cannot reach the coordination "
      "store (it stopped its workers) waits for it before it leaves the job (default 300)"),
+    ("preemption_grace", float, None, "S", "seconds from a SIGTERM to the end of the workers, "
+     "which stop at an agreed step and save it; the launcher then exits with status 75 "
+     "(requeue); default TRAINGUARD_PREEMPTION_GRACE, else 60"),
 ]  # fmt: skip
 
 
@@ -226,6 +230,9 @@ def launch_agent(
         torch_events.record(agent.get_event_succeeded(), config.event_log_handler)
         if result is None:  # the rendezvous was closed: nothing to run
             return {}
+        if agent.preempted and not result.is_failed():  # the workers saved and ended: 75
+            shutdown_rdzv = False  # the requeued job uses the same rendezvous id
+            raise Preempted(None, True)
         if agent.partition.left is not None:
             raise NodeLeftError(agent.partition.left)
         if result.is_failed() and result.failures:
@@ -243,6 +250,8 @@ def launch_agent(
     except SignalException:
         shutdown_rdzv = False  # closing it would end this rendezvous id for good
         torch_events.record(agent.get_event_failed(), config.event_log_handler)
+        if agent.preempted:
+            raise Preempted(None, True) from None
         raise
     except Exception:
         torch_events.record(agent.get_event_failed(), config.event_log_handler)
@@ -253,7 +262,8 @@ def launch_agent(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``trainguard launch ARGS``; returns the exit code (1 when the job failed, as torchrun)."""
+    """``trainguard launch ARGS``; returns the exit code (1 when the job failed, as torchrun;
+    75 when it was preempted and its workers saved their state: requeue it)."""
     from trainguard import _torchcompat
 
     _torchcompat.check_torch()
@@ -296,6 +306,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NodeLeftError as exc:
         print(f"trainguard launch: this node left the job: {exc}", file=sys.stderr)
         return EXIT_LEFT
+    except Preempted:
+        print(
+            f"trainguard launch: preempted; the workers saved their state (exit status "
+            f"{EXIT_PREEMPTED}: requeue the job to resume)",
+            file=sys.stderr,
+        )
+        return EXIT_PREEMPTED
     except SignalException as exc:
         print(f"trainguard launch: stopped by {signal.Signals(exc.sigval).name}", file=sys.stderr)
         return 1

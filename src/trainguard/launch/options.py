@@ -57,6 +57,11 @@ class LaunchOptions:
         fence_timeout: how long a node that fenced itself (it could not reach the coordination
             store) waits for the store before it leaves the job (``--tg-fence-timeout``,
             default 300 s).
+        preemption_grace: the budget of a preemption: the seconds from a SIGTERM to the end of
+            the workers, which stop at an agreed step and save it; the agent kills them this
+            long (plus 5 s) after forwarding the signal (``--tg-preemption-grace``; default
+            ``TRAINGUARD_PREEMPTION_GRACE``, else 60 s). The workers get it in their
+            ``TRAINGUARD_PREEMPTION_GRACE``.
 
     Timeouts are keyword-only, in seconds or as a ``timedelta``.
     """
@@ -73,6 +78,7 @@ class LaunchOptions:
     fence_timeout: float
     secret_file: str | None
     insecure: bool
+    preemption_grace: float
 
     def __init__(
         self,
@@ -89,6 +95,7 @@ class LaunchOptions:
         fence_timeout: Timeout = 300.0,
         secret_file: str | None = None,
         insecure: bool = False,
+        preemption_grace: Timeout | None = None,
     ) -> None:
         def put(name: str, value: object) -> None:
             object.__setattr__(self, name, value)
@@ -146,3 +153,8 @@ class LaunchOptions:
             self.fence_timeout,
             "a node cut off from the store waits at least one heartbeat timeout for it",
         )
+        if preemption_grace is None:
+            from trainguard import _env
+
+            preemption_grace = _env.settings().preemption_grace
+        put("preemption_grace", seconds("preemption_grace", preemption_grace))

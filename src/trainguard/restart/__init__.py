@@ -26,6 +26,7 @@ from trainguard.restart.policy import (
     RetryController,
     ShiftRanks,
 )
+from trainguard.restart.preempt import Preempted
 from trainguard.restart.state import RestartInterrupt, RoundState
 from trainguard.restart.wrapper import CallWrapper, Wrapper
 
@@ -37,6 +38,7 @@ __all__ = [
     "GroupedByKey",
     "Layout",
     "MaxActiveWorldSize",
+    "Preempted",
     "RestartInterrupt",
     "RetryController",
     "RoundState",

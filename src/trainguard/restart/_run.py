@@ -40,6 +40,7 @@ from trainguard.restart.abort import GroupSockets, destroy_groups, shutdown_conn
 from trainguard.restart.call import CallWrapper
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.monitor import Monitor, MonitorHooks
+from trainguard.restart.preempt import Preemption
 from trainguard.restart.sidecar import AgentSidecar, Sidecar, start_for
 from trainguard.restart.state import RestartInterrupt, RoundOutcome, RoundState, describe
 from trainguard.restart.watchdog import Watchdog
@@ -77,6 +78,9 @@ class WrappedCall:
         self.state = RoundState(
             round=0, initial_rank=self.launch.rank, initial_world_size=self.launch.world_size
         )
+        grace = cfg.preemption_grace
+        assert isinstance(grace, float)  # checked by WrapperConfig
+        self.preemption = Preemption(grace, self.launch.rank)
 
     # the call -----------------------------------------------------------------------------
     def run(self) -> Any:
@@ -89,6 +93,7 @@ class WrappedCall:
         Preconnect.install()
         finished = False
         kick = Kick.install()
+        self.preemption.install()
         try:
             self._start(log.directory, kick)
             value = self._rounds()
@@ -104,7 +109,7 @@ class WrappedCall:
                         self.state.round,
                         RoundOutcome.end("left with an error", rank=self.launch.rank),
                     )
-            if isinstance(exc, (RetryLimitError, JobEndedError)):
+            if isinstance(exc, (RetryLimitError, JobEndedError)) and not self.preemption.signalled:
                 _launch.escalate(exc)
             raise
         finally:
@@ -181,6 +186,7 @@ class WrappedCall:
             self.preconnect = None
         if kick is not None:
             kick.restore()
+        self.preemption.uninstall()
         barrier_timeout = self.cfg.barrier_timeout
         timeout = barrier_timeout if finished else min(10.0, barrier_timeout)
         self.session.close(early=self.left_early, timeout=timeout)
@@ -293,7 +299,7 @@ class WrappedCall:
         if not state.active:
             return self._wait(n, None, "spare"), None, None
         timer = self.stragglers.start(state, ready.pg) if self.stragglers else None
-        call = CallWrapper(state, monitor, ready.pg, self.cfg.store_timeout, timer)
+        call = CallWrapper(state, monitor, ready.pg, self.cfg.store_timeout, timer, self.preemption)
         self.call = call
         kwargs = dict(self.kwargs)
         if self.param is not None:
@@ -308,11 +314,13 @@ class WrappedCall:
                     if self.cfg.initialize is not None:
                         self.cfg.initialize(state)
                     monitor.enter_fn(n)
+                    self.preemption.enter()  # SIGTERM ends it until it asks preempted()
                     try:
                         value = self.fn(*self.args, **kwargs)
                     finally:
                         self._leave_fn()
                     returned = True
+                    self.preemption.returned()
                 except RestartInterrupt:
                     self._leave_fn()
                 except Exception as exc:
@@ -354,6 +362,10 @@ class WrappedCall:
             logger.debug("rank %d: %s after the round was aborted", self.launch.rank, desc)
             return None
         kind = type(exc).__qualname__
+        ended = self.preemption.failed(desc)  # after the stop was agreed: no restart
+        if ended is not None:
+            self.session.stop(n, ended)
+            return None
         if self.session.stop(n, RoundOutcome.fault(self.launch.rank, desc, kind)):
             logger.warning("rank %d: fault in round %d: %s", self.launch.rank, n, desc)
             events.emit("fault", error=desc, type=kind)

@@ -17,6 +17,7 @@ from trainguard import _progress
 from trainguard.coord.store import StoreLike, connect, parse_addr
 from trainguard.restart._preconnect import claim
 from trainguard.restart.monitor import Monitor
+from trainguard.restart.preempt import Preemption
 from trainguard.restart.state import RoundState
 from trainguard.stragglers.round import Section, Timer, section
 
@@ -44,6 +45,7 @@ class CallWrapper:
         pg_addr: str,
         timeout: float,
         timer: Timer | None = None,
+        preemption: Preemption | None = None,
     ):
         self.state = state
         self.round = state.round
@@ -57,6 +59,7 @@ class CallWrapper:
         self.pings = 0
         self.last_ping = time.monotonic()
         self._timer = timer
+        self._preemption = preemption
 
     @property
     def rank(self) -> int:
@@ -103,6 +106,26 @@ class CallWrapper:
         ``trainguard.stragglers.section(name)``, a context manager or decorator.
         """
         return section(name)
+
+    def preempted(self, step: int) -> bool:
+        """Whether the job stops here for a preemption (SIGTERM): call it at every step
+        boundary, on every active rank, with the number of steps completed.
+
+        True on every rank at the same ``step`` once any rank of the job got SIGTERM (the
+        first to notice proposes the next boundary; the others read it from the round's
+        store: one round trip per call). Then save the state of ``step`` completed steps
+        (local and durable), wait for the saves within :meth:`grace_left` and return: the
+        wrapped function then raises :class:`~trainguard.restart.Preempted` (exit status 75)
+        and the next start resumes from that step. Protocol: :mod:`trainguard.restart.preempt`.
+        """
+        if self._preemption is None:
+            return False
+        return self._preemption.check(self.store, step, self.rank, self.world_size)
+
+    def grace_left(self) -> float | None:
+        """Seconds left of the preemption budget (``Wrapper(preemption_grace=...)``), for the
+        waits on the preemption checkpoint; None while this process got no SIGTERM."""
+        return self._preemption.grace_left() if self._preemption is not None else None
 
     def atomic(self) -> contextlib.AbstractContextManager[None]:
         """A block that a restart never interrupts: the abort waits until it ends.

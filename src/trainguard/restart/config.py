@@ -106,6 +106,9 @@ class WrapperConfig:
             deaths, hard hangs and lost nodes are not detected).
         stragglers: a :class:`~trainguard.stragglers.Stragglers` to find ranks that are alive
             but slow (None, the default: no measurement, ``call.section`` does nothing).
+        preemption_grace: the budget from a SIGTERM to the end of the call, for stopping at an
+            agreed step and saving it (:mod:`trainguard.restart.preempt`; None: the
+            ``TRAINGUARD_PREEMPTION_GRACE`` variable, else 60 s). Read back as float seconds.
 
     Once built, ``rank_assignment`` is never None (:class:`ShiftRanks` by default), ``retry``
     holds the controller that ``max_rounds`` stands for, and :attr:`policies` bundles the
@@ -133,6 +136,7 @@ class WrapperConfig:
     heartbeat_timeout: _Seconds = _Seconds(10)
     sidecar: bool = True
     stragglers: Stragglers | None = None
+    preemption_grace: Timeout | None = None
     #: rank assignment, rank filter and retry controller, as the round layout applies them.
     policies: RoundPolicies = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -166,6 +170,12 @@ class WrapperConfig:
                 f"max_repeated_faults={repeats!r}: pass an int >= 1, or None to restart a fault "
                 "that repeats without progress forever"
             )
+        grace = self.preemption_grace
+        if grace is None:
+            from trainguard import _env
+
+            grace = _env.settings().preemption_grace
+        object.__setattr__(self, "preemption_grace", seconds("preemption_grace", grace))
         policies = RoundPolicies(assignment, self.rank_filter, retry, repeats)
         object.__setattr__(self, "policies", policies)
 

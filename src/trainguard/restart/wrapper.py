@@ -15,7 +15,10 @@ any SPMD function):
    ``health_check`` raised leaves the job at that barrier and re-raises the error.
 4. When every active rank's function returned, the round is complete: active ranks return
    their function's value, spares return None, and the environment is restored.
-5. ``KeyboardInterrupt``/``SystemExit`` (any ``BaseException`` that is not ours) ends the job:
+5. A SIGTERM (preemption) stops every rank at one agreed step for the function to save, and
+   the wrapped function then raises :class:`~trainguard.restart.preempt.Preempted` (exit
+   status 75): :mod:`.preempt`.
+6. ``KeyboardInterrupt``/``SystemExit`` (any ``BaseException`` that is not ours) ends the job:
    that rank re-raises it, every other rank raises :class:`JobEndedError`.
 
 One call on one rank, and the sequence of one fault, is :mod:`._run`; the function receives
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -39,6 +43,8 @@ from trainguard.restart.config import WrapperConfig
 from trainguard.restart.config import signature as config_signature
 
 __all__ = ["CallWrapper", "Wrapper"]
+
+logger = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 S = TypeVar("S")
@@ -89,10 +95,19 @@ class Wrapper:
                 raise ConfigError("a wrapped function cannot call a wrapped function")
             _check_arguments(fn, param, args, kwargs)
             _active_calls.on = True
+            call = WrappedCall(config, fn, param, args, kwargs)
             try:
-                return WrappedCall(config, fn, param, args, kwargs).run()
+                value = call.run()
+            except Exception as exc:
+                if call.preemption.signalled:  # the job stops anyway: no error, exit 75
+                    logger.error("rank %d: preempted, and: %s", call.launch.rank, exc)
+                    raise call.preemption.outcome() from None
+                raise
             finally:
                 _active_calls.on = False
+            if call.preemption.signalled:
+                raise call.preemption.outcome()
+            return value
 
         return wrapped
 

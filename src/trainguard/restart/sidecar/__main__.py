@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 
 from trainguard import _private, _subproc, events
@@ -56,6 +57,9 @@ def _log_to(cfg: SidecarConfig, node: bool) -> logging.Handler:
 
 
 def main() -> int:
+    # a preemption signals every process of the job: the rank saves, this process watches it
+    # until it ends (and must not report it dead meanwhile)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _wire.activate()  # before any store connection: this process never imports torch
     try:
         raw, buf = _subproc.read_config()

@@ -1,0 +1,130 @@
+"""Rank function of the preemption tests: a small DDP-like training job (gloo, one gradient
+all-reduce per step) under the Wrapper, with a disk checkpoint every ``disk_every`` steps, a
+local one every ``local_every``, and the preemption protocol at every step boundary.
+
+Each rank appends ``{"rank", "step", "pid"}`` to ``progress-<rank>.jsonl`` before each step.
+It returns the final parameters as a list of floats (the resumed run's must equal a run
+without preemption bit for bit); a preempted rank's wrapped function raises ``Preempted``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import trainguard.restart as tr
+
+DIM = 16
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 + 97 * step + rank)
+    x = torch.randn(32, DIM, generator=g)
+    return x, x.sum(dim=1, keepdim=True) * 0.3 - 0.1
+
+
+def _state(net: torch.nn.Module, opt: torch.optim.Optimizer, done: int) -> dict[str, Any]:
+    return {"model": net.state_dict(), "optim": opt.state_dict(), "step": done}
+
+
+def train_job(
+    out: str,
+    *,
+    steps: int,
+    disk_every: int = 10,
+    local_every: int = 5,
+    step_time: float = 0.02,
+    grace: float = 30.0,
+    late_rank: int | None = None,
+) -> list[float]:
+    """One rank; resumes from the newest committed disk checkpoint under ``out/ckpt``.
+    ``late_rank``: that rank sleeps past the grace budget before it saves the stop step."""
+    from trainguard.checkpoint import AsyncCheckpointer, LocalCheckpointManager, latest, load
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    root = Path(out)
+    (root / "logs").mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / "logs" / f"rank-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 2)  # everything this process prints: log records, tracebacks
+    os.close(fd)
+    logging.basicConfig(
+        level=logging.INFO, format=f"rank {rank} %(name)s: %(message)s", stream=sys.stderr
+    )
+    disk = AsyncCheckpointer(commit_timeout=30)
+    local = LocalCheckpointManager(root / "local" / f"rank{rank}", timeout=30)
+
+    @tr.Wrapper(
+        preemption_grace=grace,
+        soft_timeout=20,
+        hard_timeout=40,
+        heartbeat_interval=0.5,
+        heartbeat_timeout=10,
+        max_rounds=3,
+    )
+    def train(call: tr.CallWrapper) -> list[float]:
+        dist.init_process_group("gloo")
+        torch.manual_seed(0)
+        net = torch.nn.Linear(DIM, 1)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        first = 0
+        newest = latest(root / "ckpt")
+        if newest is not None:
+            state = load(newest)
+            net.load_state_dict(state["model"])
+            opt.load_state_dict(state["optim"])
+            first = int(state["step"])
+        log = root / f"progress-{call.rank}.jsonl"
+        for step in range(first, steps):
+            if call.preempted(step):
+                path = root / "ckpt" / f"step_{step:06d}"
+                if step % local_every:  # else saved after the step before
+                    local.save(_state(net, opt, step), step)
+                if call.rank == late_rank:
+                    time.sleep(grace * 4)
+                if step % disk_every:
+                    disk.save(_state(net, opt, step), path)
+                local.wait(timeout=call.grace_left())
+                disk.wait(timeout=call.grace_left())
+                dist.destroy_process_group()
+                return []
+            with log.open("a") as f:
+                f.write(json.dumps({"rank": call.rank, "step": step, "pid": os.getpid()}) + "\n")
+            x, y = _batch(step, call.rank)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            for p in net.parameters():
+                assert p.grad is not None
+                dist.all_reduce(p.grad)
+                p.grad /= call.world_size
+            opt.step()
+            time.sleep(step_time)
+            done = step + 1
+            if done % local_every == 0:
+                local.save(_state(net, opt, done), done)
+            if done % disk_every == 0 and done < steps:
+                disk.save(_state(net, opt, done), root / "ckpt" / f"step_{done:06d}")
+        disk.wait()
+        dist.destroy_process_group()
+        return [float(v) for p in net.parameters() for v in p.detach().reshape(-1)]
+
+    try:
+        return train()
+    finally:
+        local.close()
+        disk.close()
+
+
+def progress(out: Path, rank: int) -> list[dict[str, Any]]:
+    path = out / f"progress-{rank}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
