@@ -7,6 +7,16 @@ operations per rank per round, then liveness: store operations and bytes per hea
 silent rank and a silent node (8 consecutive ranks) beyond ``heartbeat_timeout``. Then the
 growth between sizes and the issue's targets (measured at the largest N), met or not.
 
+What the job shares (issue 34), per restart round: the store server's busy time (the store
+process's own CPU from ``/proc``, fault -> every rank back) and requests per rank; the CPU
+of the simulated ranks' threads per rank and of the node helpers' threads per node (the
+library's code); and the cluster round time modelled from them (:mod:`bench._coord_cpu`:
+rank + last arriver + node + server busy + round trips x ``--rtt``) beside the simulated one.
+Beyond 4,096 ranks (16,384, 65,536) the ranks of a node share a store connection (they take
+turns anyway; one process holds at most 20,000 descriptors here), a worker process drives
+6,144 ranks, and liveness is not measured (``--live-max``: 2 cores cannot step that many
+heartbeats a second).
+
 What is real and what is simulated: see ``bench/_coord_sim.py``. In short: the store process
 is the library's, started as the initial rank 0 starts it; every simulated rank has its own
 store client and runs the library's own code (the monitor's wait, ``Session.arrive`` /
@@ -18,7 +28,8 @@ Baseline, in the same command: each size again with every rank waiting at the st
 ``--no-baseline`` skips it. Older revisions have no ``Session.arrive``/``Watch.step`` for the
 simulation to drive (their numbers are in docs/numbers.md).
 
-Run: ``.venv/bin/python bench/coord_scale.py [--sizes 256 1024 4096] [--reps 5]``. Writes
+Run: ``.venv/bin/python bench/coord_scale.py [--sizes 256 1024 4096 16384 65536] [--reps 5]
+[--rtt 50e-6]``. Writes
 ``bench/results/coord_scale.json``.
 """
 
@@ -35,7 +46,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import _coord_cpu  # noqa: E402
 from bench._common import print_table, summarize, write_results  # noqa: E402
+from bench._coord_cpu import ROUND_TRIPS  # noqa: E402
+from bench._coord_worker import LOCAL  # noqa: E402
+
+RTT = 50e-6  # s, one network round trip on a cluster fabric (a parameter: --rtt)
 
 SILENT = range(8, 16)  # node 1: eight consecutive ranks go silent
 
@@ -49,15 +65,22 @@ def measure(
     *,
     relay: bool = True,
     live: bool = True,
+    rtt: float = RTT,
+    round_trips: int = ROUND_TRIPS,
+    procs: int | None = None,
 ) -> dict[str, Any]:
     """One size, in this process and its workers (whatever ``trainguard`` is on the path).
     ``relay``: the ranks learn outcomes and layouts through their node watcher's relay (the
-    default), else each at the store (the baseline); ``live``: measure liveness too."""
+    default), else each at the store (the baseline); ``live``: measure liveness too; ``rtt``
+    and ``round_trips``: the network's part of the modelled cluster round (see
+    :mod:`bench._coord_cpu`); ``procs``: worker processes (0: one worker thread here)."""
     from bench import _coord_sim
 
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the store's waits time out often
     load = os.getloadavg()[0]
-    sim = _coord_sim.Sim(n, heartbeat_interval=interval, heartbeat_timeout=timeout, relay=relay)
+    sim = _coord_sim.Sim(
+        n, heartbeat_interval=interval, heartbeat_timeout=timeout, relay=relay, procs=procs
+    )
     try:
         start = time.monotonic()
         rounds = _coord_sim.rounds(sim, reps, budget=budget)
@@ -77,13 +100,70 @@ def measure(
             "rounds_wall_s": time.monotonic() - start,
         }
         out["relay"] = relay
+        out.update(shared(n, rounds["cpu"], rounds["ops_per_rank"], relay, rtt, round_trips))
+        out["ranks_per_connection"] = sim.share
         roster, last = rounds["roster"], rounds["last_round"]
         if live:
             out["liveness"] = _coord_sim.liveness(sim, roster, last, silent=SILENT)
+            nodes = -(-len(roster) // LOCAL)
+            out["liveness_requests_per_node"] = out["liveness"]["ops_per_interval"] / nodes
         out["load_after"] = os.getloadavg()[0]
         return out
     finally:
         sim.close()
+
+
+def shared(
+    n: int,
+    cpu: list[dict[str, Any]],
+    per_rank: list[float],
+    relay: bool,
+    rtt: float,
+    round_trips: int,
+) -> dict[str, Any]:
+    """What the job shares, per round (issue 34): the store server's busy time, the requests
+    per rank, each rank's and each node's CPU, and the modelled cluster round time and death
+    notice -> every node aware beside them (see :mod:`bench._coord_cpu`)."""
+    model, aware = [], []
+    for c in cpu:
+        nodes = -(-c["ranks"] // LOCAL)
+        terms = _coord_cpu.modelled(
+            c, ranks=c["ranks"], nodes=nodes, rtt=rtt, round_trips=round_trips
+        )
+        model.append(terms)
+        if c["kind"] == "notice":
+            waiters = nodes if relay else c["ranks"]
+            aware.append(
+                _coord_cpu.notice_aware(
+                    c["server_busy_s"],
+                    c["requests"],
+                    waiters=waiters,
+                    node_s=terms["node_s"],
+                    rtt=rtt,
+                )
+            )
+    busy = [c["server_busy_s"] for c in cpu]
+    return {
+        "ranks": n,
+        "rtt_s": rtt,
+        "round_trips": round_trips,
+        "server_busy_s": summarize(busy),
+        "server_busy_per_round_s": busy,
+        "server_thread_s": summarize([c["server_thread_s"] for c in cpu]),
+        "server_us_per_request": summarize(
+            [1e6 * c["server_busy_s"] / c["requests"] for c in cpu if c["requests"]]
+        ),
+        "requests_per_round": [c["requests"] for c in cpu],
+        "requests_per_rank": summarize(per_rank),
+        "requests_per_rank_per_round": per_rank,
+        "rank_cpu_s": summarize([t["rank_s"] for t in model]),
+        "last_arriver_s": summarize([t["last_arriver_s"] for t in model]),
+        "node_cpu_s": summarize([t["node_s"] for t in model]),
+        "modelled_round_s": summarize([t["modelled_round_s"] for t in model]),
+        "model_per_round": model,
+        "modelled_notice_aware_s": summarize(aware),
+        "cpu_per_round": cpu,
+    }
 
 
 def _row(label: str, m: dict[str, Any]) -> list[Any]:
@@ -194,13 +274,107 @@ def targets(current: list[dict[str, Any]], conns: dict[str, Any]) -> list[list[A
     ]
 
 
+SHARED_HEADERS = [
+    "N",
+    "code",
+    "server busy s",
+    "server us/req",
+    "req/rank",
+    "rank CPU ms",
+    "last arriver ms",
+    "node CPU ms",
+    "modelled round s",
+    "simulated round s",
+    "modelled notice->nodes s",
+    "simulated notice->ranks s",
+    "hb req/interval/node",
+    "load",
+]
+
+
+def _shared_row(label: str, m: dict[str, Any]) -> list[Any]:
+    """One size's row of what the job shares (p50 over the rounds; requests per rank: mean)."""
+    return [
+        m["n"],
+        label,
+        m["server_busy_s"]["p50"],
+        m["server_us_per_request"]["p50"],
+        m["requests_per_rank"]["mean"],
+        1e3 * m["rank_cpu_s"]["p50"],
+        1e3 * m["last_arriver_s"]["p50"],
+        1e3 * m["node_cpu_s"]["p50"],
+        m["modelled_round_s"]["p50"],
+        m["round_s"]["p50"],
+        m["modelled_notice_aware_s"]["p50"],
+        m["notice_aware_s"]["p50"],
+        m.get("liveness_requests_per_node", "-"),
+        f"{m.get('load_before', 0):.1f}/{m.get('load_after', 0):.1f}",
+    ]
+
+
+def targets_shared(current: list[dict[str, Any]]) -> list[list[Any]]:
+    """Issue 34's table: each target at 16,384 ranks (the largest size measured when it was
+    not), the value measured, met or not."""
+    at = [m for m in current if m["n"] == 16384] or current[-1:]
+    big = at[0]
+    n = big["n"]
+    rows: list[tuple[str, str, float | None, float]] = [
+        (
+            f"store server busy time per restart round p50, N={n}",
+            "<= 0.05 s",
+            big["server_busy_s"]["p50"],
+            0.05,
+        ),
+        (
+            f"modelled round time on a cluster p50, N={n}, RTT {1e6 * big['rtt_s']:g} us",
+            "<= 0.3 s",
+            big["modelled_round_s"]["p50"],
+            0.3,
+        ),
+        (
+            f"store requests per rank per round, averaged, N={n}",
+            "<= 0.75",
+            big["requests_per_rank"]["mean"],
+            0.75,
+        ),
+    ]
+    live = [m for m in current if "liveness_requests_per_node" in m]
+    if live:
+        rows.append(
+            (
+                f"liveness requests per interval per node, N={live[-1]['n']}",
+                "<= 2",
+                live[-1]["liveness_requests_per_node"],
+                2.0,
+            )
+        )
+    rows.append(
+        (
+            f"death notice -> every node aware, modelled p50, N={n}",
+            "<= 0.1 s",
+            big["modelled_notice_aware_s"]["p50"],
+            0.1,
+        )
+    )
+    after = [m for m in current if m["n"] == 4 * n]
+    if after:
+        growth = after[0]["server_busy_s"]["p50"] / big["server_busy_s"]["p50"]
+        rows.append((f"growth of the server's busy time {n} -> {4 * n}", "<= 4.5x", growth, 4.5))
+    return [
+        [name, text, v, "yes" if v is not None and v <= limit else "NO"]
+        for name, text, v, limit in rows
+    ]
+
+
 def report(
     current: list[dict[str, Any]], base: list[dict[str, Any]], conns: dict[str, Any]
 ) -> None:
-    rows = []
+    rows, shared_rows = [], []
     for m in current:
         rows.append(_row("relay", m))
         rows += [_row("direct", b) for b in base if b["n"] == m["n"]]
+        shared_rows.append(_shared_row("relay", m))
+        shared_rows += [_shared_row("direct", b) for b in base if b["n"] == m["n"]]
     print_table(
         "Coordination at scale (simulated ranks, one store process; round = fault -> every rank "
         "has its assignment; rank/node +s = declared after heartbeat_timeout +s; load = 1-min "
@@ -227,8 +401,24 @@ def report(
     if growth:
         headers = ["N", "code", "N x", "round time x", "aware x", "hb ops x", "layout x"]
         print_table("Growth between sizes", headers, growth)
+    live = [m for m in current if "liveness" in m]
+    if live:
+        print_table(
+            "Targets (issue 16)", ["measure", "target", "measured", "met"], targets(live, conns)
+        )
     print_table(
-        "Targets (issue 16)", ["measure", "target", "measured", "met"], targets(current, conns)
+        "What the job shares, per restart round (CPU from /proc: the store process's threads, "
+        "the simulated ranks' threads per rank, the node helpers' threads per node; modelled "
+        "round = rank + last arriver + node + server busy + round trips x RTT; p50 over the "
+        "rounds; load = 1-min load average before/after on this machine's "
+        f"{os.cpu_count()} CPUs)",
+        SHARED_HEADERS,
+        shared_rows,
+    )
+    print_table(
+        "Targets (issue 34, relay)",
+        ["measure", "target", "measured", "met"],
+        targets_shared(current),
     )
 
 
@@ -246,19 +436,41 @@ def main() -> None:
         action="store_true",
         help="skip the baseline rows (each rank waits for outcomes and layouts at the store)",
     )
+    parser.add_argument(
+        "--rtt", type=float, default=RTT, help="s, one network round trip, for the model"
+    )
+    parser.add_argument(
+        "--round-trips", type=int, default=ROUND_TRIPS, help="on a round's path, for the model"
+    )
+    parser.add_argument(
+        "--live-max",
+        type=int,
+        default=4096,
+        help="measure liveness up to this size (2 cores cannot beat for more ranks each second)",
+    )
     args = parser.parse_args()
     current, base = [], []
+    model = {"rtt": args.rtt, "round_trips": args.round_trips}
     for n in args.sizes:
-        m = measure(n, args.reps, args.interval, args.timeout, args.budget)
+        live = n <= args.live_max
+        m = measure(n, args.reps, args.interval, args.timeout, args.budget, live=live, **model)
         print(f"N={n}: round p50 {m['round_s']['p50']:.3f} s ...", file=sys.stderr, flush=True)
         current.append(m)
         if not args.no_baseline:
             b = measure(
-                n, args.reps, args.interval, args.timeout, args.budget, relay=False, live=False
+                n,
+                args.reps,
+                args.interval,
+                args.timeout,
+                args.budget,
+                relay=False,
+                live=False,
+                **model,
             )
             print(f"N={n} direct: round p50 {b['round_s']['p50']:.3f} s", file=sys.stderr)
             base.append(b)
     conns = connections()
+    live = [m for m in current if "liveness" in m]
     report(current, base, conns)
     write_results(
         "coord_scale",
@@ -269,7 +481,10 @@ def main() -> None:
             "this": current,
             "baseline_direct": base,
             "connections": conns,
-            "targets": targets(current, conns),
+            "targets": targets(live, conns) if live else [],
+            "rtt_s": args.rtt,
+            "round_trips": args.round_trips,
+            "targets_shared": targets_shared(current),
         },
     )
 
