@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import Any
 
 #: round trips on a restart round's path (see the module's docstring)
 ROUND_TRIPS = 9
@@ -87,9 +86,3 @@ def notice_aware(
     the wake-up, the read)."""
     per_request = server_busy_s / requests if requests else 0.0
     return (1 + 2 * waiters) * per_request + node_s + 3 * rtt
-
-
-def summary(rounds: list[dict[str, Any]], key: str) -> float:
-    """The median of ``key`` over the rounds."""
-    values = sorted(r[key] for r in rounds)
-    return values[len(values) // 2] if values else float("nan")

@@ -96,12 +96,13 @@ class Sim:
         ).start()
         self.main: Any = connect("127.0.0.1", self.port, timeout=60.0)
         # a process holds at most 20,000 descriptors here: beyond 4,096 ranks, a worker per
-        # 6,144 ranks (a socket pair per rank for the relay) and the ranks of a node on one
-        # store connection (the store process holds one per connection)
+        # 6,144 ranks (a socket pair per rank for the relay) and the ranks of a node or more
+        # on one store connection (the store process holds one per connection, and one or
+        # two per node for the relays: at most 2,048 for the ranks)
         if procs is None:
             procs = max(1, min(4, n // 512)) if n <= 4096 else -(-n // 6144)
         self.procs = procs
-        self.share = (1 if n <= 4096 else LOCAL) if share is None else share
+        self.share = (1 if n <= 4096 else max(LOCAL, n // 2048)) if share is None else share
         self.relay = relay
         parts = max(1, self.procs)
         bounds = [n * i // parts for i in range(parts + 1)]

@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from bench import coord_scale
+from bench import _coord_shared, coord_scale
 
 N = 64
 
@@ -45,7 +45,7 @@ def test_the_store_servers_cpu_and_the_requests_per_rank_are_measured_per_round(
         assert terms["modelled_round_s"] == pytest.approx(sum(terms[p] for p in parts))
     assert m["modelled_round_s"]["p50"] > m["server_busy_s"]["p50"]
     assert m["modelled_notice_aware_s"]["n"] == 1 and m["modelled_notice_aware_s"]["p50"] > 0
-    table = coord_scale.targets_shared([m])
+    table = _coord_shared.targets([m])
     assert [row[0].split(",")[0] for row in table] == [
         "store server busy time per restart round p50",
         "modelled round time on a cluster p50",
