@@ -203,6 +203,9 @@ def rounds(sim: Sim, reps: int, *, budget: float = 600.0) -> dict[str, Any]:
                     "kind": kind,
                     "ranks": len(live),
                     "server_busy_s": (after[0] - before[0]) / 1e9,
+                    # the growth of the thread that had run longest by then: the store's
+                    # libuv thread once it outran the main thread's start-up (from 4,096 ranks
+                    # here; before that, 0)
                     "server_thread_s": (after[1] - before[1]) / 1e9,
                     "rank_cpu_s": (after[2] - before[2]) / 1e9,
                     "node_cpu_s": (after[3] - before[3]) / 1e9,
