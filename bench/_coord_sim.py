@@ -47,7 +47,16 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from bench._coord_worker import JOB, Counting, _config, _sidecar_config, free_port, worker_main
+from bench._coord_cpu import process_ns
+from bench._coord_worker import (
+    JOB,
+    LOCAL,
+    Counting,
+    _config,
+    _sidecar_config,
+    free_port,
+    worker_main,
+)
 
 
 class Sim:
@@ -65,6 +74,7 @@ class Sim:
         procs: int | None = None,
         threads: int = 4,
         relay: bool = True,
+        share: int | None = None,
     ) -> None:
         from trainguard.coord.keys import Keyspace
         from trainguard.coord.store import StoreProcess, connect
@@ -85,7 +95,15 @@ class Sim:
             timeout=300.0,
         ).start()
         self.main: Any = connect("127.0.0.1", self.port, timeout=60.0)
-        self.procs = max(1, min(4, n // 512)) if procs is None else procs
+        # a process holds at most 20,000 descriptors here: beyond 4,096 ranks, a worker per
+        # 6,144 ranks (a socket pair per rank for the relay) and the ranks of a node or more
+        # on one store connection (the store process holds one per connection, and one or
+        # two per node for the relays: at most 2,048 for the ranks)
+        if procs is None:
+            procs = max(1, min(4, n // 512)) if n <= 4096 else -(-n // 6144)
+        self.procs = procs
+        self.share = (1 if n <= 4096 else max(LOCAL, n // 2048)) if share is None else share
+        self.relay = relay
         parts = max(1, self.procs)
         bounds = [n * i // parts for i in range(parts + 1)]
         self.workers: list[tuple[Connection, Any]] = []
@@ -98,6 +116,7 @@ class Sim:
                 "timeout": heartbeat_timeout,
                 "threads": threads,
                 "relay": relay,
+                "share": self.share,
             }
             ours, theirs = multiprocessing.Pipe()
             if self.procs:
@@ -110,6 +129,11 @@ class Sim:
             self.workers.append((ours, proc))
         for conn, _ in self.workers:
             assert conn.recv() == "up"
+
+    def server_ns(self) -> tuple[int, int]:
+        """The store process's run time so far, all threads and its busiest, nanoseconds."""
+        assert self.server.proc is not None
+        return process_ns(self.server.proc.pid)
 
     def send(self, msg: Any) -> None:
         for conn, _ in self.workers:
@@ -156,6 +180,8 @@ def rounds(sim: Sim, reps: int, *, budget: float = 600.0) -> dict[str, Any]:
     layout_bytes: list[int] = []
     live = list(range(n))
     state.round(0)  # round 0: the start, not timed
+    cpu: list[dict[str, Any]] = []  # per timed round: CPU of the server, ranks, node helpers
+    before = state.cpu()
     k, spent = 1, {"fault": 0.0, "notice": 0.0}
     for kind in ("fault", "notice"):
         for rep in range(reps):
@@ -171,6 +197,23 @@ def rounds(sim: Sim, reps: int, *, budget: float = 600.0) -> dict[str, Any]:
                 write_notice(sim.main.clone(), config, victim, k - 1, tuple(live), "dead")
                 live.remove(victim)
             seen, got, ops = state.round(k)
+            after = state.cpu()
+            cpu.append(
+                {
+                    "kind": kind,
+                    "ranks": len(live),
+                    "server_busy_s": (after[0] - before[0]) / 1e9,
+                    # the growth of the thread that had run longest by then: the store's
+                    # libuv thread once it outran the main thread's start-up (from 4,096 ranks
+                    # here; before that, 0)
+                    "server_thread_s": (after[1] - before[1]) / 1e9,
+                    "rank_cpu_s": (after[2] - before[2]) / 1e9,
+                    "node_cpu_s": (after[3] - before[3]) / 1e9,
+                    "last_arriver_s": state.last[k],
+                    "requests": ops,
+                }
+            )
+            before = after
             out[kind + "_aware"].append(seen - t0)
             out[kind].append(got - t0)
             spent[kind] += time.monotonic() - t0
@@ -182,6 +225,7 @@ def rounds(sim: Sim, reps: int, *, budget: float = 600.0) -> dict[str, Any]:
     return {
         **out,
         "ops_per_rank": ops_per_rank,
+        "cpu": cpu,
         "layout_bytes": layout_bytes,
         "consistent": _consistent(state.assigned[:k]) and not state.errors,
         "roster": live,
@@ -200,6 +244,20 @@ class _Collect:
         self.assigned: list[dict[int, tuple[int, int, int]]] = []
         self.errors: list[str] = []
         self.done: set[tuple[int, int]] = set()
+        self.last: dict[int, float] = {}  # round -> the most CPU one arrival took, s
+        self.cpus: list[tuple[int, int]] = []
+
+    def cpu(self) -> tuple[int, int, int, int]:
+        """Nanoseconds so far: the store process's (all threads, its busiest thread), the
+        workers' threads driving ranks, the workers' node helper threads."""
+        server = self.sim.server_ns()
+        self.cpus = []
+        self.sim.send(("cpu",))
+        deadline = time.monotonic() + 600.0
+        while len(self.cpus) < len(self.sim.workers):
+            self._pump(deadline)
+        ranks = sum(c[0] for c in self.cpus)
+        return server[0], server[1], ranks, sum(c[1] for c in self.cpus)
 
     def _pump(self, deadline: float) -> None:
         conns = [c for c, _ in self.sim.workers]
@@ -210,13 +268,16 @@ class _Collect:
             w = conns.index(conn)  # type: ignore[arg-type]
             msg = conn.recv()  # type: ignore[union-attr]
             if msg[0] == "round":
-                _, k, _, seen, got, assigned, ops = msg
+                _, k, _, seen, got, assigned, ops, last = msg
                 self.reports.setdefault(k, []).append((seen, got, ops))
+                self.last[k] = max(last, self.last.get(k, 0.0))
                 while len(self.assigned) <= k:
                     self.assigned.append({})
                 self.assigned[k].update(assigned)
             elif msg[0] == "error":
                 self.errors.append(msg[1])
+            elif msg[0] == "cpu":
+                self.cpus.append((msg[1], msg[2]))
             elif msg[0] == "thread-done":
                 self.expect.discard((w, msg[1]))
                 self.done.add((w, msg[1]))

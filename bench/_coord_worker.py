@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from trainguard.restart._records import RoundLayout
 
+from bench._coord_nodes import Nodes, NoNodes
+
 JOB = "sim"
 LOCAL = 8  # simulated ranks per node
 
@@ -128,102 +130,6 @@ class _Assignments:
         return position, len(active), self.digest if same else -1
 
 
-class _NoNodes:
-    """No relays: each simulated rank waits at the store itself (``TRAINGUARD_SIDECAR=process``:
-    a sidecar process per rank has no relay)."""
-
-    def ops(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        pass
-
-
-class _Nodes:
-    """The node watchers' relays of a worker's simulated ranks (:mod:`trainguard.restart.
-    sidecar._relay`): one :class:`Relay` per node of :data:`LOCAL` ranks, with store
-    connections of its own (counted), and per rank a real socket pair: the rank's
-    :class:`RelayReader` on one end (:attr:`Session.relay`), the watcher's end read by one
-    dispatcher thread for all of the worker's nodes (the node watcher has a thread per rank),
-    which passes each ask to its node's relay."""
-
-    def __init__(self, worker: _Worker, sessions: list[Any]) -> None:
-        import json
-        import selectors
-
-        from trainguard.coord.store import connect
-        from trainguard.restart.sidecar._relay import Relay
-        from trainguard.restart.sidecar._relayclient import RelayReader
-
-        self.counters: list[list[int]] = []
-        port = worker.spec["port"]
-
-        def connect_counted() -> Any:
-            counter = [0, 0, 0]
-            self.counters.append(counter)
-            return Counting(connect("127.0.0.1", port, timeout=300.0), counter)
-
-        self.relays: dict[int, Any] = {}
-        self.selector = selectors.DefaultSelector()
-        self.socks: list[socket.socket] = []
-        for session in sessions:
-            node = session.irank // LOCAL
-            relay = self.relays.get(node)
-            if relay is None:
-                relay = self.relays[node] = Relay(worker.keys, connect_counted)
-            ours, theirs = socket.socketpair()
-            self.socks += [ours, theirs]
-            send_lock = threading.Lock()
-
-            def send(
-                msg: dict[str, Any], sock: socket.socket = ours, lock: Any = send_lock
-            ) -> bool:
-                with lock:
-                    sock.sendall(json.dumps(msg).encode() + b"\n")
-                return True
-
-            session.relay = RelayReader(ours, send)
-            self.selector.register(theirs, selectors.EVENT_READ, (relay, [b""], threading.Lock()))
-        self.stop_r, self.stop_w = socket.socketpair()
-        self.selector.register(self.stop_r, selectors.EVENT_READ, None)
-        self.thread = threading.Thread(target=self._dispatch, name="sim-watchers", daemon=True)
-        self.thread.start()
-
-    def _dispatch(self) -> None:
-        import json
-
-        while True:
-            for key, _ in self.selector.select():
-                if key.data is None:
-                    return
-                relay, buffer, lock = key.data
-                sock = key.fileobj
-                chunk = sock.recv(65536)  # type: ignore[union-attr]
-                buffer[0] += chunk
-                *lines, buffer[0] = buffer[0].split(b"\n")
-                for line in lines:
-                    msg = json.loads(line)
-
-                    def reply(data: bytes, sock: Any = sock, lock: Any = lock) -> None:
-                        with lock:
-                            sock.sendall(data)
-
-                    relay.ask(str(msg["relay"]), int(msg["n"]), reply)
-
-    def ops(self) -> int:
-        """Store operations of the relays so far."""
-        return sum(c[0] for c in list(self.counters))
-
-    def close(self) -> None:
-        self.stop_w.send(b"x")
-        self.thread.join(30.0)
-        for relay in self.relays.values():
-            relay.close()
-        self.selector.close()
-        for sock in [*self.socks, self.stop_r, self.stop_w]:
-            sock.close()
-
-
 # the worker (a process, or a thread for procs=0) ------------------------------------------
 class _Worker:
     def __init__(self, conn: Connection, spec: dict[str, Any]) -> None:
@@ -236,6 +142,15 @@ class _Worker:
         self.cfg = _config(self.n, spec["interval"], spec["timeout"])
         self.keys = Keyspace(JOB, 0)
         self.send_lock = threading.Lock()
+        self.rank_tids: list[int] = []  # the threads that drive the ranks' rounds
+        self.nodes: Any = NoNodes()
+
+    def cpu(self) -> tuple[int, int]:
+        """Nanoseconds run so far by the threads driving the ranks and by the node helpers'
+        threads (the watcher sockets' dispatcher and the relays' readers)."""
+        from bench._coord_cpu import threads_ns
+
+        return threads_ns(self.rank_tids), threads_ns(self.nodes.tids())
 
     def send(self, msg: Any) -> None:
         with self.send_lock:
@@ -286,14 +201,22 @@ class _Worker:
 
     # rounds -------------------------------------------------------------------------------
     def rounds(self) -> None:
-        clients = self.clients(len(self.ranks))
         k = self.spec["threads"]
+        share = self.spec.get("share", 1)
+        # ranks of one thread share a connection ``share`` at a time: they take turns, so a
+        # connection never has two calls under way (what the store sees per request is the same)
+        per_thread = [self.ranks[t::k] for t in range(k)]
+        clients = iter(self.clients(sum(-(-len(mine) // share) for mine in per_thread)))
         counters = [[0, 0, 0] for _ in range(k)]
-        members = [
-            (r, self.session(r, Counting(c, counters[i % k])))
-            for i, (r, c) in enumerate(zip(self.ranks, clients, strict=True))
-        ]
-        nodes = _Nodes(self, [s for _, s in members]) if self.spec["relay"] else _NoNodes()
+        members: list[tuple[int, Any]] = [(-1, None)] * len(self.ranks)
+        for t, mine in enumerate(per_thread):
+            client = None
+            for j, r in enumerate(mine):
+                if j % share == 0:
+                    client = Counting(next(clients), counters[t])
+                members[t + j * k] = (r, self.session(r, client))
+        nodes = Nodes(self, [s for _, s in members]) if self.spec["relay"] else NoNodes()
+        self.nodes = nodes
         threads = [
             threading.Thread(
                 target=self._rounds_thread, args=(members[t::k], counters[t], t, nodes)
@@ -311,6 +234,7 @@ class _Worker:
         from trainguard.restart.state import RoundOutcome
 
         k = 0
+        self.rank_tids.append(threading.get_native_id())
         chores: list[Any] = []  # a rank's store work off its restart's path (its worker thread)
         for _, session in members:
             session.later = chores.append
@@ -333,9 +257,11 @@ class _Worker:
                         break
                     members = alive
                 raws = []
+                last = 0.0  # the most CPU one arrival took (the last arriver lays the round out)
                 for _, session in members:
-                    start = time.monotonic()
+                    start, cpu = time.monotonic(), time.thread_time()
                     raws.append((start, session.arrive(k, leaving=None, fault=None, progress=True)))
+                    last = max(last, time.thread_time() - cpu)
                 assigned = {}
                 check = _Assignments()
                 for (r, session), (start, raw) in zip(members, raws, strict=True):
@@ -352,7 +278,7 @@ class _Worker:
                 chores.clear()
                 # reported once this thread is idle (a rank's chores are done long before
                 # the next fault: a round trains for minutes), its times taken before them
-                self.send(("round", k, t, seen, got, assigned, ops))
+                self.send(("round", k, t, seen, got, assigned, ops, last))
                 k += 1
         except Exception as exc:  # reported, never left waiting
             self.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -492,6 +418,8 @@ def worker_main(conn: Connection, spec: dict[str, Any]) -> None:
                 threading.Thread(target=worker.rounds, daemon=True).start()
             elif msg[0] == "live":
                 worker.liveness(msg[1])
+            elif msg[0] == "cpu":
+                worker.send(("cpu", *worker.cpu()))
         conn.close()
     finally:
         lib.setLevel(level)

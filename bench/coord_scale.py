@@ -7,6 +7,16 @@ operations per rank per round, then liveness: store operations and bytes per hea
 silent rank and a silent node (8 consecutive ranks) beyond ``heartbeat_timeout``. Then the
 growth between sizes and the issue's targets (measured at the largest N), met or not.
 
+What the job shares (issue 34), per restart round: the store server's busy time (the store
+process's own CPU from ``/proc``, fault -> every rank back) and requests per rank; the CPU
+of the simulated ranks' threads per rank and of the node helpers' threads per node (the
+library's code); and the cluster round time modelled from them (:mod:`bench._coord_cpu`:
+rank + last arriver + node + server busy + round trips x ``--rtt``) beside the simulated one.
+Beyond 4,096 ranks (16,384, 65,536) the ranks of a node share a store connection (they take
+turns anyway; one process holds at most 20,000 descriptors here), a worker process drives
+6,144 ranks, and liveness is not measured (``--live-max``: 2 cores cannot step that many
+heartbeats a second).
+
 What is real and what is simulated: see ``bench/_coord_sim.py``. In short: the store process
 is the library's, started as the initial rank 0 starts it; every simulated rank has its own
 store client and runs the library's own code (the monitor's wait, ``Session.arrive`` /
@@ -18,7 +28,8 @@ Baseline, in the same command: each size again with every rank waiting at the st
 ``--no-baseline`` skips it. Older revisions have no ``Session.arrive``/``Watch.step`` for the
 simulation to drive (their numbers are in docs/numbers.md).
 
-Run: ``.venv/bin/python bench/coord_scale.py [--sizes 256 1024 4096] [--reps 5]``. Writes
+Run: ``.venv/bin/python bench/coord_scale.py [--sizes 256 1024 4096 16384 65536] [--reps 5]
+[--rtt 50e-6]``. Writes
 ``bench/results/coord_scale.json``.
 """
 
@@ -35,7 +46,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import _coord_shared  # noqa: E402
 from bench._common import print_table, summarize, write_results  # noqa: E402
+from bench._coord_shared import ROUND_TRIPS, RTT  # noqa: E402
+from bench._coord_worker import LOCAL  # noqa: E402
 
 SILENT = range(8, 16)  # node 1: eight consecutive ranks go silent
 
@@ -49,15 +63,22 @@ def measure(
     *,
     relay: bool = True,
     live: bool = True,
+    rtt: float = RTT,
+    round_trips: int = ROUND_TRIPS,
+    procs: int | None = None,
 ) -> dict[str, Any]:
     """One size, in this process and its workers (whatever ``trainguard`` is on the path).
     ``relay``: the ranks learn outcomes and layouts through their node watcher's relay (the
-    default), else each at the store (the baseline); ``live``: measure liveness too."""
+    default), else each at the store (the baseline); ``live``: measure liveness too; ``rtt``
+    and ``round_trips``: the network's part of the modelled cluster round (see
+    :mod:`bench._coord_cpu`); ``procs``: worker processes (0: one worker thread here)."""
     from bench import _coord_sim
 
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the store's waits time out often
     load = os.getloadavg()[0]
-    sim = _coord_sim.Sim(n, heartbeat_interval=interval, heartbeat_timeout=timeout, relay=relay)
+    sim = _coord_sim.Sim(
+        n, heartbeat_interval=interval, heartbeat_timeout=timeout, relay=relay, procs=procs
+    )
     try:
         start = time.monotonic()
         rounds = _coord_sim.rounds(sim, reps, budget=budget)
@@ -77,9 +98,15 @@ def measure(
             "rounds_wall_s": time.monotonic() - start,
         }
         out["relay"] = relay
+        out.update(
+            _coord_shared.shared(n, rounds["cpu"], rounds["ops_per_rank"], relay, rtt, round_trips)
+        )
+        out["ranks_per_connection"] = sim.share
         roster, last = rounds["roster"], rounds["last_round"]
         if live:
             out["liveness"] = _coord_sim.liveness(sim, roster, last, silent=SILENT)
+            nodes = -(-len(roster) // LOCAL)
+            out["liveness_requests_per_node"] = out["liveness"]["ops_per_interval"] / nodes
         out["load_after"] = os.getloadavg()[0]
         return out
     finally:
@@ -197,10 +224,12 @@ def targets(current: list[dict[str, Any]], conns: dict[str, Any]) -> list[list[A
 def report(
     current: list[dict[str, Any]], base: list[dict[str, Any]], conns: dict[str, Any]
 ) -> None:
-    rows = []
+    rows, shared_rows = [], []
     for m in current:
         rows.append(_row("relay", m))
         rows += [_row("direct", b) for b in base if b["n"] == m["n"]]
+        shared_rows.append(_coord_shared.row("relay", m))
+        shared_rows += [_coord_shared.row("direct", b) for b in base if b["n"] == m["n"]]
     print_table(
         "Coordination at scale (simulated ranks, one store process; round = fault -> every rank "
         "has its assignment; rank/node +s = declared after heartbeat_timeout +s; load = 1-min "
@@ -227,8 +256,24 @@ def report(
     if growth:
         headers = ["N", "code", "N x", "round time x", "aware x", "hb ops x", "layout x"]
         print_table("Growth between sizes", headers, growth)
+    live = [m for m in current if "liveness" in m]
+    if live:
+        print_table(
+            "Targets (issue 16)", ["measure", "target", "measured", "met"], targets(live, conns)
+        )
     print_table(
-        "Targets (issue 16)", ["measure", "target", "measured", "met"], targets(current, conns)
+        "What the job shares, per restart round (CPU from /proc: the store process's threads, "
+        "the simulated ranks' threads per rank, the node helpers' threads per node; modelled "
+        "round = rank + last arriver + node + server busy + round trips x RTT; p50 over the "
+        "rounds; load = 1-min load average before/after on this machine's "
+        f"{os.cpu_count()} CPUs)",
+        _coord_shared.HEADERS,
+        shared_rows,
+    )
+    print_table(
+        "Targets (issue 34, relay)",
+        ["measure", "target", "measured", "met"],
+        _coord_shared.targets(current),
     )
 
 
@@ -246,19 +291,41 @@ def main() -> None:
         action="store_true",
         help="skip the baseline rows (each rank waits for outcomes and layouts at the store)",
     )
+    parser.add_argument(
+        "--rtt", type=float, default=RTT, help="s, one network round trip, for the model"
+    )
+    parser.add_argument(
+        "--round-trips", type=int, default=ROUND_TRIPS, help="on a round's path, for the model"
+    )
+    parser.add_argument(
+        "--live-max",
+        type=int,
+        default=4096,
+        help="measure liveness up to this size (2 cores cannot beat for more ranks each second)",
+    )
     args = parser.parse_args()
     current, base = [], []
+    model = {"rtt": args.rtt, "round_trips": args.round_trips}
     for n in args.sizes:
-        m = measure(n, args.reps, args.interval, args.timeout, args.budget)
+        live = n <= args.live_max
+        m = measure(n, args.reps, args.interval, args.timeout, args.budget, live=live, **model)
         print(f"N={n}: round p50 {m['round_s']['p50']:.3f} s ...", file=sys.stderr, flush=True)
         current.append(m)
         if not args.no_baseline:
             b = measure(
-                n, args.reps, args.interval, args.timeout, args.budget, relay=False, live=False
+                n,
+                args.reps,
+                args.interval,
+                args.timeout,
+                args.budget,
+                relay=False,
+                live=False,
+                **model,
             )
             print(f"N={n} direct: round p50 {b['round_s']['p50']:.3f} s", file=sys.stderr)
             base.append(b)
     conns = connections()
+    live = [m for m in current if "liveness" in m]
     report(current, base, conns)
     write_results(
         "coord_scale",
@@ -269,7 +336,10 @@ def main() -> None:
             "this": current,
             "baseline_direct": base,
             "connections": conns,
-            "targets": targets(current, conns),
+            "targets": targets(live, conns) if live else [],
+            "rtt_s": args.rtt,
+            "round_trips": args.round_trips,
+            "targets_shared": _coord_shared.targets(current),
         },
     )
 

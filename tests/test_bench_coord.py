@@ -1,0 +1,60 @@
+"""bench/coord_scale.py at a tiny size: what the job shares is measured and reported.
+
+64 simulated ranks (8 nodes) against the real store process, the ranks' rounds driven by a
+worker thread of this process (``procs=0``); one fault round and one death notice round, with
+the node watchers' relays and without (``direct``). The CPU times come from ``/proc``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from bench import _coord_shared, coord_scale
+
+N = 64
+
+
+@pytest.mark.parametrize("relay", [True, False], ids=["relay", "direct"])
+def test_the_store_servers_cpu_and_the_requests_per_rank_are_measured_per_round(
+    relay: bool,
+) -> None:
+    threads_before = threading.active_count()
+    m = coord_scale.measure(
+        N, 1, 0.5, 2.0, 30.0, relay=relay, live=False, rtt=50e-6, round_trips=9, procs=0
+    )
+    assert m["errors"] == [] and m["consistent"], m["errors"]
+    assert m["ranks"] == N
+    rounds = m["cpu_per_round"]
+    assert [r["kind"] for r in rounds] == ["fault", "notice"]
+    # the store process did work in every round, a few to a few hundred us per request
+    assert all(busy > 0 for busy in m["server_busy_per_round_s"]), rounds
+    assert 0 < m["server_us_per_request"]["p50"] < 5000, m["server_us_per_request"]
+    # requests per rank per round: its record, its count, its old record deleted, and the
+    # outcome and the layout read once per node (relay) or by every rank itself (direct)
+    per_rank = m["requests_per_rank"]["mean"]
+    assert (3.0 <= per_rank < 4.0) if relay else (6.0 <= per_rank < 8.0), per_rank
+    assert m["rank_cpu_s"]["p50"] > 0 and m["last_arriver_s"]["p50"] > 0, m
+    assert (m["node_cpu_s"]["p50"] > 0) == relay, m["node_cpu_s"]  # no helper without a relay
+    # the model adds the measured terms and 9 round trips of 50 us
+    for terms in m["model_per_round"]:
+        parts = ["rank_s", "last_arriver_s", "node_s", "server_busy_s", "network_s"]
+        assert terms["network_s"] == pytest.approx(9 * 50e-6)
+        assert terms["modelled_round_s"] == pytest.approx(sum(terms[p] for p in parts))
+    assert m["modelled_round_s"]["p50"] > m["server_busy_s"]["p50"]
+    assert m["modelled_notice_aware_s"]["n"] == 1 and m["modelled_notice_aware_s"]["p50"] > 0
+    table = _coord_shared.targets([m])
+    assert [row[0].split(",")[0] for row in table] == [
+        "store server busy time per restart round p50",
+        "modelled round time on a cluster p50",
+        "store requests per rank per round",
+        "death notice -> every node aware",
+    ]
+    assert all(row[3] in ("yes", "NO") for row in table)
+    json.dumps(m)  # what bench/results/coord_scale.json holds per size
+    deadline = time.monotonic() + 10.0
+    while threading.active_count() > threads_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() == threads_before  # no thread left behind
