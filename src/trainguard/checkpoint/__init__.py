@@ -11,7 +11,9 @@
     state = load(latest("ckpt"))
 
 Modules: :mod:`.layout` (state <-> entries + JSON skeleton), :mod:`.fileformat`
-(safetensors-compatible files with checksums), :mod:`.staging` (shared-memory buffers),
+(safetensors-compatible files with checksums; both are faces of the :mod:`.format` package,
+which holds the file format's write, read, validation and layout sides), :mod:`.staging`
+(shared-memory buffers),
 :mod:`.writer` (the writer process), :mod:`.async_save` (the checkpointer, load, latest).
 
 Building blocks for other checkpoint kinds (local checkpoints with replication reuse them):

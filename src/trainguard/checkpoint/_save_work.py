@@ -16,9 +16,10 @@ import time
 import torch
 
 from trainguard import events
-from trainguard.checkpoint import _commit, _rebind, _tmpfile
+from trainguard.checkpoint import _commit, _rebind
 from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint._saves import Job
+from trainguard.checkpoint.format import tmpfile
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.writer import WriteJob, WriteResult, WriterProcess
 from trainguard.errors import CheckpointWriteError, WriterDied
@@ -116,7 +117,7 @@ class SaveWork(Closing):
         try:
             result = self._result(file)
         except WriterDied:
-            _tmpfile.remove_leftovers(file)
+            tmpfile.remove_leftovers(file)
             if self._giving_up.is_set():
                 raise
             try:  # replace it now, so the next save does not wait for a start

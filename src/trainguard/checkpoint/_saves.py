@@ -11,12 +11,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from trainguard import events
-from trainguard.checkpoint.fileformat import PlacedEntry
+from trainguard.checkpoint.format.write import PlacedEntry
 from trainguard.checkpoint.staging import StagingBuffer
 from trainguard.errors import CheckpointError, CheckpointWriteError
 
 if TYPE_CHECKING:
-    from trainguard.checkpoint.layout import Flat
+    from trainguard.checkpoint.format.layout import Flat
     from trainguard.checkpoint.writer import WriteResult
 
 __all__ = ["Job", "SaveHandle", "SaveInfo"]

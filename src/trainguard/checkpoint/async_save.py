@@ -23,12 +23,12 @@ import torch
 from trainguard import _progress, _timeouts, events
 from trainguard.checkpoint import _commit, _link, _rebind
 from trainguard.checkpoint._closing import serve_holding, stop_serving
-from trainguard.checkpoint._formats import FORMATS
 from trainguard.checkpoint._load import latest, load, part_name
 from trainguard.checkpoint._save_work import SaveWork
 from trainguard.checkpoint._saves import Job, SaveHandle, SaveInfo
-from trainguard.checkpoint.fileformat import check_header_fits, place
-from trainguard.checkpoint.layout import flatten
+from trainguard.checkpoint.format.kinds import FORMATS
+from trainguard.checkpoint.format.layout import flatten
+from trainguard.checkpoint.format.write import check_header_fits, place
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.writer import WriterProcess
 from trainguard.errors import CheckpointError, CheckpointWriteError, ConfigError, WriterDied

@@ -31,7 +31,7 @@ import stat
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from trainguard.checkpoint.fileformat import parse_header, verify_data
+from trainguard.checkpoint.format.read import parse_header, verify_data
 from trainguard.checkpoint.local import _root
 from trainguard.errors import CheckpointCorruptError, CheckpointError
 

@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from trainguard import events
-from trainguard.checkpoint.fileformat import load_buffer, load_file, verify_path
+from trainguard.checkpoint.format.read import load_buffer, load_file, verify_path
 from trainguard.checkpoint.local import _inventory, _newer, _transfer
 from trainguard.checkpoint.local._binding import Background
 from trainguard.errors import CheckpointCorruptError

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 from trainguard import events
 from trainguard._threads import serve
-from trainguard.checkpoint import _tmpfile
 from trainguard.checkpoint._link import StoreLink
-from trainguard.checkpoint.fileformat import PlacedEntry
+from trainguard.checkpoint.format import tmpfile
+from trainguard.checkpoint.format.write import PlacedEntry
 from trainguard.checkpoint.local import _inventory, _root
 from trainguard.checkpoint.local._replicate import Received, exchange_parts
 from trainguard.checkpoint.local._transfer import Channel
@@ -286,7 +286,7 @@ class SavePipeline:
             try:
                 result = self._writer.result()
             except WriterDied:
-                _tmpfile.remove_leftovers(path)
+                tmpfile.remove_leftovers(path)
                 raise
             assert result is not None
             if not result.ok:

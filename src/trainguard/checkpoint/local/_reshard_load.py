@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainguard import events
 from trainguard.checkpoint._reshard import Index, SavedChunk, check_chunk, fill
-from trainguard.checkpoint.fileformat import (
+from trainguard.checkpoint.format.read import (
     FileHeader,
     header_bytes,
     parse_header_bytes,

@@ -16,11 +16,8 @@ from typing import TYPE_CHECKING, Any
 from trainguard import _progress, _timeouts, events
 from trainguard.checkpoint import _link
 from trainguard.checkpoint._closing import Closing
-from trainguard.checkpoint.fileformat import (
-    check_header_fits,
-    place,
-)
-from trainguard.checkpoint.layout import flatten
+from trainguard.checkpoint.format.layout import flatten
+from trainguard.checkpoint.format.write import check_header_fits, place
 from trainguard.checkpoint.local import (
     _choose,
     _inventory,
