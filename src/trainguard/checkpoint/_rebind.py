@@ -24,10 +24,17 @@ logger = logging.getLogger(__name__)
 
 
 class CommitterSlot:
-    """The committer of the round a checkpointer is bound to (None: a single process)."""
+    """The round a checkpointer is bound to: this rank, the world size, whether the ranks
+    commit together, and the round's committer (None: a single process, or between rounds).
+
+    The checkpointer's training thread sets it when it binds; its save worker reads it.
+    """
 
     def __init__(self) -> None:
         self.committer: Committer | None = None
+        self.rank = 0
+        self.world_size = 1
+        self.distributed = False
 
     def close(self) -> None:
         committer, self.committer = self.committer, None

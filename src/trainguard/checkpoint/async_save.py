@@ -22,9 +22,9 @@ import torch
 
 from trainguard import _progress, _timeouts, events
 from trainguard.checkpoint import _commit, _link, _rebind
-from trainguard.checkpoint._closing import serve_holding, stop_serving
+from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint._load import latest, load, part_name
-from trainguard.checkpoint._save_work import SaveWork
+from trainguard.checkpoint._save_work import SaveWorker, serve_holding, stop_serving
 from trainguard.checkpoint._saves import Job, SaveHandle, SaveInfo
 from trainguard.checkpoint.format.kinds import FORMATS
 from trainguard.checkpoint.format.layout import flatten
@@ -49,7 +49,7 @@ _IF_BUSY = ("wait", "skip")
 _GRACE = 30.0  # seconds close() waits for given-up saves to fail
 
 
-class AsyncCheckpointer(SaveWork):
+class AsyncCheckpointer(Closing):
     """Asynchronous checkpoints through one persistent writer process.
 
     Single process: ``save(state, path)`` writes the file ``path``. With a torch.distributed job
@@ -136,12 +136,19 @@ class AsyncCheckpointer(SaveWork):
         self._last: Job | None = None
         self._hooks: list[Any] = []
         self._closed = False
-        self._giving_up = threading.Event()  # close() gave up: kill a writer that is still busy
         try:
             self._writer.start()
         except WriterDied as exc:
             raise CheckpointWriteError(str(exc)) from exc
         self._slot = _rebind.CommitterSlot()
+        self._worker = SaveWorker(
+            stager=self._stager,
+            writer=self._writer,
+            slot=self._slot,
+            results=self._results,
+            fsync=fsync,
+            close_timeout=self.close_timeout,
+        )
         self._bind(store, rank, world_size, started=started)
         self._thread = threading.Thread(target=serve_holding, args=(self._jobs,), daemon=True)
         self._thread.name = "trainguard-ckpt"
@@ -156,16 +163,32 @@ class AsyncCheckpointer(SaveWork):
         self._watch = _link.RoundWatch(
             _link.default_group(), explicit=(store, rank, world_size) != (None, None, None)
         )
-        given, self.rank, self.world_size = _link.resolve(store, rank, world_size)
-        self.distributed = given is not None
+        slot = self._slot
+        given, slot.rank, slot.world_size = _link.resolve(store, rank, world_size)
+        slot.distributed = given is not None
         if given is not None:
             link = _link.StoreLink.join(
-                given, key_prefix=self._key_prefix, world_size=self.world_size
+                given, key_prefix=self._key_prefix, world_size=slot.world_size
             )
-            self._slot.committer = _commit.Committer(
-                link, rank=self.rank, world_size=self.world_size, timeout=self.commit_timeout
+            slot.committer = _commit.Committer(
+                link, rank=slot.rank, world_size=slot.world_size, timeout=self.commit_timeout
             )
-        _link.setup_done("async", started, self.rank, self.world_size)
+        _link.setup_done("async", started, slot.rank, slot.world_size)
+
+    @property
+    def rank(self) -> int:
+        """This rank in the round the checkpointer is bound to."""
+        return self._slot.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks in the round the checkpointer is bound to."""
+        return self._slot.world_size
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the ranks commit together (a store is used)."""
+        return self._slot.distributed
 
     def bind(
         self, store: Store | None = None, *, rank: int | None = None, world_size: int | None = None
@@ -229,7 +252,8 @@ class AsyncCheckpointer(SaveWork):
         self.poll()
         path = os.fspath(path)
         events.emit("ckpt_requested", path=path, overlap=overlap, format=format)
-        key = self._committer.key(path) if self._committer is not None else ""
+        committer = self._slot.committer
+        key = committer.key(path) if committer is not None else ""
         last = self._last
         if last is not None and not last.handle.written.is_set():
             if if_busy == "skip":
@@ -239,7 +263,7 @@ class AsyncCheckpointer(SaveWork):
                 )
                 if self.distributed:  # the other ranks' parts of it cannot be committed
                     reason = f"skipped the save (if_busy='skip'): {last.handle.path} was busy"
-                    self._jobs.put((self._one, _commit.Report(key, path, reason)))
+                    self._jobs.put((self._worker.one, _commit.Report(key, path, reason)))
                 return None
             last.handle.written.wait()
         try:
@@ -261,16 +285,16 @@ class AsyncCheckpointer(SaveWork):
             if any(e.source.is_cuda for e in flat.entries):
                 job.cuda_stream = torch.cuda.current_stream()
             if not overlap:
-                self._stage(job)
+                self._worker.stage(job)
         except Exception as exc:  # raised here; the other ranks learn it through the store
             if self.distributed:
                 self._jobs.put(
-                    (self._one, _commit.Report(key, path, f"{type(exc).__name__}: {exc}"))
+                    (self._worker.one, _commit.Report(key, path, f"{type(exc).__name__}: {exc}"))
                 )
             raise
         self._last = job
         self._pending.append(handle)
-        self._jobs.put((self._one, job))
+        self._jobs.put((self._worker.one, job))
         _progress.mark()
         return handle
 
@@ -379,9 +403,10 @@ class AsyncCheckpointer(SaveWork):
 
     def _abandon(self, deadline: float) -> None:
         pending = [h for h in self._pending if not h.finished.is_set()]
-        if self._committer is not None and pending:
+        committer = self._slot.committer
+        if committer is not None and pending:
             reason = "abandoned: rank closed the checkpointer with abandon=True"
-            self._committer.abandon([h.commit_key for h in pending], reason)
+            committer.abandon([h.commit_key for h in pending], reason)
             events.emit("ckpt_abandoned", paths=[h.path for h in pending])
         try:
             if self._late(deadline) is not None:
@@ -395,9 +420,9 @@ class AsyncCheckpointer(SaveWork):
         """close_timeout has passed: kill the writer, fail the pending saves, raise."""
         pending = [h for h in self._pending if not h.finished.is_set()]
         reason = f"close() gave up after close_timeout={self.close_timeout:g} s"
-        self._giving_up.set()  # the background thread kills a writer still at work
-        if self._committer is not None:
-            self._committer.abandon([h.commit_key for h in pending], reason)
+        self._worker.give_up()  # the background thread kills a writer still at work
+        if self._slot.committer is not None:
+            self._slot.committer.abandon([h.commit_key for h in pending], reason)
         self._late(time.monotonic() + _GRACE)  # they fail at once now
         events.emit("ckpt_close_timeout", paths=[h.path for h in pending])
         raise CheckpointWriteError(
