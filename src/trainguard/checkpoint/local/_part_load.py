@@ -36,10 +36,9 @@ def load_part(
     allow_pickle: bool,
     started: float,
 ) -> Any:
-    """This rank's whole part of ``iteration`` (or of an older complete one); every rank
-    calls it together. ``remembered``: what the manager's staging buffer holds, ``seq``: its
-    saves in this round; ``started``: when the load began, for its event. Sets the loader's
-    ``last_load``."""
+    """This rank's whole part of ``iteration`` (or of an older complete one), every rank
+    together; ``remembered``: what the staging buffer holds, ``seq``: the saves of this round,
+    ``started``: when the load began (for its event). Sets ``loader.last_load``."""
     fast, loader.memory_round = loader.memory_round, None
     if fast is not None and fast.applies(iteration, loader.gather.calls, seq):
         state, loader.last_load = fast.restore(remembered, loader.restore, allow_pickle, started)
