@@ -45,22 +45,31 @@ if TYPE_CHECKING:
         latest,
         load,
     )
-    from trainguard.checkpoint.local import CliqueReplication, LocalCheckpointManager
+    from trainguard.checkpoint.local import (
+        CliqueReplication,
+        LocalCheckpointManager,
+        LocalOptions,
+    )
+    from trainguard.checkpoint.options import AsyncOptions
 
 __all__ = [
     "AsyncCheckpointer",
+    "AsyncOptions",
     "CliqueReplication",
     "LocalCheckpointManager",
+    "LocalOptions",
     "SaveHandle",
     "SaveInfo",
     "latest",
     "load",
 ]
 
-_LOCAL = ("CliqueReplication", "LocalCheckpointManager")
+_LOCAL = ("CliqueReplication", "LocalCheckpointManager", "LocalOptions")
 
 
 def __getattr__(name: str) -> Any:
+    if name == "AsyncOptions":  # needs no torch
+        return getattr(importlib.import_module("trainguard.checkpoint.options"), name)
     if name in _LOCAL or name in __all__:
         from trainguard import _torchcompat
 

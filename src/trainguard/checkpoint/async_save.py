@@ -29,6 +29,7 @@ from trainguard.checkpoint._saves import Job, SaveHandle, SaveInfo
 from trainguard.checkpoint.format.kinds import FORMATS
 from trainguard.checkpoint.format.layout import flatten
 from trainguard.checkpoint.format.write import check_header_fits, place
+from trainguard.checkpoint.options import AsyncOptions, chosen
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.writer import WriterProcess
 from trainguard.errors import CheckpointError, CheckpointWriteError, ConfigError, WriterDied
@@ -96,6 +97,9 @@ class AsyncCheckpointer(Closing):
         key_prefix: prefix of the store keys this checkpointer uses. With several ranks, every
             rank must create its checkpointers in the same order (each gets a generation number
             from the store, so keys of an earlier checkpointer never count for a later one).
+        options: all of the settings above but ``store``, ``rank`` and ``world_size`` as one
+            :class:`~.options.AsyncOptions`, instead of as keywords; :attr:`options` holds them
+            either way.
     """
 
     def __init__(
@@ -112,22 +116,30 @@ class AsyncCheckpointer(Closing):
         start_timeout: _timeouts.Timeout = 120.0,
         close_timeout: _timeouts.Timeout = 900.0,
         key_prefix: str = "trainguard/ckpt",
+        options: AsyncOptions | None = None,
     ) -> None:
-        if staging_threads is not None and staging_threads < 1:
-            raise ConfigError("staging_threads must be >= 1 (or None for the default)")
-        self.commit_timeout = _timeouts.seconds("commit_timeout", commit_timeout)
-        start = _timeouts.seconds("start_timeout", start_timeout)
-        self.close_timeout = _timeouts.seconds("close_timeout", close_timeout)
-        if not 0 <= writer_nice <= 19:
-            raise ConfigError("writer_nice must be between 0 and 19")
+        built = AsyncOptions(
+            staging_threads=staging_threads,
+            pin_memory=pin_memory,
+            fsync=fsync,
+            commit_timeout=commit_timeout,
+            writer_nice=writer_nice,
+            start_timeout=start_timeout,
+            close_timeout=close_timeout,
+            key_prefix=key_prefix,
+        )
+        #: The settings, checked (built from the keywords unless given as ``options``).
+        self.options = opts = chosen(options, built, "AsyncCheckpointer")
+        self.commit_timeout = _timeouts.seconds("commit_timeout", opts.commit_timeout)
+        start = _timeouts.seconds("start_timeout", opts.start_timeout)
+        self.close_timeout = _timeouts.seconds("close_timeout", opts.close_timeout)
         started = time.monotonic()
         _link.resolve(store, rank, world_size)  # bad arguments fail here
-        self.fsync = fsync
-        self._key_prefix = key_prefix
-        self._stager = Stager(
-            threads=staging_threads or min(4, os.cpu_count() or 1), pin=pin_memory
-        )
-        self._writer = WriterProcess(nice=writer_nice, start_timeout=start)
+        self.fsync = opts.fsync
+        self._key_prefix = opts.key_prefix
+        threads = opts.staging_threads or min(4, os.cpu_count() or 1)
+        self._stager = Stager(threads=threads, pin=opts.pin_memory)
+        self._writer = WriterProcess(nice=opts.writer_nice, start_timeout=start)
         self._seq = itertools.count()
         # jobs, and reports of saves that never reached the writer, in save order (see _commit)
         self._jobs: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()  # see serve_holding
@@ -146,7 +158,7 @@ class AsyncCheckpointer(Closing):
             writer=self._writer,
             slot=self._slot,
             results=self._results,
-            fsync=fsync,
+            fsync=opts.fsync,
             close_timeout=self.close_timeout,
         )
         self._bind(store, rank, world_size, started=started)

@@ -10,7 +10,8 @@
     mgr.save(state, iteration)         # every rank, together; returns after the staging copy
     mgr.close()
 
-Modules: :mod:`.replication` (who keeps which copies), :mod:`.manager` (the manager);
+Modules: :mod:`.replication` (who keeps which copies), :mod:`.manager` (the manager),
+:mod:`.options` (its settings);
 private helpers ``_inventory`` (what a root holds, and the answers all ranks compute alike),
 ``_choose`` (which iteration to resume from), ``_pipeline`` (the background thread: write,
 replicate, settle, retain), ``_transfer`` (the dedicated process group), ``_loading`` (one
@@ -30,13 +31,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trainguard.checkpoint.local.manager import LocalCheckpointManager
+    from trainguard.checkpoint.local.options import LocalOptions
     from trainguard.checkpoint.local.replication import CliqueReplication
 
-__all__ = ["CliqueReplication", "LocalCheckpointManager"]
+__all__ = ["CliqueReplication", "LocalCheckpointManager", "LocalOptions"]
 
 _WHERE = {
     "CliqueReplication": "trainguard.checkpoint.local.replication",
     "LocalCheckpointManager": "trainguard.checkpoint.local.manager",
+    "LocalOptions": "trainguard.checkpoint.local.options",
 }
 
 

@@ -9,48 +9,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from trainguard.checkpoint._link import RoundWatch, StoreLink
 from trainguard.checkpoint.local.replication import CliqueReplication, this_host
 from trainguard.coord import decode, encode, gather
-from trainguard.errors import ConfigError
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
 
 logger = logging.getLogger(__name__)
-
-
-def check_arguments(
-    replication: object, keep: object, backend: object, threads: int | None, nice: int
-) -> None:
-    """Raise :class:`ConfigError` for a constructor argument that cannot work."""
-    if replication is not None and not isinstance(replication, CliqueReplication):
-        raise ConfigError("replication must be a CliqueReplication(factor, jump) or None")
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ConfigError(f"keep={keep!r}: keep at least 1 complete iteration")
-    if backend not in (None, "gloo", "nccl"):
-        raise ConfigError(f"backend={backend!r}; use 'gloo' (CPU) or 'nccl' (GPU)")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("backend='nccl' needs CUDA; use backend='gloo'")
-    if threads is not None and threads < 1:
-        raise ConfigError("staging_threads must be >= 1 (or None for the default)")
-    if not 0 <= nice <= 19:
-        raise ConfigError("writer_nice must be between 0 and 19")
-
-
-def check_iteration(iteration: object, largest: int) -> None:
-    """Raise :class:`ConfigError` for an iteration number that ``save`` cannot store."""
-    if (
-        isinstance(iteration, bool)
-        or not isinstance(iteration, int)
-        or not 0 <= iteration <= largest
-    ):
-        raise ConfigError(
-            f"iteration={iteration!r}: use an integer from 0 to 2**63 - 1 ({largest}); a larger "
-            "count can be scaled down or kept in the state"
-        )
 
 
 def round_hosts(

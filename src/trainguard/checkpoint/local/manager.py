@@ -26,19 +26,15 @@ from trainguard.checkpoint.local import (
     _root,
     _transfer,
 )
-from trainguard.checkpoint.local._binding import (
-    RoundGather,
-    check_arguments,
-    check_iteration,
-    dist_ranks,
-    placement,
-)
+from trainguard.checkpoint.local._binding import RoundGather, dist_ranks, placement
 from trainguard.checkpoint.local._loading import Loader
 from trainguard.checkpoint.local._pipeline import Place, SavePipeline, StagedSave
 from trainguard.checkpoint.local._remembered import Remembered
 from trainguard.checkpoint.local._resources import Resources, abandoned
 from trainguard.checkpoint.local._spare import SparePrefetch
+from trainguard.checkpoint.local.options import LocalOptions
 from trainguard.checkpoint.local.replication import CliqueReplication, no_replication
+from trainguard.checkpoint.options import chosen
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.writer import WriterProcess
 from trainguard.errors import (
@@ -110,6 +106,9 @@ class LocalCheckpointManager(Closing):
         spare_roots: other ranks' roots this process can read, to prefetch from while it is a
             spare (costs one iteration's parts of those roots in ``root``); None: off.
         spare_interval: how often a spare looks for a newer iteration there.
+        options: all of the settings above (not ``root`` and ``store``) as one
+            :class:`~.options.LocalOptions`, instead of as keywords; :attr:`options` holds
+            them either way.
     """
 
     def __init__(
@@ -129,20 +128,35 @@ class LocalCheckpointManager(Closing):
         key_prefix: str = "trainguard/local",
         spare_roots: Sequence[str | os.PathLike[str]] | None = None,
         spare_interval: _timeouts.Timeout = 1.0,
+        options: LocalOptions | None = None,
     ) -> None:
-        check_arguments(replication, keep, backend, staging_threads, writer_nice)
+        built = LocalOptions(
+            replication=replication,
+            keep=keep,
+            backend=backend,
+            timeout=timeout,
+            staging_threads=staging_threads,
+            pin_memory=pin_memory,
+            fsync=fsync,
+            writer_nice=writer_nice,
+            allow_replication_change=allow_replication_change,
+            key_prefix=key_prefix,
+            spare_roots=spare_roots,
+            spare_interval=spare_interval,
+        )
+        #: The settings, checked (built from the keywords unless given as ``options``).
+        self.options = opts = chosen(options, built, "LocalCheckpointManager")
         started = time.monotonic()
-        self.timeout = _timeouts.seconds("timeout", timeout)
-        interval = _timeouts.seconds("spare_interval", spare_interval)
+        self.timeout = _timeouts.seconds("timeout", opts.timeout)
         _link.resolve(store, *dist_ranks())  # bad arguments fail here, before anything starts
-        self.replication = replication or no_replication()
+        self.replication = opts.replication or no_replication()
         self.setting = self.replication.describe()
         self.root = os.path.abspath(os.fspath(root))
-        self.keep = keep
-        self.fsync = fsync
-        self.allow_replication_change = allow_replication_change
-        self._backend = backend or "gloo"
-        self._key_prefix = key_prefix
+        self.keep = opts.keep
+        self.fsync = opts.fsync
+        self.allow_replication_change = opts.allow_replication_change
+        self._backend = opts.backend or "gloo"
+        self._key_prefix = opts.key_prefix
         _root.prepare_root(self.root)
         self._inventory = _inventory.Inventory(self.root)
         self._closed = False
@@ -152,8 +166,9 @@ class LocalCheckpointManager(Closing):
         #: ``chunks`` and ``parts``.
         self.last_load: dict[str, Any] | None = None
         self._remembered: Remembered | None = None  # what the staging buffer holds
-        stager = Stager(threads=staging_threads or min(4, os.cpu_count() or 1), pin=pin_memory)
-        self._res = Resources(WriterProcess(nice=writer_nice), stager)
+        threads = opts.staging_threads or min(4, os.cpu_count() or 1)
+        stager = Stager(threads=threads, pin=opts.pin_memory)
+        self._res = Resources(WriterProcess(nice=opts.writer_nice), stager)
         self._writer, self._stager = self._res.writer, stager
         try:
             self._writer.start()
@@ -163,8 +178,9 @@ class LocalCheckpointManager(Closing):
             if isinstance(exc, WriterDied):
                 raise CheckpointWriteError(str(exc)) from exc
             raise
-        if spare_roots and self._watch.unbound:
-            roots = [os.path.abspath(os.fspath(r)) for r in spare_roots]
+        if opts.spare_roots and self._watch.unbound:
+            roots = [os.path.abspath(r) for r in opts.spare_roots]
+            interval = _timeouts.seconds("spare_interval", opts.spare_interval)
             self._res.prefetch = SparePrefetch(self.root, roots, interval, self._inventory)
         self._release_when_collected(abandoned, self._res)
 
@@ -256,7 +272,7 @@ class LocalCheckpointManager(Closing):
         background work (the buffers are reused). Raises the error of an earlier failed save.
         """
         self._ensure_bound()
-        check_iteration(iteration, _inventory.MAX_ITERATION)
+        _inventory.check_iteration(iteration)
         requested = time.monotonic()
         self._pipeline.drain()
         self._pipeline.raise_errors()
@@ -360,7 +376,7 @@ class LocalCheckpointManager(Closing):
         root.
         """
         self._ensure_bound()
-        check_iteration(iteration, _inventory.MAX_ITERATION)
+        _inventory.check_iteration(iteration)
         self._pipeline.drain()
         return self._loader.discard_newer(iteration)
 
