@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trainguard.checkpoint import load
-from trainguard.checkpoint._rebind import CommitterSlot
+from trainguard.checkpoint._rebind import RoundBinding
 from trainguard.checkpoint._save_work import SaveWorker
 from trainguard.checkpoint._saves import Job, SaveHandle
 from trainguard.checkpoint.format.layout import flatten
@@ -49,7 +49,7 @@ def test_a_worker_stages_writes_and_finishes_one_save(
     worker = SaveWorker(
         stager=stager,
         writer=writer,
-        slot=CommitterSlot(),  # a single process: rank 0 of 1, no committer
+        slot=RoundBinding(),  # a single process: rank 0 of 1, no committer
         results=results,
         fsync=True,
         close_timeout=30.0,
@@ -73,7 +73,7 @@ def test_a_worker_that_gave_up_fails_the_save_and_writes_nothing(
     worker = SaveWorker(
         stager=stager,
         writer=writer,
-        slot=CommitterSlot(),
+        slot=RoundBinding(),
         results=results,
         fsync=True,
         close_timeout=2.0,

@@ -115,3 +115,17 @@ def test_nothing_below_the_local_manager_imports_it() -> None:
         if manager in _every_import(m, p, known) and m != "trainguard.checkpoint.local"
     )
     assert importers == []
+
+
+def test_modules_over_400_lines_say_why() -> None:
+    unexplained = {}
+    for name, path in _modules().items():
+        text = path.read_text()
+        lines = text.count("\n")
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if lines > MAX_LINES and REASON not in doc:
+            unexplained[name] = lines
+    assert unexplained == {}, (
+        f"split these modules along a real seam, or say in their docstring why not "
+        f"({REASON!r} ...): {unexplained}"
+    )

@@ -24,7 +24,13 @@ import torch
 from trainguard.checkpoint.format import snode, validate
 from trainguard.checkpoint.format.layout import dtype_from_name, unflatten
 from trainguard.checkpoint.format.read import FileHeader, read_range
-from trainguard.checkpoint.format.shards import Box, copy_overlap, dtensor_box, local_view
+from trainguard.checkpoint.format.shards import (
+    Box,
+    copy_overlap,
+    dtensor_box,
+    local_view,
+    uncovered,
+)
 from trainguard.checkpoint.format.write import checksum
 from trainguard.errors import CheckpointCorruptError, CheckpointError
 
@@ -274,42 +280,13 @@ def check_cover(key: Key, box: Box, chunks: list[SavedChunk]) -> None:
                 )
     covered = sum(common.numel for _, common in inside)
     if covered != box.numel:
-        gap = _uncovered(box, [common for _, common in inside])
+        gap = uncovered(box, [common for _, common in inside])
         hole = "the rest" if gap is None else f"offsets {gap.offsets} sizes {gap.sizes}"
         raise CheckpointCorruptError(
             f"{key_repr(key)}: the checkpoint's chunks cover {covered} of the {box.numel} "
             f"elements of this rank's part (offsets {box.offsets} sizes {box.sizes}); no "
             f"chunk holds {hole}: the checkpoint is incomplete, load an older one"
         )
-
-
-def _uncovered(box: Box, boxes: list[Box], limit: int = 4096) -> Box | None:
-    """A region of ``box`` that none of ``boxes`` holds (None when there is none, or when
-    finding one would split ``box`` into more than ``limit`` pieces)."""
-    left = [box]
-    for other in boxes:
-        left = [piece for part in left for piece in _minus(part, other)]
-        if len(left) > limit:
-            return None
-    return left[0] if left else None
-
-
-def _minus(box: Box, other: Box) -> list[Box]:
-    """``box`` without ``other``, as disjoint boxes (at most two per dimension)."""
-    common = box.intersect(other)
-    if common is None:
-        return [box]
-    pieces, offsets, sizes = [], list(box.offsets), list(box.sizes)
-    for d in range(len(offsets)):
-        lo, hi, end = common.offsets[d], common.offsets[d] + common.sizes[d], offsets[d] + sizes[d]
-        if lo > offsets[d]:
-            pieces.append(Box(tuple(offsets), (*sizes[:d], lo - offsets[d], *sizes[d + 1 :])))
-        if hi < end:
-            pieces.append(
-                Box((*offsets[:d], hi, *offsets[d + 1 :]), (*sizes[:d], end - hi, *sizes[d + 1 :]))
-            )
-        offsets[d], sizes[d] = lo, hi - lo
-    return pieces
 
 
 def _tensor_leaves(node: Any, path: Key) -> Iterator[tuple[Key, torch.Tensor]]:

@@ -75,7 +75,7 @@ class SaveWorker:
         *,
         stager: Stager,
         writer: WriterProcess,
-        slot: _rebind.CommitterSlot,
+        slot: _rebind.RoundBinding,
         results: queue.SimpleQueue[tuple[str, Job]],
         fsync: bool,
         close_timeout: float,

@@ -3,6 +3,12 @@
 The training loop pays only for copying the state into a reusable shared-memory staging buffer
 (or nothing, with ``overlap=True``); one persistent writer process per checkpointer makes the
 file durable. See :class:`AsyncCheckpointer` for the protocol.
+
+Over 400 lines: one class, the training thread's half of the protocol in the order a caller
+meets it (bind, save, the staging fence, poll and wait, and the three ways to end: close,
+abandon, give up). The rest already lives beside it: the background half in
+:mod:`._save_work`, the round binding in :mod:`._rebind`, a save's records in :mod:`._saves`,
+the commit in :mod:`._commit`, the settings in :mod:`.options`.
 """
 
 from __future__ import annotations
@@ -84,22 +90,11 @@ class AsyncCheckpointer(Closing):
         store: a torch.distributed Store for the commit count (default: the default process
             group's store when torch.distributed is initialized, else single-process).
         rank, world_size: this rank and the number of ranks (default: from torch.distributed).
-        staging_threads: threads that copy into the staging buffer (default: up to 4).
-        pin_memory: register staging buffers as pinned memory when CUDA is available.
-        fsync: make files durable (turn off only for benchmarks of memory-only storage).
-        commit_timeout: how long a rank waits for the other ranks' parts before it fails the
-            checkpoint (seconds or a ``timedelta``).
-        writer_nice: nice increment of the writer process.
-        start_timeout: how long to wait for the writer process to start.
-        close_timeout: how long :meth:`close` waits for pending saves (their writes and
-            commits) before it gives them up: it kills the writer (e.g. stuck in ``fsync``),
-            fails their commits on every rank and raises :class:`CheckpointWriteError`.
-        key_prefix: prefix of the store keys this checkpointer uses. With several ranks, every
-            rank must create its checkpointers in the same order (each gets a generation number
-            from the store, so keys of an earlier checkpointer never count for a later one).
-        options: all of the settings above but ``store``, ``rank`` and ``world_size`` as one
-            :class:`~.options.AsyncOptions`, instead of as keywords; :attr:`options` holds them
-            either way.
+        staging_threads, pin_memory, fsync, commit_timeout, writer_nice, start_timeout,
+            close_timeout, key_prefix: the settings, as :class:`~.options.AsyncOptions`
+            describes them (one field each); timeouts in seconds or as a ``timedelta``.
+        options: those settings as one :class:`~.options.AsyncOptions` instead of as
+            keywords; :attr:`options` holds them either way.
     """
 
     def __init__(
@@ -136,7 +131,6 @@ class AsyncCheckpointer(Closing):
         started = time.monotonic()
         _link.resolve(store, rank, world_size)  # bad arguments fail here
         self.fsync = opts.fsync
-        self._key_prefix = opts.key_prefix
         threads = opts.staging_threads or min(4, os.cpu_count() or 1)
         self._stager = Stager(threads=threads, pin=opts.pin_memory)
         self._writer = WriterProcess(nice=opts.writer_nice, start_timeout=start)
@@ -152,7 +146,7 @@ class AsyncCheckpointer(Closing):
             self._writer.start()
         except WriterDied as exc:
             raise CheckpointWriteError(str(exc)) from exc
-        self._slot = _rebind.CommitterSlot()
+        self._slot = _rebind.RoundBinding(key_prefix=opts.key_prefix, timeout=self.commit_timeout)
         self._worker = SaveWorker(
             stager=self._stager,
             writer=self._writer,
@@ -161,31 +155,12 @@ class AsyncCheckpointer(Closing):
             fsync=opts.fsync,
             close_timeout=self.close_timeout,
         )
-        self._bind(store, rank, world_size, started=started)
+        self._slot.bind(store, rank, world_size, started=started)
         self._thread = threading.Thread(target=serve_holding, args=(self._jobs,), daemon=True)
         self._thread.name = "trainguard-ckpt"
         self._thread.start()
         then = [self._slot.close, self._writer.stop, self._stager.close]  # if never closed
         self._release_when_collected(stop_serving, self._jobs, self._thread, then)
-
-    def _bind(
-        self, store: Store | None, rank: int | None, world_size: int | None, *, started: float
-    ) -> None:
-        """Bind to this round: the store, this rank and the world size; a commit thread."""
-        self._watch = _link.RoundWatch(
-            _link.default_group(), explicit=(store, rank, world_size) != (None, None, None)
-        )
-        slot = self._slot
-        given, slot.rank, slot.world_size = _link.resolve(store, rank, world_size)
-        slot.distributed = given is not None
-        if given is not None:
-            link = _link.StoreLink.join(
-                given, key_prefix=self._key_prefix, world_size=slot.world_size
-            )
-            slot.committer = _commit.Committer(
-                link, rank=slot.rank, world_size=slot.world_size, timeout=self.commit_timeout
-            )
-        _link.setup_done("async", started, slot.rank, slot.world_size)
 
     @property
     def rank(self) -> int:
@@ -221,12 +196,12 @@ class AsyncCheckpointer(Closing):
         self._jobs.put((_rebind.set_event, flushed))  # the queued saves reach the committer
         flushed.wait()
         _rebind.retire(self._slot, self._pending, self._results, self.commit_timeout)
-        self._bind(store, rank, world_size, started=started)
+        self._slot.bind(store, rank, world_size, started=started)
 
     def _ensure_bound(self) -> None:
         """Re-bind first when a new round began (see :meth:`bind`)."""
         self._check_open()
-        if self._watch.changed():
+        if self._slot.changed():
             self.bind()
 
     # ------------------------------------------------------------------ training-thread API

@@ -12,6 +12,11 @@ Each save is one :class:`~trainguard.coord.commit.CommitRound` under ``<prefix>/
 every rank reports once its part and copies are durable (or failed), the last one decides, and
 every rank settles the save on that one outcome (read without waiting after each save, waited
 for by :meth:`SavePipeline.wait`), so that every rank counts the same iterations complete.
+
+Over 400 lines: one class whose methods follow one save through the thread in the order it
+happens (write, exchange, report, settle, retain) with the calls the manager makes between
+saves; the exchange's message protocol is in :mod:`._replicate` already, and what is left
+would split only into functions reading this class's private members.
 """
 
 from __future__ import annotations

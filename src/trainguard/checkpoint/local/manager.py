@@ -93,22 +93,13 @@ class LocalCheckpointManager(Closing):
 
     Args:
         root: this rank's local directory (ranks of one node may share it).
-        replication: a :class:`CliqueReplication`, or None for one copy per part.
-        keep: complete iterations to keep (>= 1).
         store: the torch.distributed Store (default: the default process group's).
-        backend: transport for copies: ``"gloo"`` (default) or ``"nccl"``; a dedicated group.
-        timeout: how long a rank waits for the others (store and transfers): seconds or a
-            ``timedelta``.
-        staging_threads, pin_memory, fsync, writer_nice: as for ``AsyncCheckpointer``.
-        allow_replication_change: load iterations saved with another replication setting
-            instead of raising :class:`CheckpointReplicationMismatchError`.
-        key_prefix: prefix of this manager's store keys.
-        spare_roots: other ranks' roots this process can read, to prefetch from while it is a
-            spare (costs one iteration's parts of those roots in ``root``); None: off.
-        spare_interval: how often a spare looks for a newer iteration there.
-        options: all of the settings above (not ``root`` and ``store``) as one
-            :class:`~.options.LocalOptions`, instead of as keywords; :attr:`options` holds
-            them either way.
+        replication, keep, backend, timeout, staging_threads, pin_memory, fsync, writer_nice,
+            allow_replication_change, key_prefix, spare_roots, spare_interval: the settings,
+            as :class:`~.options.LocalOptions` describes them (one field each); timeouts in
+            seconds or as a ``timedelta``.
+        options: those settings as one :class:`~.options.LocalOptions` instead of as
+            keywords; :attr:`options` holds them either way.
     """
 
     def __init__(
