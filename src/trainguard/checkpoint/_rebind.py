@@ -12,16 +12,15 @@ taken off the result queue and logged, so that the next round does not raise the
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trainguard import events
 from trainguard.checkpoint import _link
 from trainguard.checkpoint._commit import Committer
+from trainguard.checkpoint._saves import Outcomes
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -84,16 +83,11 @@ def set_event(event: threading.Event) -> None:
     event.set()
 
 
-def retire(
-    slot: RoundBinding,
-    pending: list[Any],
-    results: queue.SimpleQueue[tuple[str, Any]],
-    timeout: float,
-) -> None:
-    """End the round of ``slot``'s committer; see the module docstring. ``pending`` are the
-    checkpointer's unfinished :class:`~._saves.SaveHandle`; ``results`` its result queue."""
+def retire(slot: RoundBinding, outcomes: Outcomes, timeout: float) -> None:
+    """End the round of ``slot``'s committer; see the module docstring. ``outcomes``: the
+    checkpointer's saves not finished yet and their reported outcomes."""
     committer = slot.committer
-    open_ = [h for h in pending if not h.finished.is_set()]
+    open_ = outcomes.open()
     if committer is not None and open_:
         committer.abandon([h.commit_key for h in open_], "abandoned: the round ended")
         events.emit("ckpt_abandoned", paths=[h.path for h in open_])
@@ -102,26 +96,4 @@ def retire(
         if not handle.finished.wait(max(0.0, deadline - time.monotonic())):
             logger.warning("the commit of %s did not end with its round", handle.path)
     slot.close()
-    _discard(pending, results)
-
-
-def _discard(pending: list[Any], results: queue.SimpleQueue[tuple[str, Any]]) -> None:
-    """Take the finished saves' outcomes off ``results``: run their callbacks (in the calling,
-    training thread, as ``poll`` would), log the failures."""
-    while True:
-        try:
-            kind, job = results.get_nowait()
-        except queue.Empty:
-            return
-        if kind in ("failed", "committed"):
-            with contextlib.suppress(ValueError):
-                pending.remove(job.handle)
-        if kind == "failed":
-            logger.warning("a save of the previous round did not commit: %s", job.handle.error)
-            continue
-        callback = job.on_durable if kind == "durable" else job.on_commit
-        if callback is not None and job.handle.info is not None:
-            try:
-                callback(job.handle.info)
-            except Exception as exc:  # the user's; the new round must still start
-                logger.warning("a callback of %s raised: %s", job.handle.path, exc)
+    outcomes.deliver(logged=True)

@@ -7,8 +7,9 @@ file durable. See :class:`AsyncCheckpointer` for the protocol.
 Over 400 lines: one class, the training thread's half of the protocol in the order a caller
 meets it (bind, save, the staging fence, poll and wait, and the three ways to end: close,
 abandon, give up). The rest already lives beside it: the background half in
-:mod:`._save_work`, the round binding in :mod:`._rebind`, a save's records in :mod:`._saves`,
-the commit in :mod:`._commit`, the settings in :mod:`.options`.
+:mod:`._save_work`, the round binding in :mod:`._rebind`, a save's records and the outcomes
+of those not finished in :mod:`._saves`, the commit in :mod:`._commit`, the settings in
+:mod:`.options`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from trainguard.checkpoint import _commit, _link, _rebind
 from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint._load import latest, load, part_name
 from trainguard.checkpoint._save_work import SaveWorker, serve_holding, stop_serving
-from trainguard.checkpoint._saves import Job, SaveHandle, SaveInfo
+from trainguard.checkpoint._saves import Job, Outcomes, SaveHandle, SaveInfo
 from trainguard.checkpoint.format.kinds import FORMATS
 from trainguard.checkpoint.format.layout import flatten
 from trainguard.checkpoint.format.write import check_header_fits, place
@@ -137,8 +138,7 @@ class AsyncCheckpointer(Closing):
         self._seq = itertools.count()
         # jobs, and reports of saves that never reached the writer, in save order (see _commit)
         self._jobs: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()  # see serve_holding
-        self._results: queue.SimpleQueue[tuple[str, Job]] = queue.SimpleQueue()
-        self._pending: list[SaveHandle] = []
+        self._outcomes = Outcomes()  # the saves not finished yet, and what was reported
         self._last: Job | None = None
         self._hooks: list[Any] = []
         self._closed = False
@@ -151,7 +151,7 @@ class AsyncCheckpointer(Closing):
             stager=self._stager,
             writer=self._writer,
             slot=self._slot,
-            results=self._results,
+            results=self._outcomes.results,
             fsync=opts.fsync,
             close_timeout=self.close_timeout,
         )
@@ -195,7 +195,7 @@ class AsyncCheckpointer(Closing):
         flushed = threading.Event()
         self._jobs.put((_rebind.set_event, flushed))  # the queued saves reach the committer
         flushed.wait()
-        _rebind.retire(self._slot, self._pending, self._results, self.commit_timeout)
+        _rebind.retire(self._slot, self._outcomes, self.commit_timeout)
         self._slot.bind(store, rank, world_size, started=started)
 
     def _ensure_bound(self) -> None:
@@ -255,7 +255,7 @@ class AsyncCheckpointer(Closing):
             last.handle.written.wait()
         try:
             if self.distributed:
-                busy = any(h.path == path and not h.finished.is_set() for h in self._pending)
+                busy = any(h.path == path for h in self._outcomes.open())
                 _commit.refuse_overwrite(path, busy=busy)
             flat = flatten(state, pickle=pickle, allow_sharded=format != "torch")
             placed, data_nbytes = place(flat.entries)
@@ -280,7 +280,7 @@ class AsyncCheckpointer(Closing):
                 )
             raise
         self._last = job
-        self._pending.append(handle)
+        self._outcomes.pending.append(handle)
         self._jobs.put((self._worker.one, job))
         _progress.mark()
         return handle
@@ -311,30 +311,7 @@ class AsyncCheckpointer(Closing):
         """Run callbacks of finished saves in this thread; raise the first failure. Never blocks
         (except to re-bind to a new round, see :meth:`bind`)."""
         self._ensure_bound()
-        self._poll()
-
-    def _poll(self) -> None:
-        first: CheckpointError | None = None
-        while True:
-            try:
-                kind, job = self._results.get_nowait()
-            except queue.Empty:
-                break
-            handle = job.handle
-            if kind == "failed":
-                with contextlib.suppress(ValueError):
-                    self._pending.remove(handle)
-                first = first or handle.error
-                continue
-            assert handle.info is not None
-            callback = job.on_durable if kind == "durable" else job.on_commit
-            if kind == "committed":
-                with contextlib.suppress(ValueError):
-                    self._pending.remove(handle)
-            if callback is not None:
-                callback(handle.info)
-        if first is not None:
-            raise first
+        self._outcomes.deliver()
 
     def wait(self, timeout: _timeouts.Timeout | None = None) -> None:
         """Block until every pending save is committed or failed, then :meth:`poll`.
@@ -344,10 +321,10 @@ class AsyncCheckpointer(Closing):
         """
         limit = _timeouts.optional_seconds("timeout", timeout)
         self._ensure_bound()
-        late = self._late(None if limit is None else time.monotonic() + limit)
+        late = self._outcomes.late(None if limit is None else time.monotonic() + limit)
         if late is not None:
             raise CheckpointWriteError(f"checkpoint {late.path} not done within {limit} s")
-        self._poll()
+        self._outcomes.deliver()
 
     def close(self, *, abandon: bool = False) -> None:
         """Wait for pending saves, stop the writer, free buffers, threads and hooks.
@@ -369,10 +346,10 @@ class AsyncCheckpointer(Closing):
         try:
             if abandon:
                 self._abandon(deadline)
-            elif self._thread.is_alive() and self._late(deadline) is not None:
+            elif self._thread.is_alive() and self._outcomes.late(deadline) is not None:
                 self._give_up()
             else:
-                self._poll()
+                self._outcomes.deliver()
         except BaseException as exc:
             error = exc
         finally:
@@ -380,37 +357,29 @@ class AsyncCheckpointer(Closing):
         if error is not None:
             raise error
 
-    def _late(self, deadline: float | None) -> SaveHandle | None:
-        """The first pending save not finished (committed or failed) by ``deadline``, if any."""
-        for handle in list(self._pending):
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not handle.finished.wait(remaining):
-                return handle
-        return None
-
     def _abandon(self, deadline: float) -> None:
-        pending = [h for h in self._pending if not h.finished.is_set()]
+        pending = self._outcomes.open()
         committer = self._slot.committer
         if committer is not None and pending:
             reason = "abandoned: rank closed the checkpointer with abandon=True"
             committer.abandon([h.commit_key for h in pending], reason)
             events.emit("ckpt_abandoned", paths=[h.path for h in pending])
         try:
-            if self._late(deadline) is not None:
+            if self._outcomes.late(deadline) is not None:
                 self._give_up()
         except CheckpointWriteError as exc:
             logger.warning("%s", exc)
         with contextlib.suppress(CheckpointError):
-            self._poll()
+            self._outcomes.deliver()
 
     def _give_up(self) -> None:
         """close_timeout has passed: kill the writer, fail the pending saves, raise."""
-        pending = [h for h in self._pending if not h.finished.is_set()]
+        pending = self._outcomes.open()
         reason = f"close() gave up after close_timeout={self.close_timeout:g} s"
         self._worker.give_up()  # the background thread kills a writer still at work
         if self._slot.committer is not None:
             self._slot.committer.abandon([h.commit_key for h in pending], reason)
-        self._late(time.monotonic() + _GRACE)  # they fail at once now
+        self._outcomes.late(time.monotonic() + _GRACE)  # they fail at once now
         events.emit("ckpt_close_timeout", paths=[h.path for h in pending])
         raise CheckpointWriteError(
             f"{reason}: the checkpoint(s) {[h.path for h in pending]} were still being written "
