@@ -3,6 +3,7 @@ process, the round it is bound to, a result queue), never from a checkpointer.""
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from collections.abc import Iterator
@@ -14,11 +15,12 @@ import torch
 from trainguard.checkpoint import load
 from trainguard.checkpoint._rebind import RoundBinding
 from trainguard.checkpoint._save_work import SaveWorker
-from trainguard.checkpoint._saves import Job, SaveHandle
+from trainguard.checkpoint._saves import Job, Outcomes, SaveHandle
 from trainguard.checkpoint.format.layout import flatten
 from trainguard.checkpoint.format.write import place
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.writer import WriterProcess
+from trainguard.errors import CheckpointWriteError
 
 
 @pytest.fixture
@@ -86,3 +88,25 @@ def test_a_worker_that_gave_up_fails_the_save_and_writes_nothing(
     assert kind == "failed"
     assert job.handle.error is not None and "gave up" in str(job.handle.error.causes)
     assert not path.exists()
+
+
+def test_a_failed_save_is_raised_in_poll_and_only_logged_when_its_round_ended(
+    parts: tuple[Stager, WriterProcess], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    stager, _ = parts
+    for logged in (False, True):
+        outcomes = Outcomes()
+        job = _job(stager, {"w": torch.ones(2)}, str(tmp_path / f"{logged}.safetensors"))
+        outcomes.pending.append(job.handle)
+        assert outcomes.open() == [job.handle]
+        outcomes.results.put((job.finish({0: "disk full"}, world_size=1), job))
+        job.handle.finished.set()
+        if logged:
+            with caplog.at_level(logging.WARNING, "trainguard.checkpoint._saves"):
+                outcomes.deliver(logged=True)
+            assert "did not commit" in caplog.text and "disk full" in caplog.text
+        else:
+            with pytest.raises(CheckpointWriteError, match="failed") as raised:
+                outcomes.deliver()
+            assert raised.value.causes == {0: "disk full"}
+        assert outcomes.pending == [] and outcomes.late(0.0) is None
