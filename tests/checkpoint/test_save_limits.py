@@ -12,7 +12,7 @@ import torch
 
 from tests.checkpoint._craft import nested
 from trainguard.checkpoint import AsyncCheckpointer, LocalCheckpointManager, load
-from trainguard.checkpoint._formats import MAX_DEPTH
+from trainguard.checkpoint.format.kinds import MAX_DEPTH
 from trainguard.errors import CheckpointError
 
 # 16 Mi control characters: JSON writes each as \u0001 in the skeleton, which the header writes

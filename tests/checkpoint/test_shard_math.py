@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainguard.checkpoint._shards import Box, copy_overlap, dtensor_box, local_view
 from trainguard.checkpoint.fileformat import (
     header_bytes,
     parse_header_bytes,
     read_header,
     read_range,
 )
+from trainguard.checkpoint.format.shards import Box, copy_overlap, dtensor_box, local_view
 from trainguard.checkpoint.layout import flatten
 from trainguard.errors import CheckpointCorruptError
 
@@ -97,8 +97,8 @@ def _part(path: Path, skeleton: object, tensors: dict[str, torch.Tensor]) -> Non
     import json
     from types import SimpleNamespace
 
-    from trainguard.checkpoint._formats import SAFETENSORS_DTYPES
     from trainguard.checkpoint.fileformat import place, write_file
+    from trainguard.checkpoint.format.kinds import SAFETENSORS_DTYPES
 
     entries = [
         SimpleNamespace(

@@ -54,7 +54,7 @@ def _fsdp(seed: int, train: bool, mesh: Any = None) -> tuple[Any, Any]:
 
 def _tensors(state: Any, path: tuple[Any, ...] = ()) -> dict[tuple[Any, ...], torch.Tensor]:
     """Every tensor leaf (a DTensor's local shard) by path."""
-    from trainguard.checkpoint._shards import local_view
+    from trainguard.checkpoint.format.shards import local_view
 
     if isinstance(state, torch.Tensor):
         return {path: local_view(state)}

@@ -15,10 +15,10 @@ from trainguard.checkpoint import (
     AsyncCheckpointer,
     LocalCheckpointManager,
     _commit,
-    _tmpfile,
     latest,
     load,
 )
+from trainguard.checkpoint.format import tmpfile
 from trainguard.checkpoint.local import _inventory
 
 SECRET = b"precious: must never be overwritten\n"
@@ -88,16 +88,16 @@ def test_local_parts_ignore_a_planted_tmp_symlink(tmp_path: Path) -> None:
 
 def test_temporary_names_are_unpredictable_private_and_skipped(tmp_path: Path) -> None:
     path = str(tmp_path / "part")
-    opened = [_tmpfile.create(path) for _ in range(2)]
+    opened = [tmpfile.create(path) for _ in range(2)]
     try:
         names = [tmp for _, tmp in opened]
         assert names[0] != names[1]
         for fd, tmp in opened:
             assert os.path.basename(tmp).startswith(".part.") and tmp.endswith(".tmp")
             assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600  # private until complete
-        assert sorted(_tmpfile.leftovers(path)) == sorted(names)
+        assert sorted(tmpfile.leftovers(path)) == sorted(names)
     finally:
         for fd, _ in opened:
             os.close(fd)
-    _tmpfile.remove_leftovers(path)
+    tmpfile.remove_leftovers(path)
     assert os.listdir(tmp_path) == []

@@ -11,7 +11,9 @@
     state = load(latest("ckpt"))
 
 Modules: :mod:`.layout` (state <-> entries + JSON skeleton), :mod:`.fileformat`
-(safetensors-compatible files with checksums), :mod:`.staging` (shared-memory buffers),
+(safetensors-compatible files with checksums; both are faces of the :mod:`.format` package,
+which holds the file format's write, read, validation and layout sides), :mod:`.staging`
+(shared-memory buffers),
 :mod:`.writer` (the writer process), :mod:`.async_save` (the checkpointer, load, latest).
 
 Building blocks for other checkpoint kinds (local checkpoints with replication reuse them):
@@ -43,22 +45,31 @@ if TYPE_CHECKING:
         latest,
         load,
     )
-    from trainguard.checkpoint.local import CliqueReplication, LocalCheckpointManager
+    from trainguard.checkpoint.local import (
+        CliqueReplication,
+        LocalCheckpointManager,
+        LocalOptions,
+    )
+    from trainguard.checkpoint.options import AsyncOptions
 
 __all__ = [
     "AsyncCheckpointer",
+    "AsyncOptions",
     "CliqueReplication",
     "LocalCheckpointManager",
+    "LocalOptions",
     "SaveHandle",
     "SaveInfo",
     "latest",
     "load",
 ]
 
-_LOCAL = ("CliqueReplication", "LocalCheckpointManager")
+_LOCAL = ("CliqueReplication", "LocalCheckpointManager", "LocalOptions")
 
 
 def __getattr__(name: str) -> Any:
+    if name == "AsyncOptions":  # needs no torch
+        return getattr(importlib.import_module("trainguard.checkpoint.options"), name)
     if name in _LOCAL or name in __all__:
         from trainguard import _torchcompat
 

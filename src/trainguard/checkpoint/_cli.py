@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 from trainguard.checkpoint import _cli_shards
-from trainguard.checkpoint._formats import ZIP_MAGIC, is_torch_file
 from trainguard.checkpoint._regular import regular_only
+from trainguard.checkpoint.format.kinds import ZIP_MAGIC, is_torch_file
 from trainguard.errors import CheckpointError
 
 _MARKER = "COMMITTED"  # checkpoint._commit.MARKER, kept here so `ls` does not import torch
@@ -124,7 +124,7 @@ def _check(path: Path, *, allow_pickle: bool, unpickle: bool) -> str | None:
     checksum, the skeleton against the entries. Pickled leaves are accepted only with
     ``allow_pickle`` and never unpickled; a ``format="torch"`` file is unpickled with torch's
     ``weights_only`` unless ``unpickle`` (``--allow-pickle``: files the user trusts)."""
-    from trainguard.checkpoint.fileformat import check_file, read_header
+    from trainguard.checkpoint.format.read import check_file, read_header
 
     try:
         if is_torch_file(path):
@@ -198,7 +198,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from trainguard.checkpoint.fileformat import read_header
+    from trainguard.checkpoint.format.read import read_header
 
     parts = _parts(Path(args.path)) if Path(args.path).exists() else []
     if not parts:

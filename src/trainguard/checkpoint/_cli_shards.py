@@ -1,7 +1,7 @@
 """``trainguard ckpt show|verify`` across the parts of one checkpoint: sharded (DTensor) tensors.
 
 A sharded tensor is saved as chunks, one per part (rank) that wrote one, each at its offsets
-in the global tensor (see :mod:`._snode`). Here every part's header of one directory is read
+in the global tensor (see :mod:`.format.snode`). Here every part's header of one directory is read
 into an :class:`~._reshard.Index`: ``show`` lists each sharded tensor with its global shape,
 dtype, mesh, placements and the chunk each file holds; ``verify`` checks that the parts of a
 multi-rank checkpoint are all there and that the chunks of every sharded tensor cover it exactly
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trainguard.checkpoint._reshard import Index
-    from trainguard.checkpoint._shards import Box
+    from trainguard.checkpoint.format.shards import Box
 
 __all__ = ["part_files", "problems", "show", "uncovered"]
 
@@ -46,7 +46,7 @@ def _index(files: dict[int, Path]) -> tuple[Index, int]:
     """The index of these parts' headers, and the saved world size their metadata names
     (the largest; 0 when none says)."""
     from trainguard.checkpoint._reshard import Index
-    from trainguard.checkpoint.fileformat import read_header
+    from trainguard.checkpoint.format.read import read_header
 
     headers = {part: read_header(path) for part, path in files.items()}
     world = 0
@@ -100,7 +100,7 @@ def _sharded_lines(files: dict[int, Path]) -> tuple[list[str], set[str]]:
 
 def _subtract(box: Box, cut: Box) -> list[Box]:
     """The regions of ``box`` outside ``cut``, as boxes (at most two per dimension)."""
-    from trainguard.checkpoint._shards import Box
+    from trainguard.checkpoint.format.shards import Box
 
     common = box.intersect(cut)
     if common is None:
@@ -124,7 +124,7 @@ def _subtract(box: Box, cut: Box) -> list[Box]:
 
 def uncovered(shape: tuple[int, ...], boxes: list[Box]) -> list[Box]:
     """The regions of a tensor of ``shape`` that none of ``boxes`` holds."""
-    from trainguard.checkpoint._shards import Box
+    from trainguard.checkpoint.format.shards import Box
 
     rest = [Box((0,) * len(shape), shape)] if all(shape) else []
     for box in boxes:

@@ -4,42 +4,14 @@ dropped without ``close()`` still releases its writer process, threads and buffe
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
 
 _C = TypeVar("_C", bound="Closing")
-_J = TypeVar("_J")
-
-
-def serve_holding(jobs: queue.SimpleQueue[tuple[Callable[[_J], None], _J] | None]) -> None:
-    """The loop of a checkpointer's worker thread: call ``handle(job)`` for each
-    ``(handle, job)`` taken from ``jobs`` until ``None``. ``handle`` is a bound method: a
-    queued item keeps its checkpointer alive, and between items the thread holds nothing, so
-    a checkpointer dropped without close() is collected once its queued work is done."""
-    while True:
-        item = jobs.get()
-        if item is None:
-            return
-        handle, job = item
-        del item
-        handle(job)
-        del handle, job
-
-
-def stop_serving(
-    jobs: queue.SimpleQueue[Any], thread: threading.Thread, then: Sequence[Callable[[], object]]
-) -> None:
-    """Stop a :func:`serve_holding` thread (after its queued work), then call each of ``then``:
-    the release of a checkpointer collected without close()."""
-    jobs.put(None)
-    thread.join()
-    for close in then:
-        close()
 
 
 def _collected(name: str, release: Callable[..., object], *args: object) -> None:

@@ -4,7 +4,7 @@ A checkpoint directory saved by N ranks is committed once every rank's part is d
 save is one :class:`~trainguard.coord.commit.CommitRound` (every rank reports; the outcome is
 decided once, by ``compare_set``; every rank acts only on that outcome). The rank whose report
 completes the round checks that every rank reported its part durable, writes
-a temporary marker (fsynced; see :mod:`._tmpfile`) *before* it decides, and only once "committed" is the decision
+a temporary marker (fsynced; see :mod:`.format.tmpfile`) *before* it decides, and only once "committed" is the decision
 renames it to ``COMMITTED``, then publishes the outcome: a rank that sees "committed" finds the
 marker in place. A rank that gives up waiting (``commit_timeout``) or abandons the save decides
 "failed" first, so a late rank can never commit it; and no rank removes its part unless the
@@ -30,9 +30,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from trainguard.checkpoint import _tmpfile
 from trainguard.checkpoint._link import StoreLink
-from trainguard.checkpoint.fileformat import fsync_dir
+from trainguard.checkpoint.format import tmpfile
+from trainguard.checkpoint.format.write import fsync_dir
 from trainguard.coord.commit import CommitRound, Outcome
 from trainguard.errors import CheckpointError
 
@@ -71,13 +71,13 @@ class _Marker:
 
     def prepare(self) -> None:
         """Write a temporary marker durably (everything that can fail, before the decision)."""
-        fd, self.tmp = _tmpfile.create(self.path)
+        fd, self.tmp = tmpfile.create(self.path)
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump({**self.info, "time": time.time()}, f)
                 f.flush()
                 os.fsync(f.fileno())
-                _tmpfile.seal(f.fileno())
+                tmpfile.seal(f.fileno())
         except BaseException:
             self.discard()
             raise
@@ -96,7 +96,7 @@ class _Marker:
 
     def discard(self) -> None:
         if self.tmp:
-            _tmpfile.discard(self.tmp)
+            tmpfile.discard(self.tmp)
 
 
 @dataclasses.dataclass

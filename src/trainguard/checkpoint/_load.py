@@ -14,10 +14,11 @@ from typing import Any
 import torch
 
 from trainguard import events
-from trainguard.checkpoint import _commit, _overwrite, _tmpfile
-from trainguard.checkpoint._formats import FORMATS, is_torch_file
+from trainguard.checkpoint import _commit, _overwrite
 from trainguard.checkpoint._regular import regular_only
-from trainguard.checkpoint.fileformat import FileHeader, load_file, read_header
+from trainguard.checkpoint.format import tmpfile
+from trainguard.checkpoint.format.kinds import FORMATS, is_torch_file
+from trainguard.checkpoint.format.read import FileHeader, load_file, read_header
 from trainguard.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -67,7 +68,7 @@ def _resolve(path: str, rank: int | None, allow_uncommitted: bool) -> str:
         if not os.path.exists(path):
             hint = (
                 " (only a .tmp file exists: that save never completed)"
-                if os.path.exists(path + ".tmp") or _tmpfile.leftovers(path)
+                if os.path.exists(path + ".tmp") or tmpfile.leftovers(path)
                 else ""
             )
             raise CheckpointError(f"no checkpoint at {path}{hint}")

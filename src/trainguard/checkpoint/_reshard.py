@@ -1,7 +1,7 @@
 """Loading a checkpoint into any sharding: an index of the saved chunks, and filling a target.
 
 Every part (one rank's file) of a checkpoint holds a skeleton; a sharded leaf's node names the
-entry with that rank's chunk of the global tensor (see :mod:`._snode`). :class:`Index` gathers
+entry with that rank's chunk of the global tensor (see :mod:`.format.snode`). :class:`Index` gathers
 those chunks from every part's header. :func:`fill` walks a target state (the same structure,
 its DTensors sharded any way, on any number of ranks) and, for each tensor, reads the saved
 chunks that overlap this rank's part of it (through a ``read`` function that returns a chunk's
@@ -21,10 +21,17 @@ from typing import Any
 
 import torch
 
-from trainguard.checkpoint import _snode, _validate
-from trainguard.checkpoint._shards import Box, copy_overlap, dtensor_box, local_view
-from trainguard.checkpoint.fileformat import FileHeader, checksum, read_range
-from trainguard.checkpoint.layout import dtype_from_name, unflatten
+from trainguard.checkpoint.format import snode, validate
+from trainguard.checkpoint.format.layout import dtype_from_name, unflatten
+from trainguard.checkpoint.format.read import FileHeader, read_range
+from trainguard.checkpoint.format.shards import (
+    Box,
+    copy_overlap,
+    dtensor_box,
+    local_view,
+    uncovered,
+)
+from trainguard.checkpoint.format.write import checksum
 from trainguard.errors import CheckpointCorruptError, CheckpointError
 
 __all__ = [
@@ -104,7 +111,7 @@ def file_reader(paths: Mapping[int, str | os.PathLike[str]], *, verify: bool = T
 
 
 def _leaves(node: Any, path: Key, out: dict[Key, Any]) -> None:
-    """Every non-container node of a skeleton, by path (containers as :mod:`.layout` writes)."""
+    """Every non-container node of a skeleton, by path (containers as :mod:`.format.layout` writes)."""
     if isinstance(node, dict) and len(node) == 1:
         ((tag, value),) = node.items()
         if tag == "D" and isinstance(value, list):
@@ -148,7 +155,7 @@ class Index:
 
     def _add(self, part: int, header: FileHeader) -> None:
         label = header.path
-        skeleton = _validate.check_skeleton(label, header.metadata, verify=True)
+        skeleton = validate.check_skeleton(label, header.metadata, verify=True)
         sums = header.checksums()
         leaves: dict[Key, Any] = {}
         _leaves(skeleton, (), leaves)
@@ -160,7 +167,7 @@ class Index:
             entry = header.entries.get(name) if isinstance(name, str) else None
             size = None if entry is None else entry[3] - entry[2]
             where = f"{label}: {key_repr(key)}"
-            s = _snode.check(node, where, size, dtype_from_name(node.get("dtype")))
+            s = snode.check(node, where, size, dtype_from_name(node.get("dtype")))
             known = self._sharded.setdefault(key, _Tensor(s.shape, s.dtype, []))
             if (known.shape, known.dtype) != (s.shape, s.dtype):
                 raise CheckpointCorruptError(
@@ -273,42 +280,13 @@ def check_cover(key: Key, box: Box, chunks: list[SavedChunk]) -> None:
                 )
     covered = sum(common.numel for _, common in inside)
     if covered != box.numel:
-        gap = _uncovered(box, [common for _, common in inside])
+        gap = uncovered(box, [common for _, common in inside])
         hole = "the rest" if gap is None else f"offsets {gap.offsets} sizes {gap.sizes}"
         raise CheckpointCorruptError(
             f"{key_repr(key)}: the checkpoint's chunks cover {covered} of the {box.numel} "
             f"elements of this rank's part (offsets {box.offsets} sizes {box.sizes}); no "
             f"chunk holds {hole}: the checkpoint is incomplete, load an older one"
         )
-
-
-def _uncovered(box: Box, boxes: list[Box], limit: int = 4096) -> Box | None:
-    """A region of ``box`` that none of ``boxes`` holds (None when there is none, or when
-    finding one would split ``box`` into more than ``limit`` pieces)."""
-    left = [box]
-    for other in boxes:
-        left = [piece for part in left for piece in _minus(part, other)]
-        if len(left) > limit:
-            return None
-    return left[0] if left else None
-
-
-def _minus(box: Box, other: Box) -> list[Box]:
-    """``box`` without ``other``, as disjoint boxes (at most two per dimension)."""
-    common = box.intersect(other)
-    if common is None:
-        return [box]
-    pieces, offsets, sizes = [], list(box.offsets), list(box.sizes)
-    for d in range(len(offsets)):
-        lo, hi, end = common.offsets[d], common.offsets[d] + common.sizes[d], offsets[d] + sizes[d]
-        if lo > offsets[d]:
-            pieces.append(Box(tuple(offsets), (*sizes[:d], lo - offsets[d], *sizes[d + 1 :])))
-        if hi < end:
-            pieces.append(
-                Box((*offsets[:d], hi, *offsets[d + 1 :]), (*sizes[:d], end - hi, *sizes[d + 1 :]))
-            )
-        offsets[d], sizes[d] = lo, hi - lo
-    return pieces
 
 
 def _tensor_leaves(node: Any, path: Key) -> Iterator[tuple[Key, torch.Tensor]]:

@@ -1,6 +1,7 @@
 """The background half of :class:`~trainguard.checkpoint.AsyncCheckpointer`: what its thread
 does with one save (stage it when overlapped, have the writer process write it, hand it to the
-commit), as a base class of the checkpointer. The training thread's half is in
+commit). The checkpointer holds one :class:`SaveWorker` and queues ``(worker.one, job)`` for
+its thread, which runs :func:`serve_holding`; the training thread's half is in
 :mod:`.async_save`.
 """
 
@@ -12,13 +13,15 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from trainguard import events
-from trainguard.checkpoint import _commit, _overwrite, _rebind, _tmpfile
-from trainguard.checkpoint._closing import Closing
+from trainguard.checkpoint import _commit, _overwrite, _rebind
 from trainguard.checkpoint._saves import Job
+from trainguard.checkpoint.format import tmpfile
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.writer import WriteJob, WriteResult, WriterProcess
 from trainguard.errors import CheckpointWriteError, WriterDied
@@ -26,28 +29,77 @@ from trainguard.errors import CheckpointWriteError, WriterDied
 logger = logging.getLogger(__name__)
 
 _SLICE = 0.25  # seconds between looks at a close() that gives up, while the writer works
+_J = TypeVar("_J")
 
 
-class SaveWork(Closing):
-    """The checkpointer's background thread's work (see the module docstring)."""
+def serve_holding(jobs: queue.SimpleQueue[tuple[Callable[[_J], None], _J] | None]) -> None:
+    """The loop of a checkpointer's worker thread: call ``handle(job)`` for each
+    ``(handle, job)`` taken from ``jobs`` until ``None``. ``handle`` is a method of the
+    checkpointer's :class:`SaveWorker` (or a plain function), never of the checkpointer, and
+    between items the thread holds nothing: a checkpointer dropped without close() is
+    collected, and its release (:func:`stop_serving`) lets the queued work finish first."""
+    while True:
+        item = jobs.get()
+        if item is None:
+            return
+        handle, job = item
+        del item
+        handle(job)
+        del handle, job
 
-    rank: int
-    world_size: int
-    distributed: bool
-    fsync: bool
-    overwrite: bool
-    close_timeout: float
-    _stager: Stager
-    _writer: WriterProcess
-    _giving_up: threading.Event
-    _slot: _rebind.CommitterSlot
-    _results: queue.SimpleQueue[tuple[str, Job]]
+
+def stop_serving(
+    jobs: queue.SimpleQueue[Any], thread: threading.Thread, then: Sequence[Callable[[], object]]
+) -> None:
+    """Stop a :func:`serve_holding` thread (after its queued work), then call each of ``then``:
+    the release of a checkpointer collected without close()."""
+    jobs.put(None)
+    thread.join()
+    for close in then:
+        close()
+
+
+class SaveWorker:
+    """The checkpointer's background thread's work on each save (see the module docstring).
+
+    It holds the checkpointer's parts it needs, never the checkpointer itself (a queued item
+    refers to this worker only: a checkpointer dropped without ``close()`` is still collected).
+    ``slot`` is the round the checkpointer is bound to (rank, world size, committer); it is
+    changed only between rounds, while this worker's thread has nothing queued. Outcomes go to
+    ``results`` as ``(kind, job)``; :meth:`give_up` makes a write still running fail (close()
+    gave up on it).
+    """
+
+    def __init__(
+        self,
+        *,
+        stager: Stager,
+        writer: WriterProcess,
+        slot: _rebind.RoundBinding,
+        results: queue.SimpleQueue[tuple[str, Job]],
+        fsync: bool,
+        close_timeout: float,
+        overwrite: bool = True,
+    ) -> None:
+        self._stager = stager
+        self._writer = writer
+        self._slot = slot
+        self._results = results
+        self._fsync = fsync
+        self._overwrite = overwrite
+        self._close_timeout = close_timeout
+        self._giving_up = threading.Event()
 
     @property
     def _committer(self) -> _commit.Committer | None:
         return self._slot.committer
 
-    def _stage(self, job: Job) -> None:
+    def give_up(self) -> None:
+        """close() gave up: kill a writer still at work; saves not yet written fail."""
+        self._giving_up.set()
+
+    def stage(self, job: Job) -> None:
+        """Copy ``job``'s state into the staging buffer (the training thread calls it too)."""
         started = time.monotonic()
         if job.cuda_stream is not None:
             torch.cuda.current_stream().wait_stream(job.cuda_stream)  # see Stager.stage
@@ -63,7 +115,7 @@ class SaveWork(Closing):
             since_request=job.staged_at - job.requested,
         )
 
-    def _one(self, job: Job | _commit.Report) -> None:
+    def one(self, job: Job | _commit.Report) -> None:
         """The background thread's work on one item: stage (overlap), write, then hand over
         to commit."""
         if isinstance(job, _commit.Report):
@@ -72,7 +124,7 @@ class SaveWork(Closing):
             return
         try:
             if not job.handle.staged.is_set():
-                self._stage(job)
+                self.stage(job)
             result = self._write(job)
             error = None if result.ok else result.error
         except Exception as exc:  # staging error or writer death
@@ -83,7 +135,7 @@ class SaveWork(Closing):
             job.handle.staged.set()
             job.handle.written.set()
         if error is None:
-            job.durable(result, rank=self.rank, world_size=self.world_size)
+            job.durable(result, rank=self._slot.rank, world_size=self._slot.world_size)
             self._results.put(("durable", job))
         if self._committer is not None:
             self._committer.put(self._report(job, error))
@@ -96,11 +148,11 @@ class SaveWork(Closing):
         file = job.write_file or job.handle.file
         assert job.flat is not None
         os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
-        if self.distributed and not self.overwrite:
+        if self._slot.distributed and not self._overwrite:
             _commit.refuse_overwrite(job.handle.path)
         retired, job.retired = job.retired, None
         self._writer.prepare(job.buffer, retired=retired)
-        meta = {"rank": str(self.rank), "world_size": str(self.world_size)}
+        meta = {"rank": str(self._slot.rank), "world_size": str(self._slot.world_size)}
         meta["skeleton"] = json.dumps(job.flat.skeleton, separators=(",", ":"))
         self._writer.submit(
             WriteJob(
@@ -111,13 +163,13 @@ class SaveWork(Closing):
                 metadata=meta,
                 format=job.format,
                 skeleton=job.flat.skeleton if job.format == "torch" else None,
-                fsync=self.fsync,
+                fsync=self._fsync,
             )
         )
         try:
             result = self._result(file)
         except WriterDied:
-            _tmpfile.remove_leftovers(file)
+            tmpfile.remove_leftovers(file)
             if self._giving_up.is_set():
                 raise
             try:  # replace it now, so the next save does not wait for a start
@@ -139,7 +191,7 @@ class SaveWork(Closing):
                 self._writer.kill()
                 raise WriterDied(
                     f"the checkpoint writer did not finish {file} within close_timeout="
-                    f"{self.close_timeout:g} s and was killed"
+                    f"{self._close_timeout:g} s and was killed"
                 )
 
     def _report(self, job: Job, error: str | None) -> _commit.Report:
@@ -159,5 +211,5 @@ class SaveWork(Closing):
         )
 
     def _finish(self, job: Job, causes: dict[int, str]) -> None:
-        self._results.put((job.finish(causes, world_size=self.world_size), job))
+        self._results.put((job.finish(causes, world_size=self._slot.world_size), job))
         job.handle.finished.set()  # after the result is queued: wait() then poll() sees it

@@ -1,25 +1,31 @@
 """What one save of :class:`~trainguard.checkpoint.AsyncCheckpointer` is: the handle the caller
-holds, the info its callbacks receive, and the job the background threads carry.
+holds, the info its callbacks receive, and the job the background threads carry; and the
+:class:`Outcomes` of the saves not finished yet, which the training thread receives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from trainguard import events
-from trainguard.checkpoint.fileformat import PlacedEntry
+from trainguard.checkpoint.format.write import PlacedEntry
 from trainguard.checkpoint.staging import StagingBuffer
 from trainguard.errors import CheckpointError, CheckpointWriteError
 
 if TYPE_CHECKING:
-    from trainguard.checkpoint.layout import Flat
+    from trainguard.checkpoint.format.layout import Flat
     from trainguard.checkpoint.writer import WriteResult
 
-__all__ = ["Job", "SaveHandle", "SaveInfo"]
+__all__ = ["Job", "Outcomes", "SaveHandle", "SaveInfo"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,3 +132,56 @@ class Job:
             )
         self.flat = None
         return kind
+
+
+class Outcomes:
+    """A checkpointer's saves not finished yet, and what its background threads report about
+    them: ``(kind, job)`` on :attr:`results`, ``kind`` being ``"durable"``, ``"committed"`` or
+    ``"failed"``. :meth:`deliver` hands them to the training thread: the callbacks run there and
+    the first failure is raised (or, between rounds, everything is logged instead)."""
+
+    def __init__(self) -> None:
+        self.results: queue.SimpleQueue[tuple[str, Job]] = queue.SimpleQueue()
+        self.pending: list[SaveHandle] = []  # in save order; a finished one leaves on delivery
+
+    def open(self) -> list[SaveHandle]:
+        """The pending saves not committed or failed yet."""
+        return [h for h in self.pending if not h.finished.is_set()]
+
+    def late(self, deadline: float | None) -> SaveHandle | None:
+        """The first pending save not finished by ``deadline`` (None: wait without a bound)."""
+        for handle in list(self.pending):
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not handle.finished.wait(remaining):
+                return handle
+        return None
+
+    def deliver(self, *, logged: bool = False) -> None:
+        """Run the callbacks of what was reported, in this thread; raise the first failure.
+        ``logged`` (a round ended): failures and callback errors are logged, not raised."""
+        first: CheckpointError | None = None
+        while True:
+            try:
+                kind, job = self.results.get_nowait()
+            except queue.Empty:
+                break
+            handle = job.handle
+            if kind in ("failed", "committed"):
+                with contextlib.suppress(ValueError):
+                    self.pending.remove(handle)
+            if kind == "failed":
+                if logged:
+                    logger.warning("a save of the previous round did not commit: %s", handle.error)
+                first = first or handle.error
+                continue
+            callback = job.on_durable if kind == "durable" else job.on_commit
+            if callback is None or handle.info is None:
+                continue
+            try:
+                callback(handle.info)
+            except Exception as exc:
+                if not logged:
+                    raise
+                logger.warning("a callback of %s raised: %s", handle.path, exc)
+        if first is not None and not logged:
+            raise first

@@ -3,6 +3,13 @@
 The training loop pays only for copying the state into a reusable shared-memory staging buffer
 (or nothing, with ``overlap=True``); one persistent writer process per checkpointer makes the
 file durable. See :class:`AsyncCheckpointer` for the protocol.
+
+Over 400 lines: one class, the training thread's half of the protocol in the order a caller
+meets it (bind, save, the staging fence, poll and wait, and the three ways to end: close,
+abandon, give up). The rest already lives beside it: the background half in
+:mod:`._save_work`, the round binding in :mod:`._rebind`, a save's records and the outcomes
+of those not finished in :mod:`._saves`, the commit in :mod:`._commit`, the settings in
+:mod:`.options`.
 """
 
 from __future__ import annotations
@@ -22,13 +29,14 @@ import torch
 
 from trainguard import _progress, _timeouts, events
 from trainguard.checkpoint import _commit, _link, _overwrite, _rebind
-from trainguard.checkpoint._closing import serve_holding, stop_serving
-from trainguard.checkpoint._formats import FORMATS
+from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint._load import latest, load, part_name
-from trainguard.checkpoint._save_work import SaveWork
-from trainguard.checkpoint._saves import Job, SaveHandle, SaveInfo
-from trainguard.checkpoint.fileformat import check_header_fits, place
-from trainguard.checkpoint.layout import flatten
+from trainguard.checkpoint._save_work import SaveWorker, serve_holding, stop_serving
+from trainguard.checkpoint._saves import Job, Outcomes, SaveHandle, SaveInfo
+from trainguard.checkpoint.format.kinds import FORMATS
+from trainguard.checkpoint.format.layout import flatten
+from trainguard.checkpoint.format.write import check_header_fits, place
+from trainguard.checkpoint.options import AsyncOptions, chosen
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.writer import WriterProcess
 from trainguard.errors import CheckpointError, CheckpointWriteError, ConfigError, WriterDied
@@ -49,7 +57,7 @@ _IF_BUSY = ("wait", "skip")
 _GRACE = 30.0  # seconds close() waits for given-up saves to fail
 
 
-class AsyncCheckpointer(SaveWork):
+class AsyncCheckpointer(Closing):
     """Asynchronous checkpoints through one persistent writer process.
 
     Single process: ``save(state, path)`` writes the file ``path``. With a torch.distributed job
@@ -83,23 +91,11 @@ class AsyncCheckpointer(SaveWork):
         store: a torch.distributed Store for the commit count (default: the default process
             group's store when torch.distributed is initialized, else single-process).
         rank, world_size: this rank and the number of ranks (default: from torch.distributed).
-        staging_threads: threads that copy into the staging buffer (default: up to 4).
-        pin_memory: register staging buffers as pinned memory when CUDA is available.
-        fsync: make files durable (turn off only for benchmarks of memory-only storage).
-        commit_timeout: how long a rank waits for the other ranks' parts before it fails the
-            checkpoint (seconds or a ``timedelta``).
-        writer_nice: nice increment of the writer process.
-        start_timeout: how long to wait for the writer process to start.
-        close_timeout: how long :meth:`close` waits for pending saves (their writes and
-            commits) before it gives them up: it kills the writer (e.g. stuck in ``fsync``),
-            fails their commits on every rank and raises :class:`CheckpointWriteError`.
-        key_prefix: prefix of the store keys this checkpointer uses. With several ranks, every
-            rank must create its checkpointers in the same order (each gets a generation number
-            from the store, so keys of an earlier checkpointer never count for a later one).
-        overwrite: with several ranks, a save to a committed checkpoint replaces it safely (it
-            is written beside it and swapped in once committed, see
-            :mod:`trainguard.checkpoint._overwrite`); False refuses it (:class:`CheckpointError`).
-            A single process's file is always replaced atomically.
+        staging_threads, pin_memory, fsync, commit_timeout, writer_nice, start_timeout,
+            close_timeout, key_prefix, overwrite: the settings, as :class:`~.options.AsyncOptions`
+            describes them (one field each); timeouts in seconds or as a ``timedelta``.
+        options: those settings as one :class:`~.options.AsyncOptions` instead of as
+            keywords; :attr:`options` holds them either way.
     """
 
     def __init__(
@@ -117,61 +113,72 @@ class AsyncCheckpointer(SaveWork):
         close_timeout: _timeouts.Timeout = 900.0,
         key_prefix: str = "trainguard/ckpt",
         overwrite: bool = True,
+        options: AsyncOptions | None = None,
     ) -> None:
-        if staging_threads is not None and staging_threads < 1:
-            raise ConfigError("staging_threads must be >= 1 (or None for the default)")
-        self.commit_timeout = _timeouts.seconds("commit_timeout", commit_timeout)
-        start = _timeouts.seconds("start_timeout", start_timeout)
-        self.close_timeout = _timeouts.seconds("close_timeout", close_timeout)
-        if not 0 <= writer_nice <= 19:
-            raise ConfigError("writer_nice must be between 0 and 19")
+        built = AsyncOptions(
+            staging_threads=staging_threads,
+            pin_memory=pin_memory,
+            fsync=fsync,
+            commit_timeout=commit_timeout,
+            writer_nice=writer_nice,
+            start_timeout=start_timeout,
+            close_timeout=close_timeout,
+            key_prefix=key_prefix,
+            overwrite=overwrite,
+        )
+        #: The settings, checked (built from the keywords unless given as ``options``).
+        self.options = opts = chosen(options, built, "AsyncCheckpointer")
+        self.commit_timeout = _timeouts.seconds("commit_timeout", opts.commit_timeout)
+        start = _timeouts.seconds("start_timeout", opts.start_timeout)
+        self.close_timeout = _timeouts.seconds("close_timeout", opts.close_timeout)
         started = time.monotonic()
         _link.resolve(store, rank, world_size)  # bad arguments fail here
-        self.fsync = fsync
-        self.overwrite = bool(overwrite)
-        self._key_prefix = key_prefix
-        self._stager = Stager(
-            threads=staging_threads or min(4, os.cpu_count() or 1), pin=pin_memory
-        )
-        self._writer = WriterProcess(nice=writer_nice, start_timeout=start)
+        self.fsync = opts.fsync
+        threads = opts.staging_threads or min(4, os.cpu_count() or 1)
+        self._stager = Stager(threads=threads, pin=opts.pin_memory)
+        self._writer = WriterProcess(nice=opts.writer_nice, start_timeout=start)
         self._seq = itertools.count()
         # jobs, and reports of saves that never reached the writer, in save order (see _commit)
         self._jobs: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()  # see serve_holding
-        self._results: queue.SimpleQueue[tuple[str, Job]] = queue.SimpleQueue()
-        self._pending: list[SaveHandle] = []
+        self._outcomes = Outcomes()  # the saves not finished yet, and what was reported
         self._last: Job | None = None
         self._hooks: list[Any] = []
         self._closed = False
-        self._giving_up = threading.Event()  # close() gave up: kill a writer that is still busy
         try:
             self._writer.start()
         except WriterDied as exc:
             raise CheckpointWriteError(str(exc)) from exc
-        self._slot = _rebind.CommitterSlot()
-        self._bind(store, rank, world_size, started=started)
+        self._slot = _rebind.RoundBinding(key_prefix=opts.key_prefix, timeout=self.commit_timeout)
+        self._worker = SaveWorker(
+            stager=self._stager,
+            writer=self._writer,
+            slot=self._slot,
+            results=self._outcomes.results,
+            fsync=opts.fsync,
+            close_timeout=self.close_timeout,
+            overwrite=opts.overwrite,
+        )
+        self._slot.bind(store, rank, world_size, started=started)
         self._thread = threading.Thread(target=serve_holding, args=(self._jobs,), daemon=True)
         self._thread.name = "trainguard-ckpt"
         self._thread.start()
         then = [self._slot.close, self._writer.stop, self._stager.close]  # if never closed
         self._release_when_collected(stop_serving, self._jobs, self._thread, then)
 
-    def _bind(
-        self, store: Store | None, rank: int | None, world_size: int | None, *, started: float
-    ) -> None:
-        """Bind to this round: the store, this rank and the world size; a commit thread."""
-        self._watch = _link.RoundWatch(
-            _link.default_group(), explicit=(store, rank, world_size) != (None, None, None)
-        )
-        given, self.rank, self.world_size = _link.resolve(store, rank, world_size)
-        self.distributed = given is not None
-        if given is not None:
-            link = _link.StoreLink.join(
-                given, key_prefix=self._key_prefix, world_size=self.world_size
-            )
-            self._slot.committer = _commit.Committer(
-                link, rank=self.rank, world_size=self.world_size, timeout=self.commit_timeout
-            )
-        _link.setup_done("async", started, self.rank, self.world_size)
+    @property
+    def rank(self) -> int:
+        """This rank in the round the checkpointer is bound to."""
+        return self._slot.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks in the round the checkpointer is bound to."""
+        return self._slot.world_size
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the ranks commit together (a store is used)."""
+        return self._slot.distributed
 
     def bind(
         self, store: Store | None = None, *, rank: int | None = None, world_size: int | None = None
@@ -191,13 +198,13 @@ class AsyncCheckpointer(SaveWork):
         flushed = threading.Event()
         self._jobs.put((_rebind.set_event, flushed))  # the queued saves reach the committer
         flushed.wait()
-        _rebind.retire(self._slot, self._pending, self._results, self.commit_timeout)
-        self._bind(store, rank, world_size, started=started)
+        _rebind.retire(self._slot, self._outcomes, self.commit_timeout)
+        self._slot.bind(store, rank, world_size, started=started)
 
     def _ensure_bound(self) -> None:
         """Re-bind first when a new round began (see :meth:`bind`)."""
         self._check_open()
-        if self._watch.changed():
+        if self._slot.changed():
             self.bind()
 
     # ------------------------------------------------------------------ training-thread API
@@ -216,10 +223,10 @@ class AsyncCheckpointer(SaveWork):
     ) -> SaveHandle | None:
         """Snapshot ``state`` (nested dicts/lists/tuples of tensors and plain values) to ``path``.
 
-        Every rank calls it with the same ``path``, in the same order. With several ranks, a
-        committed checkpoint at ``path`` is replaced only once the new one is committed (with
-        ``overwrite=False``, and always for one an earlier save is still committing, it raises
-        :class:`CheckpointError` on every rank and leaves it as it was). Returns a
+        Every rank calls it with the same ``path``, in the same order. With several ranks,
+        ``path`` must not be a committed checkpoint (nor one an earlier save is still
+        committing): that raises :class:`CheckpointError` on every rank and leaves it as it was
+        (a new path per checkpoint; remove an old one to reuse its name). Returns a
         :class:`SaveHandle`, or None when ``if_busy="skip"`` and the previous save is still
         being written (with several ranks, a rank that skips makes that checkpoint fail on the
         others, which name it as the cause; a save that raises here does the same). Raises the error of an earlier failed save first. Objects JSON cannot hold
@@ -235,24 +242,17 @@ class AsyncCheckpointer(SaveWork):
         self.poll()
         path = os.fspath(path)
         events.emit("ckpt_requested", path=path, overlap=overlap, format=format)
-        key = self._committer.key(path) if self._committer is not None else ""
-        last = self._last
-        if last is not None and not last.handle.written.is_set():
-            if if_busy == "skip":
-                events.emit("ckpt_skipped", path=path, busy_with=last.handle.path)
-                logger.info(
-                    "checkpoint %s skipped: %s is still being written", path, last.handle.path
-                )
-                if self.distributed:  # the other ranks' parts of it cannot be committed
-                    reason = f"skipped the save (if_busy='skip'): {last.handle.path} was busy"
-                    self._jobs.put((self._one, _commit.Report(key, path, reason)))
-                return None
-            last.handle.written.wait()
+        committer = self._slot.committer
+        key = committer.key(path) if committer is not None else ""
+        if self._busy(path, key, if_busy):
+            return None
         try:
             target = path
             if self.distributed:
-                busy = any(h.path == path and not h.finished.is_set() for h in self._pending)
-                target = _overwrite.write_dir(path, seed=key, overwrite=self.overwrite, busy=busy)
+                busy = any(h.path == path for h in self._outcomes.open())
+                target = _overwrite.write_dir(
+                    path, seed=key, overwrite=self.options.overwrite, busy=busy
+                )
             flat = flatten(state, pickle=pickle, allow_sharded=format != "torch")
             placed, data_nbytes = place(flat.entries)
             check_header_fits(placed, flat.skeleton)  # what a reader would refuse
@@ -270,18 +270,34 @@ class AsyncCheckpointer(SaveWork):
             if any(e.source.is_cuda for e in flat.entries):
                 job.cuda_stream = torch.cuda.current_stream()
             if not overlap:
-                self._stage(job)
+                self._worker.stage(job)
         except Exception as exc:  # raised here; the other ranks learn it through the store
             if self.distributed:
                 self._jobs.put(
-                    (self._one, _commit.Report(key, path, f"{type(exc).__name__}: {exc}"))
+                    (self._worker.one, _commit.Report(key, path, f"{type(exc).__name__}: {exc}"))
                 )
             raise
         self._last = job
-        self._pending.append(handle)
-        self._jobs.put((self._one, job))
+        self._outcomes.pending.append(handle)
+        self._jobs.put((self._worker.one, job))
         _progress.mark()
         return handle
+
+    def _busy(self, path: str, key: str, if_busy: str) -> bool:
+        """Wait until the previous save is written; True (skip this one) instead with
+        ``if_busy="skip"`` while it is still being written."""
+        last = self._last
+        if last is None or last.handle.written.is_set():
+            return False
+        if if_busy == "skip":
+            events.emit("ckpt_skipped", path=path, busy_with=last.handle.path)
+            logger.info("checkpoint %s skipped: %s is still being written", path, last.handle.path)
+            if self.distributed:  # the other ranks' parts of it cannot be committed
+                reason = f"skipped the save (if_busy='skip'): {last.handle.path} was busy"
+                self._jobs.put((self._worker.one, _commit.Report(key, path, reason)))
+            return True
+        last.handle.written.wait()
+        return False
 
     def wait_staged(self, timeout: _timeouts.Timeout | None = None) -> None:
         """Block until the latest save's state is in host memory (the fence for overlap=True).
@@ -309,30 +325,7 @@ class AsyncCheckpointer(SaveWork):
         """Run callbacks of finished saves in this thread; raise the first failure. Never blocks
         (except to re-bind to a new round, see :meth:`bind`)."""
         self._ensure_bound()
-        self._poll()
-
-    def _poll(self) -> None:
-        first: CheckpointError | None = None
-        while True:
-            try:
-                kind, job = self._results.get_nowait()
-            except queue.Empty:
-                break
-            handle = job.handle
-            if kind == "failed":
-                with contextlib.suppress(ValueError):
-                    self._pending.remove(handle)
-                first = first or handle.error
-                continue
-            assert handle.info is not None
-            callback = job.on_durable if kind == "durable" else job.on_commit
-            if kind == "committed":
-                with contextlib.suppress(ValueError):
-                    self._pending.remove(handle)
-            if callback is not None:
-                callback(handle.info)
-        if first is not None:
-            raise first
+        self._outcomes.deliver()
 
     def wait(self, timeout: _timeouts.Timeout | None = None) -> None:
         """Block until every pending save is committed or failed, then :meth:`poll`.
@@ -342,10 +335,10 @@ class AsyncCheckpointer(SaveWork):
         """
         limit = _timeouts.optional_seconds("timeout", timeout)
         self._ensure_bound()
-        late = self._late(None if limit is None else time.monotonic() + limit)
+        late = self._outcomes.late(None if limit is None else time.monotonic() + limit)
         if late is not None:
             raise CheckpointWriteError(f"checkpoint {late.path} not done within {limit} s")
-        self._poll()
+        self._outcomes.deliver()
 
     def close(self, *, abandon: bool = False) -> None:
         """Wait for pending saves, stop the writer, free buffers, threads and hooks.
@@ -367,10 +360,10 @@ class AsyncCheckpointer(SaveWork):
         try:
             if abandon:
                 self._abandon(deadline)
-            elif self._thread.is_alive() and self._late(deadline) is not None:
+            elif self._thread.is_alive() and self._outcomes.late(deadline) is not None:
                 self._give_up()
             else:
-                self._poll()
+                self._outcomes.deliver()
         except BaseException as exc:
             error = exc
         finally:
@@ -378,36 +371,29 @@ class AsyncCheckpointer(SaveWork):
         if error is not None:
             raise error
 
-    def _late(self, deadline: float | None) -> SaveHandle | None:
-        """The first pending save not finished (committed or failed) by ``deadline``, if any."""
-        for handle in list(self._pending):
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not handle.finished.wait(remaining):
-                return handle
-        return None
-
     def _abandon(self, deadline: float) -> None:
-        pending = [h for h in self._pending if not h.finished.is_set()]
-        if self._committer is not None and pending:
+        pending = self._outcomes.open()
+        committer = self._slot.committer
+        if committer is not None and pending:
             reason = "abandoned: rank closed the checkpointer with abandon=True"
-            self._committer.abandon([h.commit_key for h in pending], reason)
+            committer.abandon([h.commit_key for h in pending], reason)
             events.emit("ckpt_abandoned", paths=[h.path for h in pending])
         try:
-            if self._late(deadline) is not None:
+            if self._outcomes.late(deadline) is not None:
                 self._give_up()
         except CheckpointWriteError as exc:
             logger.warning("%s", exc)
         with contextlib.suppress(CheckpointError):
-            self._poll()
+            self._outcomes.deliver()
 
     def _give_up(self) -> None:
         """close_timeout has passed: kill the writer, fail the pending saves, raise."""
-        pending = [h for h in self._pending if not h.finished.is_set()]
+        pending = self._outcomes.open()
         reason = f"close() gave up after close_timeout={self.close_timeout:g} s"
-        self._giving_up.set()  # the background thread kills a writer still at work
-        if self._committer is not None:
-            self._committer.abandon([h.commit_key for h in pending], reason)
-        self._late(time.monotonic() + _GRACE)  # they fail at once now
+        self._worker.give_up()  # the background thread kills a writer still at work
+        if self._slot.committer is not None:
+            self._slot.committer.abandon([h.commit_key for h in pending], reason)
+        self._outcomes.late(time.monotonic() + _GRACE)  # they fail at once now
         events.emit("ckpt_close_timeout", paths=[h.path for h in pending])
         raise CheckpointWriteError(
             f"{reason}: the checkpoint(s) {[h.path for h in pending]} were still being written "

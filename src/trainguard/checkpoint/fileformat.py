@@ -1,40 +1,32 @@
 """The checkpoint file: a safetensors-compatible container with a checksum per tensor.
 
-Layout (any safetensors reader opens it)::
-
-    u64 little-endian N | N bytes of JSON header, padded with spaces | data
-    header = {"__metadata__": {"format": "trainguard", "format_version": "1",
-                               "skeleton": "<JSON>", "checksums": "<JSON name -> hex>",
-                               "checksum": "xxh3_64", "rank": "0", "world_size": "1"},
-              "<entry>": {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, ...}
-
-- ``8 + N`` is a multiple of :data:`ALIGN` (4096), so the data starts on a page: the file can
-  be written and read with direct I/O and mapped with the data page-aligned.
-- Entries follow each other without gaps (safetensors requires that), ordered by the largest
-  element size that views them, so every tensor starts aligned to its element size.
-- Checksums are xxh3-64 of each entry's bytes, as 16 hex digits. The header is written with
-  placeholder digits of the same length first, so its size is known before the data is hashed.
-
-Writing lives in :mod:`._filewrite` (re-exported here); this module reads. Writing, header
-parsing and checking need no torch (the writer process starts without it); :func:`load_file`
-maps a file and :func:`load_buffer` takes one held in memory (tensors are views).
-Dtype codes live in :mod:`._formats`, shared with :mod:`.layout` (imported here only to load).
+The public face of the file format's two sides, which live in :mod:`.format`:
+:mod:`.format.write` (placing entries, hashing, the header, durable writes) and
+:mod:`.format.read` (parsing a header, verifying checksums, loading), where the file's layout is
+described. Importing this module needs no torch (the writer process starts without it);
+:func:`load_file` and :func:`load_buffer` import it when they rebuild a state.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
-import dataclasses
-import logging
-import mmap
-import os
-import time
-from collections.abc import Callable
-from typing import Any
-
-from trainguard.checkpoint import _regular, _validate
-from trainguard.checkpoint._filewrite import (
+from trainguard.checkpoint.format.kinds import SAFETENSORS_DTYPES
+from trainguard.checkpoint.format.read import (
+    FileBytes,
+    FileHeader,
+    check_file,
+    header_bytes,
+    load_buffer,
+    load_file,
+    parse_header,
+    parse_header_bytes,
+    read_header,
+    read_range,
+    verify_data,
+    verify_entries,
+    verify_file,
+    verify_path,
+)
+from trainguard.checkpoint.format.write import (
     ALIGN,
     FORMAT,
     PlacedEntry,
@@ -45,10 +37,8 @@ from trainguard.checkpoint._filewrite import (
     place,
     write_file,
 )
-from trainguard.checkpoint._filewrite import CHUNK as CHUNK  # public names outside __all__
-from trainguard.checkpoint._filewrite import FORMAT_VERSION as FORMAT_VERSION
-from trainguard.checkpoint._formats import SAFETENSORS_DTYPES
-from trainguard.errors import CheckpointCorruptError
+from trainguard.checkpoint.format.write import CHUNK as CHUNK  # public names outside __all__
+from trainguard.checkpoint.format.write import FORMAT_VERSION as FORMAT_VERSION
 
 __all__ = [  # noqa: RUF022 (plain sorted order, as tests/test_api.py checks)
     "ALIGN",
@@ -76,244 +66,3 @@ __all__ = [  # noqa: RUF022 (plain sorted order, as tests/test_api.py checks)
     "verify_path",
     "write_file",
 ]
-
-logger = logging.getLogger(__name__)
-
-#: A whole file held in memory: read, mapped or received.
-FileBytes = bytes | bytearray | memoryview | mmap.mmap
-
-
-@dataclasses.dataclass(frozen=True)
-class FileHeader:
-    """A parsed header: where the data starts, the entries, and the metadata strings.
-
-    Built only by :func:`read_header`/:func:`parse_header`, which check every field first (see
-    :mod:`._validate`): offsets lie inside the file and do not overlap, sizes match shapes.
-    """
-
-    path: str
-    data_start: int
-    file_size: int
-    entries: dict[str, tuple[str, list[int], int, int]]  # name -> (dtype, shape, begin, end)
-    metadata: dict[str, str]
-
-    @property
-    def is_trainguard(self) -> bool:
-        return self.metadata.get("format") == FORMAT
-
-    def checksums(self) -> dict[str, str]:  # checked on first use, then kept: do not change
-        sums: dict[str, str] | None = self.__dict__.get("_sums")
-        if sums is None:  # a frozen dataclass: cached past __setattr__
-            sums = _validate.check_checksums(self.path, self.metadata, self.entries)
-            self.__dict__["_sums"] = sums
-        return sums
-
-
-def _decode_header(label: str, n: int, raw: bytes, size: int) -> FileHeader:
-    """Parse the ``n`` bytes of JSON after the length of a file of ``size`` bytes."""
-    decoded = _validate.decode_json(label, "the header", raw)
-    entries, metadata = _validate.check_entries(label, decoded, size - 8 - n)
-    header = FileHeader(label, 8 + n, size, entries, metadata)
-    if header.is_trainguard:
-        header.checksums()  # refuse a damaged checksum table before anything is mapped
-    return header
-
-
-def read_header(path: str | os.PathLike[str]) -> FileHeader:
-    """Parse and check a file's header; :class:`CheckpointCorruptError` names what is wrong."""
-    path = os.fspath(path)
-    with open(path, "rb", opener=_regular.regular_only) as f:
-        size = os.fstat(f.fileno()).st_size
-        n = _validate.header_length(path, f.read(8), size)
-        raw = f.read(n)
-    if len(raw) != n:  # the file shrank while we read it
-        raise CheckpointCorruptError(f"{path}: truncated: the header is cut short")
-    return _decode_header(path, n, raw, size)
-
-
-def header_bytes(path: str | os.PathLike[str]) -> bytes:
-    """The raw ``8 + N`` header bytes of a file (to send elsewhere: :func:`parse_header_bytes`)."""
-    path = os.fspath(path)
-    with open(path, "rb", opener=_regular.regular_only) as f:
-        head = f.read(8)
-        n = _validate.header_length(path, head, os.fstat(f.fileno()).st_size)
-        raw = head + f.read(n)
-    if len(raw) != 8 + n:
-        raise CheckpointCorruptError(f"{path}: truncated: the header is cut short")
-    return raw
-
-
-def parse_header_bytes(raw: bytes, label: str, file_size: int) -> FileHeader:
-    """:func:`read_header` of header bytes from :func:`header_bytes` of a file of
-    ``file_size`` bytes; ``label`` names the file in errors."""
-    n = _validate.header_length(label, raw[:8], file_size)
-    if len(raw) < 8 + n:
-        raise CheckpointCorruptError(f"{label}: truncated: the header is cut short")
-    return _decode_header(label, n, raw[8 : 8 + n], file_size)
-
-
-def read_range(path: str | os.PathLike[str], begin: int, end: int) -> bytearray:
-    """Bytes ``[begin, end)`` of a file (absolute offsets); a file too short for them is
-    :class:`CheckpointCorruptError`."""
-    out, done = bytearray(end - begin), 0
-    with open(path, "rb", buffering=0, opener=_regular.regular_only) as f, memoryview(out) as view:
-        while done < len(out):
-            n = os.preadv(f.fileno(), [view[done:]], begin + done)
-            if n <= 0:
-                raise CheckpointCorruptError(
-                    f"{f.name}: truncated: bytes {begin}..{end} past its end"
-                )
-            done += n
-    return out
-
-
-def parse_header(data: FileBytes, label: str) -> FileHeader:
-    """:func:`read_header` of a whole file held in memory; ``label`` names it in errors (and
-    stands for the header's ``path``)."""
-    size = len(data)
-    n = _validate.header_length(label, bytes(data[:8]), size)
-    return _decode_header(label, n, bytes(data[8 : 8 + n]), size)
-
-
-def verify_entries(
-    header: FileHeader, view: Callable[[int, int], Any], *, threads: int = 2
-) -> None:
-    """Check every entry's checksum; ``view(begin, end)`` returns a buffer of the data bytes."""
-    expected = header.checksums()
-    names = list(header.entries)
-
-    def check(name: str) -> str | None:
-        _, _, begin, end = header.entries[name]
-        return None if checksum(view(begin, end)) == expected[name] else name
-
-    if threads > 1 and len(names) > 1:
-        with concurrent.futures.ThreadPoolExecutor(threads, "trainguard-verify") as pool:
-            bad = [n for n in pool.map(check, names) if n]
-    else:
-        bad = [n for n in map(check, names) if n]
-    if bad:
-        raise CheckpointCorruptError(
-            f"{header.path}: checksum mismatch in tensor {bad[0]!r}"
-            + (f" (and {len(bad) - 1} more: {bad[1:5]})" if len(bad) > 1 else "")
-            + "; the file is corrupt, load an older checkpoint"
-        )
-
-
-def verify_data(header: FileHeader, data: FileBytes) -> None:
-    """Check every entry's checksum; ``data`` holds the whole file ``header`` describes."""
-    start = header.data_start
-    with memoryview(data) as whole:
-        verify_entries(header, lambda b, e: whole[start + b : start + e])
-
-
-def _map(header: FileHeader, access: int) -> mmap.mmap:
-    """Map the whole file ``header`` describes; a file that shrank since is corrupt."""
-    with open(header.path, "rb", opener=_regular.regular_only) as f:
-        if os.fstat(f.fileno()).st_size < header.file_size:
-            raise CheckpointCorruptError(f"{header.path}: truncated while it was being read")
-        return mmap.mmap(f.fileno(), header.file_size, access=access)
-
-
-def verify_file(header: FileHeader) -> None:
-    """Map the trainguard file ``header`` describes read-only and check every checksum."""
-    if not header.is_trainguard:
-        raise CheckpointCorruptError(f"{header.path}: not a trainguard file")
-    mm = _map(header, mmap.ACCESS_READ)
-    try:
-        verify_data(header, mm)
-    finally:
-        mm.close()
-
-
-def verify_path(path: str | os.PathLike[str]) -> None:
-    """Read ``path``'s header and check every tensor's checksum (:func:`verify_file`)."""
-    verify_file(read_header(path))
-
-
-def _trainguard_header(path: str | os.PathLike[str]) -> FileHeader:
-    header = read_header(path)
-    if not header.is_trainguard:
-        raise CheckpointCorruptError(
-            f"{header.path}: a safetensors file without trainguard metadata; open it with the "
-            "safetensors package instead"
-        )
-    return header
-
-
-def check_file(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> FileHeader:
-    """Every check :func:`load_file` makes, without keeping the state: the header's fields,
-    every checksum, and the skeleton against the entries (a missing tensor, a shape that does
-    not fit its bytes, a pickled leaf without ``allow_pickle``). Pickled leaves are never
-    unpickled here. Returns the header; raises :class:`CheckpointError` naming the problem."""
-    header = _trainguard_header(path)
-    mm = _map(header, mmap.ACCESS_COPY)  # writable to torch (no page is ever written)
-    try:
-        _rebuild(header, mm, verify=True, allow_pickle=allow_pickle, unpickle=False, sharded=True)
-    finally:
-        with contextlib.suppress(BufferError):  # views still alive: the collector closes it
-            mm.close()
-    return header
-
-
-def load_file(
-    path: str | os.PathLike[str], *, verify: bool = True, allow_pickle: bool = False
-) -> tuple[Any, FileHeader]:
-    """Map a checkpoint file and rebuild its state; returns ``(state, header)``.
-
-    Tensors are views of a private (copy-on-write) mapping of the file: nothing is read until it
-    is touched, and writing to a tensor never changes the file. Each entry gets a storage of its
-    own that starts at its first byte (some torch functions, ``torch.set_rng_state`` among them,
-    ignore a tensor's storage offset). ``verify`` checks every tensor's checksum and the
-    skeleton's first (a mismatch raises :class:`CheckpointCorruptError` naming the tensor). The
-    header and skeleton are checked either way: a malformed file raises
-    :class:`CheckpointCorruptError` saying what is wrong. The mapping is released when the last
-    tensor is.
-    """
-    header = _trainguard_header(path)
-    mm = _map(header, mmap.ACCESS_COPY)
-    return _rebuild(header, mm, verify=verify, allow_pickle=allow_pickle), header
-
-
-def load_buffer(
-    data: FileBytes, label: str, *, verify: bool = True, allow_pickle: bool = False
-) -> tuple[Any, FileHeader]:
-    """:func:`load_file` of a whole file held in memory (a copy received from a peer): the
-    tensors are views of ``data``; ``label`` names it in errors."""
-    header = parse_header(data, label)
-    if not header.is_trainguard:
-        raise CheckpointCorruptError(f"{label}: not a trainguard file")
-    return _rebuild(header, data, verify=verify, allow_pickle=allow_pickle), header
-
-
-def _rebuild(
-    header: FileHeader,
-    data: FileBytes,
-    *,
-    verify: bool,
-    allow_pickle: bool,
-    unpickle: bool = True,
-    sharded: bool = False,
-) -> Any:
-    """The state of the file ``header`` describes, as views of ``data`` (the whole file)."""
-    import torch
-
-    from trainguard.checkpoint.layout import unflatten
-
-    if verify:
-        started = time.monotonic()
-        verify_data(header, data)
-        logger.debug("verified %s in %.3f s", header.path, time.monotonic() - started)
-    skeleton = _validate.check_skeleton(header.path, header.metadata, verify=verify)
-    start = header.data_start
-    tensors = {
-        name: torch.frombuffer(data, dtype=torch.uint8, count=e - b, offset=start + b)
-        if e > b
-        else torch.empty(0, dtype=torch.uint8)
-        for name, (_, _, b, e) in header.entries.items()
-    }
-    try:
-        return unflatten(
-            skeleton, tensors, allow_pickle=allow_pickle, unpickle=unpickle, sharded=sharded
-        )
-    except CheckpointCorruptError as exc:
-        raise CheckpointCorruptError(f"{header.path}: {exc}") from None

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from trainguard.checkpoint import _memory
-from trainguard.checkpoint.fileformat import PlacedEntry
-from trainguard.checkpoint.layout import Entry
+from trainguard.checkpoint.format.layout import Entry
+from trainguard.checkpoint.format.write import PlacedEntry
 from trainguard.errors import CheckpointError
 
 __all__ = ["Stager", "StagingBuffer", "regrow"]

@@ -43,8 +43,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from trainguard.checkpoint import _tmpfile
-from trainguard.checkpoint.fileformat import PlacedEntry, fsync_dir, write_file
+from trainguard.checkpoint.format import tmpfile
+from trainguard.checkpoint.format.write import PlacedEntry, fsync_dir, write_file
 from trainguard.errors import WriterDied
 
 __all__ = ["WriteJob", "WriteResult", "WriterDied", "WriterProcess"]
@@ -102,7 +102,7 @@ def _lower_priority(nice: int) -> None:
 def _write_torch(job: WriteJob, data: memoryview) -> int:
     import torch
 
-    from trainguard.checkpoint.layout import unflatten
+    from trainguard.checkpoint.format.layout import unflatten
 
     tensors = {}
     for e in job.placed:
@@ -113,7 +113,7 @@ def _write_torch(job: WriteJob, data: memoryview) -> int:
         else:
             tensors[e.name] = torch.empty(0, dtype=torch.uint8)
     state = unflatten(job.skeleton, tensors, allow_pickle=True)
-    fd, tmp = _tmpfile.create(job.path)
+    fd, tmp = tmpfile.create(job.path)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
@@ -121,9 +121,9 @@ def _write_torch(job: WriteJob, data: memoryview) -> int:
             if job.fsync:
                 os.fsync(f.fileno())
             size = os.fstat(f.fileno()).st_size
-            _tmpfile.publish(f.fileno(), tmp, job.path)
+            tmpfile.publish(f.fileno(), tmp, job.path)
     except BaseException:
-        _tmpfile.discard(tmp)
+        tmpfile.discard(tmp)
         raise
     if job.fsync:
         fsync_dir(os.path.dirname(os.path.abspath(job.path)))

@@ -123,31 +123,7 @@ class _Run:
             self.pending_fault = fault
             self.show.line(f"  ! injected {fkind} on rank {rank} before step {step} (round {rnd})")
         elif kind == "resumed":
-            _, rnd, rank, process, first, source, origin, world, t, init_s = msg
-            if self.guard_start is None:
-                self.guard_start = t - init_s
-            if origin is not None and not origin.startswith("local"):
-                self.show.line(
-                    f"    rank {rank} (process {process}) lost its copy: got its part from {origin}"
-                )
-            before, self.holders[rank] = self.holders.get(rank, process), process
-            if before != process:
-                self.show.line(f"    {self.describe(process)} took over rank {rank}")
-            if rank == 0 and self.pending_fault is None and rnd > self.last_round >= 0:
-                self.unplanned_round(rnd, first, source)
-            if rank == 0:
-                self.last_round = rnd
-            if rank == 0 and self.pending_fault is not None:
-                fault, self.pending_fault = self.pending_fault, None
-                took = t - fault["time"]
-                lost = max(0, fault["step"] - first)  # steps done before the fault, run again
-                self.recoveries.append(
-                    {**fault, "resumed_round": rnd, "recovery_s": took, "recomputed": lost}
-                )
-                self.show.line(
-                    f"  > round {rnd}: {world} ranks training again {took:.2f} s after the "
-                    f"fault, resumed at step {first} from {source}, {lost} steps recomputed"
-                )
+            self.resumed(msg)
         elif kind == "preempted":
             _, rank, process, step, _t = msg
             self.stopped_at[rank] = step
@@ -166,6 +142,35 @@ class _Run:
             _, process, text = msg
             self.errors.append(f"process {process}: {text}")
             self.show.line(f"  process {process} failed: {text}")
+
+    def resumed(self, msg: tuple[Any, ...]) -> None:
+        """A rank is training again in round ``rnd`` from step ``first``: who took over, and
+        (rank 0) how long the pending fault's recovery took and how many steps it recomputed."""
+        _, rnd, rank, process, first, source, origin, world, t, init_s = msg
+        if self.guard_start is None:
+            self.guard_start = t - init_s
+        if origin is not None and not origin.startswith("local"):
+            self.show.line(
+                f"    rank {rank} (process {process}) lost its copy: got its part from {origin}"
+            )
+        before, self.holders[rank] = self.holders.get(rank, process), process
+        if before != process:
+            self.show.line(f"    {self.describe(process)} took over rank {rank}")
+        if rank == 0 and self.pending_fault is None and rnd > self.last_round >= 0:
+            self.unplanned_round(rnd, first, source)
+        if rank == 0:
+            self.last_round = rnd
+        if rank == 0 and self.pending_fault is not None:
+            fault, self.pending_fault = self.pending_fault, None
+            took = t - fault["time"]
+            lost = max(0, fault["step"] - first)  # steps done before the fault, run again
+            self.recoveries.append(
+                {**fault, "resumed_round": rnd, "recovery_s": took, "recomputed": lost}
+            )
+            self.show.line(
+                f"  > round {rnd}: {world} ranks training again {took:.2f} s after the "
+                f"fault, resumed at step {first} from {source}, {lost} steps recomputed"
+            )
 
     def hello(self, process: int, pid: int, incarnation: int, node: int, parent: int) -> None:
         """Process ``process`` started (pid ``pid``, its launcher's ``incarnation``, on

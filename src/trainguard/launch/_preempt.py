@@ -15,13 +15,10 @@ import logging
 import os
 import signal
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from trainguard.launch import _compat
 from trainguard.restart.preempt import EXIT_PREEMPTED
-
-if TYPE_CHECKING:
-    from trainguard.launch.agent import TrainguardAgent
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +27,12 @@ logger = logging.getLogger(__name__)
 PREEMPT_MARGIN = 5.0
 
 
-def save(agent: TrainguardAgent, grace: float) -> bool:
+def save(agent: Any, grace: float) -> bool:
     """Forward SIGTERM to every running worker's process group and wait for them, at most
     ``grace`` + :data:`PREEMPT_MARGIN` seconds. True when every worker ended with status 0 or
-    75 and at least one with 75 (the job was preempted and saved)."""
+    75 and at least one with 75 (the job was preempted and saved). ``agent`` is the
+    :class:`~trainguard.launch.agent.TrainguardAgent` (typed loosely: this module must not import
+    the agent's module, which calls it)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the wait
     context = _compat.pcontext(agent)
     handlers = list(context.subprocess_handlers.values())

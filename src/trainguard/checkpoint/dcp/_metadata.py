@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from trainguard.checkpoint import _tmpfile
-from trainguard.checkpoint._formats import TORCH_DTYPE_NAMES
 from trainguard.checkpoint._regular import regular_only
 from trainguard.checkpoint.fileformat import fsync_dir
+from trainguard.checkpoint.format import tmpfile as _tmpfile
+from trainguard.checkpoint.format.kinds import TORCH_DTYPE_NAMES
 from trainguard.errors import CheckpointCorruptError, CheckpointError
 
 __all__ = ["ALLOWED", "NAME", "read", "write"]

@@ -21,10 +21,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from trainguard import events
-from trainguard.checkpoint import _commit, _overwrite, _validate
+from trainguard.checkpoint import _commit, _overwrite
 from trainguard.checkpoint.dcp import _metadata
 from trainguard.checkpoint.dcp.storage_writer import checkpoint_path, local_path
 from trainguard.checkpoint.fileformat import FileHeader, checksum, read_header, read_range
+from trainguard.checkpoint.format import validate as _validate
 from trainguard.checkpoint.layout import unflatten
 from trainguard.errors import (
     CheckpointCorruptError,

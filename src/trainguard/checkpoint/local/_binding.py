@@ -1,165 +1,22 @@
-"""What a :class:`~.manager.LocalCheckpointManager` keeps across restart rounds, and what it
-builds again for each round.
-
-Kept for the life of the manager: the writer process, the staging buffer, the receive buffers
-for peers' copies, the inventory of the root (which files are verified), and the prefetch thread
-of a spare. Built for each round (each default process group it is bound to): the store link,
-the replication group (:class:`~._transfer.Channel`) and the :class:`~._pipeline.SavePipeline`
-that uses them. :meth:`Resources.end_round` takes a round's part down; :meth:`Resources.free`
-everything.
+"""Binding a :class:`~.manager.LocalCheckpointManager` to a round: this rank and the world
+size (:func:`dist_ranks`), where its copies go (:func:`placement`: each rank's host, its
+clique), and the round's gathers through the store (:class:`RoundGather`), which every rank
+calls in the same order. What the manager keeps across rounds is in :mod:`._resources`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import threading
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from trainguard.checkpoint._link import RoundWatch, StoreLink
-from trainguard.checkpoint.local._pipeline import SavePipeline
-from trainguard.checkpoint.local._remembered import RestoreBuffer
-from trainguard.checkpoint.local._spare import SparePrefetch
-from trainguard.checkpoint.local._transfer import Channel
 from trainguard.checkpoint.local.replication import CliqueReplication, this_host
-from trainguard.checkpoint.staging import Stager, StagingBuffer
-from trainguard.checkpoint.writer import WriterProcess
-from trainguard.coord import gather
-from trainguard.errors import CheckpointWriteError, ConfigError
+from trainguard.coord import decode, encode, gather
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class Resources:
-    """A manager's processes, threads, buffers and group (never the manager itself, so that
-    one dropped without close() is still collected and released)."""
-
-    writer: WriterProcess
-    stager: Stager
-    recv_buffers: dict[int, StagingBuffer] = dataclasses.field(default_factory=dict)
-    pipeline: SavePipeline | None = None
-    channel: Channel | None = None
-    prefetch: SparePrefetch | None = None
-    restore: RestoreBuffer = dataclasses.field(default_factory=RestoreBuffer)
-
-    def channel_for(self, needed: bool, backend: str, timeout: float) -> Channel | None:
-        """The round's replication group, built on first need (``new_group``, a collective
-        over the default group: every rank must call it alike) and given to the pipeline."""
-        if needed and self.channel is None:
-            self.channel = Channel(backend, timeout)
-            if self.pipeline is not None:
-                self.pipeline.use_channel(self.channel)
-        return self.channel
-
-    def stop_prefetch(self) -> None:
-        if self.prefetch is not None:
-            self.prefetch.stop()
-            self.prefetch = None
-
-    def end_round(self) -> None:
-        """Finish the round's queued saves (after a fault they fail at once: the wrapper shut
-        the round's connections down), log their errors, free the round's group.
-
-        The ended round's outcomes are not read from its store and retention waits for the next
-        save: the next round decides what is complete (``find_latest``), and this runs on the
-        way to its first step. The pipeline and group stay referenced until they are closed: a
-        restart interrupt landing here (a hang detected while the thread finishes a save) leaves
-        them for the next call to close, so that a new pipeline never runs beside the old
-        thread (two threads reading one writer's answers would take each other's)."""
-        pipeline = self.pipeline
-        if pipeline is not None:
-            pipeline.close(settle=False)
-            self.pipeline = None
-            try:
-                pipeline.raise_errors()
-            except CheckpointWriteError as exc:
-                logger.warning("a save of the previous round did not complete: %s", exc)
-            pipeline.release(buffers=False)
-        channel = self.channel
-        if channel is not None:
-            channel.close()
-            self.channel = None
-
-    def free(self, *, pipeline_closed: bool) -> None:
-        """Stop the writer and the threads, free the buffers and the group. ``pipeline_closed``:
-        the caller closed the pipeline already (to raise its errors)."""
-        self.stop_prefetch()
-        if self.pipeline is not None and not pipeline_closed:
-            self.pipeline.close()
-        self.writer.stop()
-        self.stager.close()
-        if self.pipeline is not None:
-            self.pipeline.release()
-        for buffer in self.recv_buffers.values():
-            buffer.close()
-        self.recv_buffers.clear()
-        self.restore.close()
-        if self.channel is not None:
-            self.channel.close()
-        self.pipeline = self.channel = None
-
-
-def abandoned(resources: Resources) -> None:
-    """What a manager garbage-collected without close() runs (see Closing): close() without
-    raising the errors of its saves."""
-    resources.free(pipeline_closed=False)
-
-
-class Background:
-    """Run ``fn(*args)`` in a thread; :meth:`result` returns the exception it raised, or None."""
-
-    def __init__(self, fn: Any, *args: Any) -> None:
-        self._error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                fn(*args)
-            except BaseException as exc:
-                self._error = exc
-
-        self._thread = threading.Thread(target=run, name="trainguard-verify", daemon=True)
-        self._thread.start()
-
-    def result(self) -> BaseException | None:
-        self._thread.join()
-        return self._error
-
-
-def check_arguments(
-    replication: object, keep: object, backend: object, threads: int | None, nice: int
-) -> None:
-    """Raise :class:`ConfigError` for a constructor argument that cannot work."""
-    if replication is not None and not isinstance(replication, CliqueReplication):
-        raise ConfigError("replication must be a CliqueReplication(factor, jump) or None")
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ConfigError(f"keep={keep!r}: keep at least 1 complete iteration")
-    if backend not in (None, "gloo", "nccl"):
-        raise ConfigError(f"backend={backend!r}; use 'gloo' (CPU) or 'nccl' (GPU)")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("backend='nccl' needs CUDA; use backend='gloo'")
-    if threads is not None and threads < 1:
-        raise ConfigError("staging_threads must be >= 1 (or None for the default)")
-    if not 0 <= nice <= 19:
-        raise ConfigError("writer_nice must be between 0 and 19")
-
-
-def check_iteration(iteration: object, largest: int) -> None:
-    """Raise :class:`ConfigError` for an iteration number that ``save`` cannot store."""
-    if (
-        isinstance(iteration, bool)
-        or not isinstance(iteration, int)
-        or not 0 <= iteration <= largest
-    ):
-        raise ConfigError(
-            f"iteration={iteration!r}: use an integer from 0 to 2**63 - 1 ({largest}); a larger "
-            "count can be scaled down or kept in the state"
-        )
 
 
 def round_hosts(
@@ -239,3 +96,42 @@ def placement(
     hosts = round_hosts(replication, link, store, rank, world_size, timeout)
     clique = clique_of(replication, rank, world_size, watch, hosts)
     return hosts, clique, link is not None and replication.replicates(world_size, hosts)
+
+
+class RoundGather:
+    """Every rank's value through the round's store (every rank calls it in the same order:
+    the n-th call of each rank meets the others' n-th, under a key of its own).
+
+    One per round; :attr:`calls` counts its calls (a restore from memory checks that no
+    exchange happened since ``find_latest``). Without a link (one rank) it returns this rank's
+    value, encoded and decoded as the store would.
+    """
+
+    def __init__(
+        self,
+        link: StoreLink | None,
+        store: Store | None,
+        *,
+        rank: int,
+        world_size: int,
+        timeout: float,
+    ) -> None:
+        self._link, self._store = link, store
+        self._rank, self._world_size, self._timeout = rank, world_size, timeout
+        self.calls = 0
+
+    def __call__(self, what: str, value: Any) -> dict[int, Any]:
+        """Every rank's ``value``, by rank; ``what`` names the exchange in its key."""
+        self.calls += 1
+        if self._link is None or self._store is None:
+            return {self._rank: decode(encode(value))}
+        return gather(
+            self._store,
+            f"{self._link.prefix}/{what}/{self.calls}",
+            value,
+            rank=self._rank,
+            world_size=self._world_size,
+            timeout=self._timeout,
+            what="what they hold",
+            hint="every rank must call the same LocalCheckpointManager method together",
+        )

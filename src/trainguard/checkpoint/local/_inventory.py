@@ -31,14 +31,28 @@ import stat
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from trainguard.checkpoint.fileformat import parse_header, verify_data
+from trainguard.checkpoint.format.read import parse_header, verify_data
 from trainguard.checkpoint.local import _root
-from trainguard.errors import CheckpointCorruptError, CheckpointError
+from trainguard.errors import CheckpointCorruptError, CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
 
 #: The largest iteration a local checkpoint can have (the largest signed 64-bit integer).
 MAX_ITERATION = 2**63 - 1
+
+
+def check_iteration(iteration: object) -> None:
+    """Raise :class:`ConfigError` for an iteration number that a save cannot store."""
+    if (
+        isinstance(iteration, bool)
+        or not isinstance(iteration, int)
+        or not 0 <= iteration <= MAX_ITERATION
+    ):
+        raise ConfigError(
+            f"iteration={iteration!r}: use an integer from 0 to 2**63 - 1 ({MAX_ITERATION}); a "
+            "larger count can be scaled down or kept in the state"
+        )
+
 
 _DIR = re.compile(r"^iter_(\d{12,19})$")
 _FILE = re.compile(r"^owner(\d{5})\.h(\d{5})\.safetensors$")

@@ -17,34 +17,37 @@ empty: a process that joined it knows nothing of the last one).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from trainguard import events
 from trainguard.checkpoint.local import _inventory
+from trainguard.checkpoint.local._pipeline import SavePipeline
 from trainguard.errors import ConfigError
-
-if TYPE_CHECKING:
-    from trainguard.checkpoint.local.manager import LocalCheckpointManager
 
 logger = logging.getLogger(__name__)
 
+#: a round's gather: every rank's value by rank (see :class:`~._binding.RoundGather`)
+Gather = Callable[[str, Any], dict[int, Any]]
+
 
 def after_load(
-    mgr: LocalCheckpointManager,
+    pipeline: SavePipeline,
     chosen: int,
     merged: Mapping[int, Mapping[str, Any]],
     unreadable: Mapping[int, Sequence[Sequence[int]]],
-) -> None:
+    *,
+    world_size: int,
+    rank: int,
+) -> set[int]:
     """Every rank resumes from ``chosen``: remove the newer iterations that can never be
-    complete, keep (and remember) the others."""
-    keep = _inventory.whole(merged, unreadable, mgr.world_size, chosen)
-    removed = mgr._pipeline.drop_newer(chosen, keep=keep)
-    mgr._kept_newer = set(keep)
+    complete, keep the others; returns those kept."""
+    keep = _inventory.whole(merged, unreadable, world_size, chosen)
+    removed = pipeline.drop_newer(chosen, keep=keep)
     if removed:
         logger.info("removed iterations %s, newer than %d and never complete", removed, chosen)
         events.emit("local_ckpt_pruned", removed=removed, newer_than=chosen)
-    if keep and mgr.rank == 0:
+    if keep and rank == 0:
         logger.warning(
             "iteration(s) %s, newer than the iteration %d loaded, are kept (complete, or "
             "every part present): find_latest() returns the newest of them once it reads; to "
@@ -54,32 +57,32 @@ def after_load(
             chosen,
             chosen,
         )
+    return set(keep)
 
 
-def before_save(mgr: LocalCheckpointManager, iteration: int) -> None:
-    """Before a save of ``iteration``: when it is a kept newer iteration, replace it: every
-    rank removes its copies, then all pass a barrier (no rank writes the new save before
-    every rank has removed the old one)."""
-    if iteration not in mgr._kept_newer:
+def before_save(pipeline: SavePipeline, gather: Gather, kept: set[int], iteration: int) -> None:
+    """Before a save of ``iteration``: when it is a kept newer iteration (in ``kept``, which
+    loses it), replace it: every rank removes its copies, then all pass a barrier (no rank
+    writes the new save before every rank has removed the old one)."""
+    if iteration not in kept:
         return
-    removed = mgr._pipeline.drop(iteration)
-    mgr._gather_values("replace", iteration)
-    mgr._kept_newer.discard(iteration)
+    removed = pipeline.drop(iteration)
+    gather("replace", iteration)
+    kept.discard(iteration)
     logger.warning("iteration %d is saved again: its earlier copies were removed", iteration)
     events.emit("local_ckpt_pruned", removed=removed, replaced=iteration)
 
 
-def discard_newer(mgr: LocalCheckpointManager, iteration: int) -> list[int]:
+def discard_newer(pipeline: SavePipeline, gather: Gather, iteration: int) -> list[int]:
     """Remove every iteration newer than ``iteration`` on every rank (see the manager's
     ``discard_newer``); returns those removed from this rank's root."""
-    values = mgr._gather_values("discard", iteration)  # every rank has drained its saves
+    values = gather("discard", iteration)  # every rank has drained its saves
     if any(v != iteration for v in values.values()):
         raise ConfigError(
             f"discard_newer: the ranks asked for different iterations {sorted(values.items())};"
             " every rank must pass the same one"
         )
-    removed = mgr._pipeline.drop_newer(iteration)
-    mgr._kept_newer = {k for k in mgr._kept_newer if k <= iteration}
+    removed = pipeline.drop_newer(iteration)
     if removed:
         logger.warning("discarded iterations %s, newer than %d", removed, iteration)
         events.emit("local_ckpt_pruned", removed=removed, newer_than=iteration)

@@ -11,17 +11,16 @@ hashed again and the attempt repeats, up to :data:`_ATTEMPTS` times.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trainguard import events
-from trainguard.checkpoint.fileformat import load_buffer, load_file, verify_path
-from trainguard.checkpoint.local import _inventory, _newer, _transfer
-from trainguard.checkpoint.local._binding import Background
+from trainguard.checkpoint.format.read import load_buffer, load_file, verify_path
+from trainguard.checkpoint.local import _inventory, _transfer
+from trainguard.checkpoint.local._loading import Loader
+from trainguard.checkpoint.local._remembered import Remembered
 from trainguard.errors import CheckpointCorruptError
-
-if TYPE_CHECKING:
-    from trainguard.checkpoint.local.manager import LocalCheckpointManager
 
 logger = logging.getLogger(__name__)
 
@@ -29,47 +28,52 @@ _ATTEMPTS = 3  # loads in a row whose received copies fail their checksums befor
 
 
 def load_part(
-    mgr: LocalCheckpointManager, iteration: int, *, allow_pickle: bool, started: float
+    loader: Loader,
+    iteration: int,
+    *,
+    remembered: Remembered | None,
+    seq: int,
+    allow_pickle: bool,
+    started: float,
 ) -> Any:
-    """This rank's whole part of ``iteration`` (or of an older complete one); every rank
-    calls it together. ``started``: when the load began, for its event."""
-    fast, mgr._memory_round = mgr._memory_round, None
-    if fast is not None and fast.applies(iteration, mgr._calls, mgr._seq):
-        state, mgr.last_load = fast.restore(
-            mgr._remembered, mgr._res.restore, allow_pickle, started
-        )
+    """This rank's whole part of ``iteration`` (or of an older complete one), every rank
+    together; ``remembered``: what the staging buffer holds, ``seq``: the saves of this round,
+    ``started``: when the load began (for its event). Sets ``loader.last_load``."""
+    fast, loader.memory_round = loader.memory_round, None
+    if fast is not None and fast.applies(iteration, loader.gather.calls, seq):
+        state, loader.last_load = fast.restore(remembered, loader.restore, allow_pickle, started)
         return state
     for attempt in range(_ATTEMPTS):
-        parts = mgr._inventory.scan()  # hashes only files changed since last verified
-        merged = mgr._gather("load", parts)
-        chosen = mgr._pick(merged, iteration)
-        transfers = _inventory.plan(chosen, mgr.world_size)
+        parts = loader.inventory.scan()  # hashes only files changed since last verified
+        merged = loader.holdings("load", parts)
+        chosen = loader.pick(merged, iteration)
+        transfers = _inventory.plan(chosen, loader.world_size)
         mine = {p.owner: p for p in parts if p.iteration == chosen.iteration}
-        own = mine.get(mgr.rank) if mgr.rank < chosen.saved_world else None
-        memory = mgr._remembered
-        if own is None or memory is None or not memory.usable(chosen.iteration, mgr.rank):
+        own = mine.get(loader.rank) if loader.rank < chosen.saved_world else None
+        memory = remembered
+        if own is None or memory is None or not memory.usable(chosen.iteration, loader.rank):
             memory = None
         # this rank's own copy is hashed again while the transfers run (unless the staging
         # buffer it was written from still holds it: then no file is read)
         check = Background(verify_path, own.path) if own is not None and not memory else None
         paths = {owner: part.path for owner, part in mine.items()}
         plan = (chosen.iteration, chosen.sizes, transfers, paths)
-        received = _transfer.move_parts(mgr._group(bool(transfers)), *plan, rank=mgr.rank)
+        received = _transfer.move_parts(loader.group(bool(transfers)), *plan, rank=loader.rank)
         state, bad, kind = None, None, "file"
         if received is not None:
             source, raw = received
             try:
                 state, _ = load_buffer(
                     raw,
-                    f"part of owner {mgr.rank} from rank {source}",
+                    f"part of owner {loader.rank} from rank {source}",
                     allow_pickle=allow_pickle,
                 )
             except CheckpointCorruptError as exc:  # the sender's copy went bad unseen
                 logger.warning("%s", exc)
-                bad = [mgr.rank, source]
+                bad = [loader.rank, source]
             where, nbytes, kind = f"rank {source}", len(raw), "peer"
         elif memory is not None:
-            state = memory.restore(mgr._res.restore, allow_pickle=allow_pickle)
+            state = memory.restore(loader.restore, allow_pickle=allow_pickle)
             where, nbytes, kind = "memory", memory.nbytes, "memory"
         elif own is not None and check is not None:
             error = check.result()
@@ -77,9 +81,9 @@ def load_part(
                 state, _ = load_file(own.path, verify=False, allow_pickle=allow_pickle)
             else:
                 logger.warning("%s", error)
-                bad = [mgr.rank, mgr.rank]
+                bad = [loader.rank, loader.rank]
             where, nbytes = f"local {own.path}", own.file_size
-        failed = mgr._settle([bad] if bad else [], mine, attempt)
+        failed = loader.settle([bad] if bad else [], mine, attempt)
         if not failed:
             break
     else:
@@ -87,10 +91,10 @@ def load_part(
             f"load of iteration {iteration}: copies kept failing their checksums after "
             f"transfer ({failed}) in {_ATTEMPTS} attempts"
         )
-    _newer.after_load(mgr, chosen.iteration, merged, mgr._unreadable)
-    if _absent(mgr.rank, chosen):
+    loader.resumed(chosen.iteration, merged)
+    if _absent(loader.rank, chosen):
         return None
-    mgr.last_load = {"iteration": chosen.iteration, "source": where, "bytes": nbytes}
+    loader.last_load = {"iteration": chosen.iteration, "source": where, "bytes": nbytes}
     events.emit(
         "local_ckpt_load",
         duration=time.monotonic() - started,
@@ -116,3 +120,23 @@ def _absent(rank: int, chosen: _inventory.Choice) -> bool:
         chosen.saved_world,
     )
     return True
+
+
+class Background:
+    """Run ``fn(*args)`` in a thread; :meth:`result` returns the exception it raised, or None."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                fn(*args)
+            except BaseException as exc:
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="trainguard-verify", daemon=True)
+        self._thread.start()
+
+    def result(self) -> BaseException | None:
+        self._thread.join()
+        return self._error

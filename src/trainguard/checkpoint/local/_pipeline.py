@@ -12,6 +12,11 @@ Each save is one :class:`~trainguard.coord.commit.CommitRound` under ``<prefix>/
 every rank reports once its part and copies are durable (or failed), the last one decides, and
 every rank settles the save on that one outcome (read without waiting after each save, waited
 for by :meth:`SavePipeline.wait`), so that every rank counts the same iterations complete.
+
+Over 400 lines: one class whose methods follow one save through the thread in the order it
+happens (write, exchange, report, settle, retain) with the calls the manager makes between
+saves; the exchange's message protocol is in :mod:`._replicate` already, and what is left
+would split only into functions reading this class's private members.
 """
 
 from __future__ import annotations
@@ -28,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 from trainguard import events
 from trainguard._threads import serve
-from trainguard.checkpoint import _tmpfile
 from trainguard.checkpoint._link import StoreLink
-from trainguard.checkpoint.fileformat import PlacedEntry
+from trainguard.checkpoint.format import tmpfile
+from trainguard.checkpoint.format.write import PlacedEntry
 from trainguard.checkpoint.local import _inventory, _root
 from trainguard.checkpoint.local._replicate import Received, exchange_parts
 from trainguard.checkpoint.local._transfer import Channel
@@ -286,7 +291,7 @@ class SavePipeline:
             try:
                 result = self._writer.result()
             except WriterDied:
-                _tmpfile.remove_leftovers(path)
+                tmpfile.remove_leftovers(path)
                 raise
             assert result is not None
             if not result.ok:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from trainguard import events
-from trainguard.checkpoint.layout import unflatten
+from trainguard.checkpoint.format.layout import unflatten
 from trainguard.checkpoint.local._pipeline import StagedSave
 
 

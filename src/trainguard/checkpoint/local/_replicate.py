@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from trainguard.checkpoint.fileformat import PlacedEntry
+from trainguard.checkpoint.format.write import PlacedEntry
 from trainguard.checkpoint.local._transfer import Channel
 from trainguard.checkpoint.staging import StagingBuffer, regrow
 from trainguard.checkpoint.writer import WriterProcess

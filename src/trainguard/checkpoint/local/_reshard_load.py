@@ -32,21 +32,19 @@ import sys
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trainguard import events
 from trainguard.checkpoint._reshard import Index, SavedChunk, check_chunk, fill
-from trainguard.checkpoint.fileformat import (
+from trainguard.checkpoint.format.read import (
     FileHeader,
     header_bytes,
     parse_header_bytes,
     read_range,
 )
-from trainguard.checkpoint.local import _choose, _inventory, _newer, _transfer
+from trainguard.checkpoint.local import _choose, _inventory, _transfer
+from trainguard.checkpoint.local._loading import Loader
 from trainguard.errors import CheckpointCorruptError, CheckpointError
-
-if TYPE_CHECKING:
-    from trainguard.checkpoint.local.manager import LocalCheckpointManager
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +66,7 @@ class _Fetched:
 
 
 def load_into(
-    mgr: LocalCheckpointManager,
+    loader: Loader,
     iteration: int,
     into: Any,
     *,
@@ -78,18 +76,19 @@ def load_into(
     """Fill ``into`` in place from ``iteration`` (or an older complete one) and return it.
 
     Every rank of the manager's world calls it together (see the module's docstring);
-    ``started``: when the load began (``time.monotonic()``), for its event.
+    ``started``: when the load began (``time.monotonic()``), for its event. Sets the loader's
+    ``last_load``.
     """
     for attempt in range(_ATTEMPTS):
-        parts = mgr._inventory.scan()
-        merged = mgr._gather("load", parts)
-        chosen = _pick(mgr, merged, iteration)
+        parts = loader.inventory.scan()
+        merged = loader.holdings("load", parts)
+        chosen = _pick(loader, merged, iteration)
         mine = {p.owner: p for p in parts if p.iteration == chosen.iteration}
-        index = Index.from_headers(_headers(mgr, chosen, mine))
-        plain = mgr.rank if mgr.rank < chosen.saved_world else 0
+        index = Index.from_headers(_headers(loader, chosen, mine))
+        plain = loader.rank if loader.rank < chosen.saved_world else 0
         needed = _ranges(index.needed(into, plain_part=plain))
-        fetched = _fetch(mgr, chosen, needed, mine)
-        failed = mgr._settle(fetched.bad, mine, attempt)
+        fetched = _fetch(loader, chosen, needed, mine)
+        failed = loader.settle(fetched.bad, mine, attempt)
         if not failed:
             break
     else:
@@ -104,8 +103,8 @@ def load_into(
         plain_part=plain,
         allow_pickle=allow_pickle,
     )
-    _newer.after_load(mgr, chosen.iteration, merged, mgr._unreadable)
-    mgr.last_load = {
+    loader.resumed(chosen.iteration, merged)
+    last = loader.last_load = {
         "iteration": chosen.iteration,
         "source": _describe(fetched),
         "bytes": fetched.local + fetched.received,
@@ -116,30 +115,28 @@ def load_into(
     }
     elapsed = time.monotonic() - started
     extra = {"requested": iteration, "saved_world": chosen.saved_world, "attempts": attempt + 1}
-    fields = {**mgr.last_load, **extra, "copy": mgr.last_load["source"]}
+    fields = {**last, **extra, "copy": last["source"]}
     fields["source"] = "peer" if fetched.received else "file"  # "memory" is for whole parts
     events.emit("local_ckpt_load", duration=elapsed, **fields)
     return into
 
 
-def _pick(
-    mgr: LocalCheckpointManager, merged: dict[int, dict[str, Any]], iteration: int
-) -> _inventory.Choice:
+def _pick(loader: Loader, merged: dict[int, dict[str, Any]], iteration: int) -> _inventory.Choice:
     """``iteration``, or the newest older one, of which every owner's part is held by a live
     rank: a sharded state has chunks in every part, whatever the world size now."""
-    chosen = _choose.pick(merged, iteration, world_size=_EVERY_OWNER, root=mgr.root)
-    _choose.check_setting(chosen, mgr.setting, allow=mgr.allow_replication_change, root=mgr.root)
+    chosen = _choose.pick(merged, iteration, world_size=_EVERY_OWNER, root=loader.root)
+    loader.check_setting(chosen)
     return chosen
 
 
 def _headers(
-    mgr: LocalCheckpointManager, chosen: _inventory.Choice, mine: Mapping[int, _inventory.Part]
+    loader: Loader, chosen: _inventory.Choice, mine: Mapping[int, _inventory.Part]
 ) -> dict[int, FileHeader]:
     """Every part's header, published by its lowest-numbered holder (compressed, in one
     gather); parsed alike on every rank."""
     published: dict[str, str] = {}
     for owner, holders in sorted(chosen.holders.items()):
-        if holders[0] != mgr.rank:
+        if holders[0] != loader.rank:
             continue
         try:
             raw = header_bytes(mine[owner].path)
@@ -148,7 +145,7 @@ def _headers(
             continue
         published[str(owner)] = base64.b64encode(zlib.compress(raw)).decode()
     out: dict[int, FileHeader] = {}
-    for rank, value in sorted(mgr._gather_values("headers", published).items()):
+    for rank, value in sorted(loader.gather("headers", published).items()):
         for owner, text in value.items():
             raw = zlib.decompress(base64.b64decode(text))
             label = f"part of owner {owner} of iteration {chosen.iteration} (from rank {rank})"
@@ -175,7 +172,7 @@ def _ranges(chunks: Sequence[SavedChunk]) -> dict[Range, SavedChunk]:
 
 
 def _fetch(
-    mgr: LocalCheckpointManager,
+    loader: Loader,
     chosen: _inventory.Choice,
     needed: Mapping[Range, SavedChunk],
     mine: Mapping[int, _inventory.Part],
@@ -187,15 +184,15 @@ def _fetch(
         if r[0] in mine:
             data = _read_local(mine[r[0]].path, chunk)
             if data is None:
-                fetched.bad.append([r[0], mgr.rank])
+                fetched.bad.append([r[0], loader.rank])
             else:
                 fetched.data[r] = data
                 fetched.local += len(data)
-    needs = mgr._gather_values("needs", wanted)
+    needs = loader.gather("needs", wanted)
     plan = plan_ranges({int(k): v for k, v in needs.items()}, chosen.holders)
     paths = {owner: part.path for owner, part in mine.items()}
     got = _transfer.move_ranges(
-        mgr._group(bool(plan)), chosen.iteration, plan, paths, rank=mgr.rank
+        loader.group(bool(plan)), chosen.iteration, plan, paths, rank=loader.rank
     )
     for i, (source, buf) in got.items():
         part, begin, end, _, _ = plan[i]

@@ -23,8 +23,8 @@ import time
 from collections.abc import Sequence
 
 from trainguard import events
-from trainguard.checkpoint import _tmpfile
-from trainguard.checkpoint.fileformat import verify_path
+from trainguard.checkpoint.format import tmpfile
+from trainguard.checkpoint.format.read import verify_path
 from trainguard.checkpoint.local import _inventory, _root
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class SparePrefetch:
         """Copy ``source`` to ``dest`` (temporary file, verified, renamed); bytes copied."""
         if os.path.exists(dest):
             return 0
-        fd, tmp = _tmpfile.create(dest)
+        fd, tmp = tmpfile.create(dest)
         try:
             with open(source, "rb") as src, os.fdopen(fd, "wb", closefd=False) as out:
                 while chunk := src.read(_CHUNK):
@@ -112,9 +112,9 @@ class SparePrefetch:
                         raise InterruptedError("stopped")
                     out.write(chunk)
             verify_path(tmp)
-            _tmpfile.publish(fd, tmp, dest, mode=_root.PART_MODE)
+            tmpfile.publish(fd, tmp, dest, mode=_root.PART_MODE)
         except BaseException:
-            _tmpfile.discard(tmp)
+            tmpfile.discard(tmp)
             raise
         finally:
             with contextlib.suppress(OSError):

@@ -7,6 +7,7 @@ the loss of a node loses no part. See :class:`LocalCheckpointManager` for the pr
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -16,35 +17,26 @@ from typing import TYPE_CHECKING, Any
 from trainguard import _progress, _timeouts, events
 from trainguard.checkpoint import _link
 from trainguard.checkpoint._closing import Closing
-from trainguard.checkpoint.fileformat import (
-    check_header_fits,
-    place,
-)
-from trainguard.checkpoint.layout import flatten
+from trainguard.checkpoint.format.layout import flatten
+from trainguard.checkpoint.format.write import check_header_fits, place
 from trainguard.checkpoint.local import (
-    _choose,
     _inventory,
-    _newer,
     _part_load,
     _reshard_load,
     _root,
     _transfer,
 )
-from trainguard.checkpoint.local._binding import (
-    Resources,
-    abandoned,
-    check_arguments,
-    check_iteration,
-    dist_ranks,
-    placement,
-)
+from trainguard.checkpoint.local._binding import RoundGather, dist_ranks, placement
+from trainguard.checkpoint.local._loading import Loader
 from trainguard.checkpoint.local._pipeline import Place, SavePipeline, StagedSave
-from trainguard.checkpoint.local._remembered import MemoryRound, Remembered, in_memory
+from trainguard.checkpoint.local._remembered import Remembered
+from trainguard.checkpoint.local._resources import Resources, abandoned
 from trainguard.checkpoint.local._spare import SparePrefetch
+from trainguard.checkpoint.local.options import LocalOptions
 from trainguard.checkpoint.local.replication import CliqueReplication, no_replication
+from trainguard.checkpoint.options import chosen
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.writer import WriterProcess
-from trainguard.coord import decode, encode, gather
 from trainguard.errors import (
     CheckpointError,
     CheckpointWriteError,
@@ -101,19 +93,13 @@ class LocalCheckpointManager(Closing):
 
     Args:
         root: this rank's local directory (ranks of one node may share it).
-        replication: a :class:`CliqueReplication`, or None for one copy per part.
-        keep: complete iterations to keep (>= 1).
         store: the torch.distributed Store (default: the default process group's).
-        backend: transport for copies: ``"gloo"`` (default) or ``"nccl"``; a dedicated group.
-        timeout: how long a rank waits for the others (store and transfers): seconds or a
-            ``timedelta``.
-        staging_threads, pin_memory, fsync, writer_nice: as for ``AsyncCheckpointer``.
-        allow_replication_change: load iterations saved with another replication setting
-            instead of raising :class:`CheckpointReplicationMismatchError`.
-        key_prefix: prefix of this manager's store keys.
-        spare_roots: other ranks' roots this process can read, to prefetch from while it is a
-            spare (costs one iteration's parts of those roots in ``root``); None: off.
-        spare_interval: how often a spare looks for a newer iteration there.
+        replication, keep, backend, timeout, staging_threads, pin_memory, fsync, writer_nice,
+            allow_replication_change, key_prefix, spare_roots, spare_interval: the settings,
+            as :class:`~.options.LocalOptions` describes them (one field each); timeouts in
+            seconds or as a ``timedelta``.
+        options: those settings as one :class:`~.options.LocalOptions` instead of as
+            keywords; :attr:`options` holds them either way.
     """
 
     def __init__(
@@ -133,20 +119,35 @@ class LocalCheckpointManager(Closing):
         key_prefix: str = "trainguard/local",
         spare_roots: Sequence[str | os.PathLike[str]] | None = None,
         spare_interval: _timeouts.Timeout = 1.0,
+        options: LocalOptions | None = None,
     ) -> None:
-        check_arguments(replication, keep, backend, staging_threads, writer_nice)
+        built = LocalOptions(
+            replication=replication,
+            keep=keep,
+            backend=backend,
+            timeout=timeout,
+            staging_threads=staging_threads,
+            pin_memory=pin_memory,
+            fsync=fsync,
+            writer_nice=writer_nice,
+            allow_replication_change=allow_replication_change,
+            key_prefix=key_prefix,
+            spare_roots=spare_roots,
+            spare_interval=spare_interval,
+        )
+        #: The settings, checked (built from the keywords unless given as ``options``).
+        self.options = opts = chosen(options, built, "LocalCheckpointManager")
         started = time.monotonic()
-        self.timeout = _timeouts.seconds("timeout", timeout)
-        interval = _timeouts.seconds("spare_interval", spare_interval)
+        self.timeout = _timeouts.seconds("timeout", opts.timeout)
         _link.resolve(store, *dist_ranks())  # bad arguments fail here, before anything starts
-        self.replication = replication or no_replication()
+        self.replication = opts.replication or no_replication()
         self.setting = self.replication.describe()
         self.root = os.path.abspath(os.fspath(root))
-        self.keep = keep
-        self.fsync = fsync
-        self.allow_replication_change = allow_replication_change
-        self._backend = backend or "gloo"
-        self._key_prefix = key_prefix
+        self.keep = opts.keep
+        self.fsync = opts.fsync
+        self.allow_replication_change = opts.allow_replication_change
+        self._backend = opts.backend or "gloo"
+        self._key_prefix = opts.key_prefix
         _root.prepare_root(self.root)
         self._inventory = _inventory.Inventory(self.root)
         self._closed = False
@@ -156,11 +157,9 @@ class LocalCheckpointManager(Closing):
         #: ``chunks`` and ``parts``.
         self.last_load: dict[str, Any] | None = None
         self._remembered: Remembered | None = None  # what the staging buffer holds
-        self._kept_newer: set[int] = set()  # newer than the iteration loaded, kept (_newer)
-        self._unreadable: dict[int, Any] = {}  # rank -> [iteration, owner] it could not read
-        self._memory_round: MemoryRound | None = None
-        stager = Stager(threads=staging_threads or min(4, os.cpu_count() or 1), pin=pin_memory)
-        self._res = Resources(WriterProcess(nice=writer_nice), stager)
+        threads = opts.staging_threads or min(4, os.cpu_count() or 1)
+        stager = Stager(threads=threads, pin=opts.pin_memory)
+        self._res = Resources(WriterProcess(nice=opts.writer_nice), stager)
         self._writer, self._stager = self._res.writer, stager
         try:
             self._writer.start()
@@ -170,8 +169,9 @@ class LocalCheckpointManager(Closing):
             if isinstance(exc, WriterDied):
                 raise CheckpointWriteError(str(exc)) from exc
             raise
-        if spare_roots and self._watch.unbound:
-            roots = [os.path.abspath(os.fspath(r)) for r in spare_roots]
+        if opts.spare_roots and self._watch.unbound:
+            roots = [os.path.abspath(r) for r in opts.spare_roots]
+            interval = _timeouts.seconds("spare_interval", opts.spare_interval)
             self._res.prefetch = SparePrefetch(self.root, roots, interval, self._inventory)
         self._release_when_collected(abandoned, self._res)
 
@@ -189,17 +189,15 @@ class LocalCheckpointManager(Closing):
             link = _link.StoreLink.join(
                 store, key_prefix=self._key_prefix, world_size=self.world_size
             )
-        self._link = link
         # for gathers, and the pipeline's waits in this thread: the default group's store (torch
         # uses it from this thread too; connected already), or a client of a store given
-        self._store = None if link is None else link.client() if explicit else link.origin
-        where = (self.replication, link, self._store, self.rank, self.world_size, self.timeout)
+        caller = None if link is None else link.client() if explicit else link.origin
+        where = (self.replication, link, caller, self.rank, self.world_size, self.timeout)
         # this round's host of each rank, this rank's clique; the replication group is built on
         # first need (a save that replicates, a transfer)
         self.hosts, self.clique, self._replicates = placement(*where, watch)
         # per round: a rank interrupted before a save the others made is not behind for good
-        self._calls = self._seq = 0
-        self._kept_newer = set()  # known alike on every rank only from this round's load
+        self._seq = 0
         place = Place(
             self.rank, self.world_size, self.root, self.setting, self.clique, self.keep, self.fsync
         )
@@ -209,8 +207,24 @@ class LocalCheckpointManager(Closing):
             inventory=self._inventory,
             channel=None,
             link=link,
-            caller_store=self._store,
+            caller_store=caller,
             recv_buffers=self._res.recv_buffers,
+        )
+        self._loader = Loader(
+            rank=self.rank,
+            world_size=self.world_size,
+            root=self.root,
+            setting=self.setting,
+            allow_replication_change=self.allow_replication_change,
+            inventory=self._inventory,
+            gather=RoundGather(
+                link, caller, rank=self.rank, world_size=self.world_size, timeout=self.timeout
+            ),
+            channel_for=functools.partial(
+                self._res.channel_for, backend=self._backend, timeout=self.timeout
+            ),
+            pipeline=self._pipeline,
+            restore=self._res.restore,
         )
         self._watch = watch
         _link.setup_done("local", started, self.rank, self.world_size)
@@ -249,11 +263,11 @@ class LocalCheckpointManager(Closing):
         background work (the buffers are reused). Raises the error of an earlier failed save.
         """
         self._ensure_bound()
-        check_iteration(iteration, _inventory.MAX_ITERATION)
+        _inventory.check_iteration(iteration)
         requested = time.monotonic()
         self._pipeline.drain()
         self._pipeline.raise_errors()
-        _newer.before_save(self, iteration)
+        self._loader.before_save(iteration)
         flat = flatten(state, pickle=pickle)
         placed, nbytes = place(flat.entries)
         check_header_fits(placed, flat.skeleton)  # what a reader would refuse
@@ -302,27 +316,7 @@ class LocalCheckpointManager(Closing):
         self._ensure_bound()
         started = time.monotonic()
         self._pipeline.drain()
-        parts = self._inventory.scan()
-        memory = in_memory(self._remembered, parts, self.rank)
-        reports = [p.report() for p in parts]
-        values = self._gather_values("find", [memory, reports, self._inventory.unreadable])
-        merged = _inventory.holdings({r: v[1] for r, v in values.items()})
-        unreadable = {r: v[2] for r, v in values.items()}
-        candidates = _inventory.complete(merged, self.world_size)
-        self._pipeline.note_complete(candidates)
-        found = candidates[0] if candidates else None
-        self._memory_round = MemoryRound.of(values, found, self.world_size, self._calls, self._seq)
-        if found is not None:
-            self._accept(_inventory.choice(merged, found))
-            _newer.after_load(self, found, merged, unreadable)
-        events.emit(
-            "local_ckpt_find_latest",
-            duration=time.monotonic() - started,
-            iteration=found,
-            held=len(parts),
-            candidates=candidates[:5],
-        )
-        return found
+        return self._loader.find_latest(self._remembered, self._seq, started)
 
     def load(self, iteration: int, *, into: Any = None, allow_pickle: bool = False) -> Any:
         """This rank's part of ``iteration`` (owner = this rank's number). All ranks call it.
@@ -345,34 +339,23 @@ class LocalCheckpointManager(Closing):
         self._ensure_bound()
         started = time.monotonic()
         self._pipeline.drain()
+        loader = self._loader
         if into is not None:
-            return _reshard_load.load_into(
-                self, iteration, into, allow_pickle=allow_pickle, started=started
+            state = _reshard_load.load_into(
+                loader, iteration, into, allow_pickle=allow_pickle, started=started
             )
-        return _part_load.load_part(self, iteration, allow_pickle=allow_pickle, started=started)
-
-    def _settle(
-        self, bad: list[list[int]], mine: dict[int, _inventory.Part], attempt: int
-    ) -> list[list[int]]:
-        """Every rank's copies ``[owner, holder]`` that failed in this load attempt (a gather);
-        this rank's are hashed again at the next scan, which drops them if bad."""
-        failed = [pair for v in self._gather_values("loaded", bad).values() for pair in v]
-        if failed:
-            self._inventory.distrust_failed(failed, mine, self.rank, attempt)
-        return failed
-
-    def _pick(self, merged: dict[int, dict[str, Any]], iteration: int) -> _inventory.Choice:
-        """The iteration to load: ``iteration`` if complete, else the newest older complete."""
-        chosen = _choose.pick(merged, iteration, world_size=self.world_size, root=self.root)
-        self._accept(chosen)
-        return chosen
-
-    def _accept(self, chosen: _inventory.Choice) -> None:
-        """Check the replication setting of the iteration resumed from; note orphaned parts."""
-        _choose.check_setting(
-            chosen, self.setting, allow=self.allow_replication_change, root=self.root
-        )
-        _choose.note_orphans(chosen, world_size=self.world_size, rank=self.rank)
+        else:
+            state = _part_load.load_part(
+                loader,
+                iteration,
+                remembered=self._remembered,
+                seq=self._seq,
+                allow_pickle=allow_pickle,
+                started=started,
+            )
+        if loader.last_load is not None:
+            self.last_load = loader.last_load
+        return state
 
     def discard_newer(self, iteration: int) -> list[int]:
         """Remove every iteration newer than ``iteration``, complete ones included: roll back.
@@ -384,9 +367,9 @@ class LocalCheckpointManager(Closing):
         root.
         """
         self._ensure_bound()
-        check_iteration(iteration, _inventory.MAX_ITERATION)
+        _inventory.check_iteration(iteration)
         self._pipeline.drain()
-        return _newer.discard_newer(self, iteration)
+        return self._loader.discard_newer(iteration)
 
     def close(self) -> None:
         """Finish pending saves, stop the writer and the thread, free buffers and the group.
@@ -413,27 +396,3 @@ class LocalCheckpointManager(Closing):
     def _group(self, needed: bool) -> _transfer.Channel | None:
         """This round's replication group, built when first ``needed`` (every rank alike)."""
         return self._res.channel_for(needed, self._backend, self.timeout)
-
-    def _gather(self, what: str, parts: list[_inventory.Part]) -> dict[int, dict[str, Any]]:
-        """Every rank's verified parts, merged; :attr:`_unreadable` gets the files they found
-        but could not verify."""
-        value = [[p.report() for p in parts], self._inventory.unreadable]
-        values = self._gather_values(what, value)
-        self._unreadable = {r: v[1] for r, v in values.items()}
-        return _inventory.holdings({r: v[0] for r, v in values.items()})
-
-    def _gather_values(self, what: str, value: Any) -> dict[int, Any]:
-        """Every rank's ``value`` through the store (every rank calls it, in the same order)."""
-        self._calls += 1
-        if self._link is None or self._store is None:
-            return {self.rank: decode(encode(value))}
-        return gather(
-            self._store,
-            f"{self._link.prefix}/{what}/{self._calls}",
-            value,
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=self.timeout,
-            what="what they hold",
-            hint="every rank must call the same LocalCheckpointManager method together",
-        )

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from trainguard.checkpoint._formats import TORCH_DTYPE_NAMES
+from trainguard.checkpoint.format.kinds import TORCH_DTYPE_NAMES
 from trainguard.errors import CheckpointCorruptError
 
 #: The types of dict keys (and leaves) that JSON holds as they are.

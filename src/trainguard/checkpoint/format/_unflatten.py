@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from trainguard.checkpoint import _snode
-from trainguard.checkpoint._formats import MAX_DEPTH
-from trainguard.checkpoint._skelbase import SCALARS, dtype_from_name, key_repr
+from trainguard.checkpoint.format import snode
+from trainguard.checkpoint.format._skelbase import SCALARS, dtype_from_name, key_repr
+from trainguard.checkpoint.format.kinds import MAX_DEPTH
 from trainguard.errors import CheckpointCorruptError, CheckpointError, CheckpointPickleError
 
 
@@ -34,7 +34,7 @@ def unflatten(
 
     Tensors are views of ``data`` (no copy); views that shared a storage share one again. The
     skeleton may come from a file nobody vouches for: every node is checked (its tag and the
-    types of its fields, nesting at most :data:`._formats.MAX_DEPTH` deep, a tensor's dtype
+    types of its fields, nesting at most :data:`.kinds.MAX_DEPTH` deep, a tensor's dtype
     from a fixed table, its shape and strides inside its entry's bytes, never more elements
     than the entry holds), and a bad one raises :class:`CheckpointCorruptError` naming its key.
     With ``unpickle=False`` pickled leaves are checked but not unpickled (they become None).
@@ -155,7 +155,7 @@ class _Builder:
         name = node.get("S")
         raw = self.data.get(name) if isinstance(name, str) else None
         size = None if raw is None else raw.numel()
-        _snode.check(node, key_repr(path), size, dtype_from_name(node.get("dtype")))
+        snode.check(node, key_repr(path), size, dtype_from_name(node.get("dtype")))
 
     def pickled(self, raw: bytes, path: tuple[Any, ...]) -> Any:
         if not self.allow_pickle:

@@ -1,9 +1,9 @@
 """The kinds of checkpoint file and how to tell them apart (no torch, no other trainguard module).
 
-A checkpoint file is either a trainguard file (safetensors-compatible, see :mod:`.fileformat`)
+A checkpoint file is either a trainguard file (safetensors-compatible, see :mod:`.read`)
 or, for ``format="torch"``, a ``torch.save`` zip archive, recognised by its first four bytes.
-:mod:`.layout` and :mod:`.fileformat` both use the safetensors dtype codes, so they live here,
-below both.
+:mod:`.layout`, :mod:`.read` and :mod:`.write` use the safetensors dtype codes, so they live
+here, below them.
 """
 
 from __future__ import annotations

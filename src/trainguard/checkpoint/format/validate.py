@@ -21,7 +21,7 @@ from typing import Any
 
 import xxhash
 
-from trainguard.checkpoint._formats import MAX_HEADER, SAFETENSORS_ITEMSIZE
+from trainguard.checkpoint.format.kinds import MAX_HEADER, SAFETENSORS_ITEMSIZE
 from trainguard.errors import CheckpointCorruptError
 
 __all__ = [

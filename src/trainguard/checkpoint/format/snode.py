@@ -7,7 +7,7 @@
      "placements": ["S0", "R", ...]}
 
 ``"S"`` names the entry holding this rank's chunk (contiguous, C order, shape ``sizes``), or is
-null when another rank writes the same replica (see :func:`._shards.describe`). Across the files
+null when another rank writes the same replica (see :func:`.shards.describe`). Across the files
 of one checkpoint the chunks of a tensor cover it exactly once. :mod:`.layout` calls both sides;
 :mod:`._reshard` reads the checked nodes to load into any sharding.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from trainguard.checkpoint._shards import Box, describe
+from trainguard.checkpoint.format.shards import Box, describe
 from trainguard.errors import CheckpointCorruptError
 
 __all__ = ["SNode", "check", "make"]

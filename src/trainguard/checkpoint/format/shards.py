@@ -4,7 +4,8 @@ A :class:`Box` is a rectangular region of a global tensor: ``offsets`` of its fi
 ``sizes`` along every dimension. A DTensor's local shard on this rank is one box of its global
 tensor (:func:`dtensor_box`, from ``__create_chunk_list__``, which handles uneven, 2-D and strided
 sharding); a plain tensor is the box that covers all of it. Loading into another sharding is
-copying the intersection of a saved chunk's box and the target's box (:func:`copy_overlap`).
+copying the intersection of a saved chunk's box and the target's box (:func:`copy_overlap`);
+:func:`uncovered` finds a region of a box that a set of boxes leaves out.
 
 DTensor is imported lazily: importing this module never imports ``torch.distributed.tensor``.
 """
@@ -28,6 +29,7 @@ __all__ = [
     "dtensor_box",
     "is_dtensor",
     "local_view",
+    "uncovered",
 ]
 
 
@@ -175,3 +177,32 @@ def copy_overlap(src: torch.Tensor, src_box: Box, dst: torch.Tensor, dst_box: Bo
         return 0
     dst[_slices(common, dst_box)].copy_(src[_slices(common, src_box)])
     return common.numel
+
+
+def uncovered(box: Box, boxes: list[Box], limit: int = 4096) -> Box | None:
+    """A region of ``box`` that none of ``boxes`` holds (None when there is none, or when
+    finding one would split ``box`` into more than ``limit`` pieces)."""
+    left = [box]
+    for other in boxes:
+        left = [piece for part in left for piece in _minus(part, other)]
+        if len(left) > limit:
+            return None
+    return left[0] if left else None
+
+
+def _minus(box: Box, other: Box) -> list[Box]:
+    """``box`` without ``other``, as disjoint boxes (at most two per dimension)."""
+    common = box.intersect(other)
+    if common is None:
+        return [box]
+    pieces, offsets, sizes = [], list(box.offsets), list(box.sizes)
+    for d in range(len(offsets)):
+        lo, hi, end = common.offsets[d], common.offsets[d] + common.sizes[d], offsets[d] + sizes[d]
+        if lo > offsets[d]:
+            pieces.append(Box(tuple(offsets), (*sizes[:d], lo - offsets[d], *sizes[d + 1 :])))
+        if hi < end:
+            pieces.append(
+                Box((*offsets[:d], hi, *offsets[d + 1 :]), (*sizes[:d], end - hi, *sizes[d + 1 :]))
+            )
+        offsets[d], sizes[d] = lo, hi - lo
+    return pieces

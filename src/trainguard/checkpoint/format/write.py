@@ -1,8 +1,8 @@
 """Writing a checkpoint file: placing entries, hashing, encoding the header, durable writes.
 
-The file's layout is described in :mod:`.fileformat`, which re-exports everything public here
-and holds the reading side (parsing, verifying, loading). Needs no torch: the writer process
-starts without it.
+The file's layout is described in :mod:`.read`, the reading side (parsing, verifying,
+loading); :mod:`trainguard.checkpoint.fileformat` is the public face of both. Needs no torch:
+the writer process starts without it.
 """
 
 from __future__ import annotations
@@ -18,9 +18,23 @@ from typing import Any
 
 import xxhash
 
-from trainguard.checkpoint import _tmpfile, _validate
-from trainguard.checkpoint._formats import MAX_HEADER
+from trainguard.checkpoint.format import tmpfile, validate
+from trainguard.checkpoint.format.kinds import MAX_HEADER
 from trainguard.errors import CheckpointError
+
+__all__ = [
+    "ALIGN",
+    "CHUNK",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "PlacedEntry",
+    "check_header_fits",
+    "checksum",
+    "encode_header",
+    "fsync_dir",
+    "place",
+    "write_file",
+]
 
 FORMAT = "trainguard"
 FORMAT_VERSION = "2"  # "2": the header holds the skeleton's checksum too
@@ -67,7 +81,7 @@ def encode_header(
     """The header bytes including the 8-byte length, padded so the data starts on ALIGN."""
     meta = dict(metadata)
     meta.update(format=FORMAT, format_version=FORMAT_VERSION, checksum="xxh3_64")
-    meta["skeleton_checksum"] = _validate.skeleton_checksum(meta.get("skeleton", "null"))
+    meta["skeleton_checksum"] = validate.skeleton_checksum(meta.get("skeleton", "null"))
     meta["checksums"] = json.dumps(checksums, separators=(",", ":"))
     header: dict[str, Any] = {"__metadata__": meta}
     for e in placed:
@@ -87,14 +101,14 @@ def check_header_fits(placed: Sequence[PlacedEntry], skeleton: Any) -> None:
 
     Called by ``save`` in the caller's thread, before anything is staged: the header holds the
     skeleton (every leaf that is not a tensor, as JSON) and one line per entry, and a reader
-    accepts at most :data:`._formats.MAX_HEADER` bytes of it (safetensors' own limit). The
+    accepts at most :data:`.kinds.MAX_HEADER` bytes of it (safetensors' own limit). The
     message names the largest leaf, usually the culprit (``bytes``, a long list).
     """
     text = json.dumps(skeleton, separators=(",", ":"))
     size = len(encode_header(placed, {"skeleton": text}, {e.name: _PLACEHOLDER for e in placed}))
     if size + _HEADER_SLACK <= MAX_HEADER:
         return
-    from trainguard.checkpoint.layout import largest_leaf
+    from trainguard.checkpoint.format.layout import largest_leaf
 
     where, nbytes = largest_leaf(skeleton)
     raise CheckpointError(
@@ -149,13 +163,13 @@ def write_file(
     ``data`` is the data section (placed entries at their offsets), typically a view of a
     staging buffer in shared memory: it is written straight from there, in large chunks, while
     another thread hashes the chunk just written. The file appears under ``path`` only complete:
-    it is written as a new temporary file (see :mod:`._tmpfile`), fsynced, renamed, and the
+    it is written as a new temporary file (see :mod:`.tmpfile`), fsynced, renamed, and the
     directory fsynced. On any error the partial temporary file is removed and the error is
     raised.
     """
     data_nbytes = placed[-1].offset + placed[-1].nbytes if placed else 0
     header = encode_header(placed, metadata, {e.name: _PLACEHOLDER for e in placed})
-    fd, tmp = _tmpfile.create(path)
+    fd, tmp = tmpfile.create(path)
     try:
         _check_space(fd, len(header) + data_nbytes, tmp)
         hashes = _write_and_hash(fd, data[:data_nbytes], len(header), placed, hasher)
@@ -165,10 +179,10 @@ def write_file(
         _pwrite_all(fd, memoryview(final), 0)
         if fsync:
             os.fsync(fd)
-        _tmpfile.publish(fd, tmp, path)
+        tmpfile.publish(fd, tmp, path)
     except BaseException:
         os.close(fd)
-        _tmpfile.discard(tmp)
+        tmpfile.discard(tmp)
         raise
     os.close(fd)
     if fsync:
