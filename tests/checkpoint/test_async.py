@@ -149,7 +149,7 @@ def test_wait_staged_is_the_explicit_fence(tmp_path: Path) -> None:
 
 
 def test_disk_full_is_reported_and_the_next_save_works(small_fs: Path, tmp_path: Path) -> None:
-    with AsyncCheckpointer() as ckpt:
+    with AsyncCheckpointer(on_error="raise") as ckpt:
         ckpt.save({"w": torch.ones(1000)}, small_fs / "ok")
         ckpt.wait()
         ckpt.save({"w": torch.ones(1 << 20)}, small_fs / "too_big")  # 4 MiB on 1 MiB
@@ -167,7 +167,7 @@ def test_disk_full_is_reported_and_the_next_save_works(small_fs: Path, tmp_path:
 
 
 def test_read_only_directory_is_reported(readonly_dir: Path, tmp_path: Path) -> None:
-    with AsyncCheckpointer() as ckpt:
+    with AsyncCheckpointer(on_error="raise") as ckpt:
         ckpt.save({"w": torch.ones(10)}, readonly_dir / "x")
         with pytest.raises(CheckpointWriteError, match=r"EROFS|EACCES|Read-only|Permission"):
             ckpt.wait()
@@ -178,7 +178,7 @@ def test_read_only_directory_is_reported(readonly_dir: Path, tmp_path: Path) -> 
 
 def test_killed_writer_fails_the_save_and_is_replaced(tmp_path: Path, no_leaks) -> None:
     state = sample_state()
-    with AsyncCheckpointer() as ckpt:
+    with AsyncCheckpointer(on_error="raise") as ckpt:
         ckpt.save(state, tmp_path / "good")
         ckpt.wait()
         pid = ckpt.writer_pid

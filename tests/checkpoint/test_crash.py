@@ -57,7 +57,7 @@ def test_killing_the_writer_at_random_points(tmp_path: Path) -> None:
     rng = random.Random(1234)
     committed: list[int] = []
     failures = 0
-    with AsyncCheckpointer() as ckpt:
+    with AsyncCheckpointer(on_error="raise") as ckpt:
         for step in range(12):
             handle = ckpt.save(_state(step), tmp_path / f"step{step:05d}")
             time.sleep(rng.uniform(0.0, 0.06))

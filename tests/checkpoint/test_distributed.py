@@ -102,7 +102,7 @@ def _one_rank_fails(root: str, bad_rank: int) -> dict:
     dist, rank, world, store = _setup()
     out: dict = {}
     try:
-        with AsyncCheckpointer(commit_timeout=60) as ckpt:
+        with AsyncCheckpointer(commit_timeout=60, on_error="raise") as ckpt:
             ckpt.save(_state(rank, 1), f"{root}/step1")
             ckpt.wait()
             if rank == bad_rank:
@@ -161,7 +161,7 @@ def _one_rank_skips(root: str) -> dict:
     dist, rank, _, _ = _setup()
     out: dict = {}
     try:
-        with AsyncCheckpointer(commit_timeout=60) as ckpt:
+        with AsyncCheckpointer(commit_timeout=60, on_error="raise") as ckpt:
             if rank == 1:
                 os.kill(ckpt.writer_pid, signal.SIGSTOP)  # rank 1 is still writing step1...
             started = time.monotonic()
@@ -204,7 +204,7 @@ def _abandon_while_a_rank_is_late(root: str) -> dict:
     dist, rank, _, store = _setup()
     out: dict = {}
     try:
-        ckpt = AsyncCheckpointer(commit_timeout=60)
+        ckpt = AsyncCheckpointer(commit_timeout=60, on_error="raise")
         ckpt.save(_state(rank, 1), f"{root}/step1")
         ckpt.wait()
         if rank == 1:
@@ -281,8 +281,10 @@ def test_a_late_rank_cannot_commit_what_a_timed_out_rank_gave_up(tmp_path: Path)
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
     delay = [0.0]
-    r0 = AsyncCheckpointer(store=store, rank=0, world_size=2, commit_timeout=1)
-    r1 = AsyncCheckpointer(store=_LateReports(store, delay), rank=1, world_size=2, commit_timeout=1)
+    r0 = AsyncCheckpointer(store=store, rank=0, world_size=2, commit_timeout=1, on_error="raise")
+    r1 = AsyncCheckpointer(
+        store=_LateReports(store, delay), rank=1, world_size=2, commit_timeout=1, on_error="raise"
+    )
     with r0, r1:
         for rank, ckpt in enumerate((r0, r1)):
             ckpt.save(_state(rank, 1), tmp_path / "step1")

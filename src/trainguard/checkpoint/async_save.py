@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainguard import _progress, _timeouts, events
-from trainguard.checkpoint import _commit, _link, _overwrite, _rebind
+from trainguard.checkpoint import _commit, _link, _onerror, _overwrite, _rebind
 from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint._load import latest, load, part_name
 from trainguard.checkpoint._save_work import SaveWorker, serve_holding, stop_serving
@@ -92,7 +92,7 @@ class AsyncCheckpointer(Closing):
             group's store when torch.distributed is initialized, else single-process).
         rank, world_size: this rank and the number of ranks (default: from torch.distributed).
         staging_threads, pin_memory, fsync, commit_timeout, writer_nice, start_timeout,
-            close_timeout, key_prefix, overwrite: the settings, as :class:`~.options.AsyncOptions`
+            close_timeout, key_prefix, overwrite, on_error: the settings, as :class:`~.options.AsyncOptions`
             describes them (one field each); timeouts in seconds or as a ``timedelta``.
         options: those settings as one :class:`~.options.AsyncOptions` instead of as
             keywords; :attr:`options` holds them either way.
@@ -113,6 +113,7 @@ class AsyncCheckpointer(Closing):
         close_timeout: _timeouts.Timeout = 900.0,
         key_prefix: str = "trainguard/ckpt",
         overwrite: bool = True,
+        on_error: str = "report",
         options: AsyncOptions | None = None,
     ) -> None:
         built = AsyncOptions(
@@ -125,9 +126,11 @@ class AsyncCheckpointer(Closing):
             close_timeout=close_timeout,
             key_prefix=key_prefix,
             overwrite=overwrite,
+            on_error=on_error,
         )
         #: The settings, checked (built from the keywords unless given as ``options``).
         self.options = opts = chosen(options, built, "AsyncCheckpointer")
+        self._failures = _onerror.FailurePolicy(opts.on_error, "AsyncCheckpointer")
         self.commit_timeout = _timeouts.seconds("commit_timeout", opts.commit_timeout)
         start = _timeouts.seconds("start_timeout", opts.start_timeout)
         self.close_timeout = _timeouts.seconds("close_timeout", opts.close_timeout)
@@ -229,7 +232,7 @@ class AsyncCheckpointer(Closing):
         (a new path per checkpoint; remove an old one to reuse its name). Returns a
         :class:`SaveHandle`, or None when ``if_busy="skip"`` and the previous save is still
         being written (with several ranks, a rank that skips makes that checkpoint fail on the
-        others, which name it as the cause; a save that raises here does the same). Raises the error of an earlier failed save first. Objects JSON cannot hold
+        others, which name it as the cause; a save that raises here does the same). An earlier failed save is reported or raised first (``on_error``). Objects JSON cannot hold
         need ``pickle=True`` (and ``allow_pickle=True`` to load). ``format="torch"`` writes a
         file that ``torch.load(weights_only=True)`` reads.
         """
@@ -322,29 +325,46 @@ class AsyncCheckpointer(Closing):
         self._hooks.append(optimizer.register_step_pre_hook(fence))
 
     def poll(self) -> None:
-        """Run callbacks of finished saves in this thread; raise the first failure. Never blocks
-        (except to re-bind to a new round, see :meth:`bind`)."""
+        """Run callbacks of finished saves in this thread; a failed save is reported (the
+        default) or raised, as ``on_error`` says. Never blocks (except to re-bind to a new
+        round, see :meth:`bind`)."""
         self._ensure_bound()
-        self._outcomes.deliver()
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """Hand the finished saves' outcomes to this thread; a failure goes to ``on_error``."""
+        try:
+            self._outcomes.deliver()
+        except CheckpointWriteError as exc:
+            self._failures.handle(exc)
+
+    @property
+    def failures(self) -> list[CheckpointError]:
+        """The background failures reported so far (``on_error="report"``), oldest first."""
+        return list(self._failures.failures)
 
     def wait(self, timeout: _timeouts.Timeout | None = None) -> None:
         """Block until every pending save is committed or failed, then :meth:`poll`.
 
-        ``timeout`` (seconds or a ``timedelta``; None: no bound) raises
-        :class:`CheckpointWriteError` when a save is not done by then (it goes on).
+        Bounded: at most ``timeout`` (seconds or a ``timedelta``; None: ``close_timeout``). A
+        save not done by then (it goes on) and a save that failed are
+        :class:`CheckpointWriteError` errors that ``on_error`` reports (the default) or raises.
         """
         limit = _timeouts.optional_seconds("timeout", timeout)
+        if limit is None:
+            limit = self.close_timeout
         self._ensure_bound()
-        late = self._outcomes.late(None if limit is None else time.monotonic() + limit)
+        late = self._outcomes.late(time.monotonic() + limit)
         if late is not None:
-            raise CheckpointWriteError(f"checkpoint {late.path} not done within {limit} s")
-        self._outcomes.deliver()
+            error = CheckpointWriteError(f"checkpoint {late.path} not done within {limit:g} s")
+            self._failures.handle(error)
+        self._deliver()
 
     def close(self, *, abandon: bool = False) -> None:
         """Wait for pending saves, stop the writer, free buffers, threads and hooks.
 
-        Raises the error of a failed pending save after everything is freed. Idempotent.
-        ``abandon=True`` (e.g. from a restart's finalize hook, when a rank the commit waits for
+        The error of a failed pending save is reported or raised (``on_error``) after everything
+        is freed. Idempotent. ``abandon=True`` (e.g. from a restart's finalize hook, when a rank the commit waits for
         may be dead) gives up the saves not yet committed instead of waiting for the other
         ranks: their commit fails at once on every rank, naming this rank's abandonment as the
         cause, and no error is raised here. The previous committed checkpoint stays the latest.
@@ -363,7 +383,7 @@ class AsyncCheckpointer(Closing):
             elif self._thread.is_alive() and self._outcomes.late(deadline) is not None:
                 self._give_up()
             else:
-                self._outcomes.deliver()
+                self._deliver()
         except BaseException as exc:
             error = exc
         finally:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from trainguard import _timeouts
 from trainguard._timeouts import Timeout
+from trainguard.checkpoint import _onerror
 from trainguard.errors import ConfigError
 
 __all__ = ["AsyncOptions", "check_shared", "check_timeouts", "chosen"]
@@ -111,6 +112,11 @@ class AsyncOptions:
     writer, fails them on every rank and raises."""
     key_prefix: str = "trainguard/ckpt"
     """Prefix of the store keys (every rank creates its checkpointers in the same order)."""
+    on_error: str = "report"
+    """A save that fails in the background (disk full, a killed writer, another rank's
+    failure): ``"report"`` logs it, emits ``ckpt_failure`` and keeps it in ``failures`` while
+    training goes on and the next save retries; ``"raise"`` raises it in the training loop
+    (the next ``poll``/``save``/``wait``). See :mod:`trainguard.checkpoint._onerror`."""
     overwrite: bool = True
     """With several ranks, a save to a committed checkpoint replaces it safely: it is written
     beside it and swapped in once committed (:mod:`trainguard.checkpoint._overwrite`), so a
@@ -122,4 +128,5 @@ class AsyncOptions:
         check_shared(self)
         if not isinstance(self.overwrite, bool):
             raise ConfigError(f"overwrite={self.overwrite!r}: pass True or False")
+        _onerror.check(self.on_error)
         check_timeouts(self, "commit_timeout", "start_timeout", "close_timeout")

@@ -309,7 +309,7 @@ def _killed_mid_save(roots: list[str], flag: str) -> dict:
     dist, rank = _init()
     out: dict = {}
     try:
-        with _manager(roots[rank], timeout=6) as mgr:
+        with _manager(roots[rank], timeout=6, on_error="raise") as mgr:
             mgr.save(part_state(rank, 1), 1)
             mgr.wait()
             Path(flag, f"saved1-{rank}").touch()

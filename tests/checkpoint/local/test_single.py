@@ -122,7 +122,7 @@ def _bytes(root: Path) -> int:
 def test_retention_keeps_complete_iterations_and_never_grows(tmp_path: Path) -> None:
     root = tmp_path / "root"
     sizes = []
-    with LocalCheckpointManager(root, keep=2) as mgr:
+    with LocalCheckpointManager(root, keep=2, on_error="raise") as mgr:
         for it in range(50):
             mgr.save({"w": torch.full((4096,), float(it)), "it": it}, it)
             if it % 10 == 9:

@@ -3,6 +3,12 @@
 Every rank saves its *part* (its state) under a local root (typically ``/dev/shm`` or a local
 NVMe) and keeps copies of the parts of its clique's members (see :mod:`.replication`), so that
 the loss of a node loses no part. See :class:`LocalCheckpointManager` for the protocol.
+
+Over 400 lines: one class, the user's half of the protocol (build, save, wait, find_latest,
+load, restore from memory, close), each method with the docstring that states its contract.
+The work behind it lives beside it: saving and replication in :mod:`._pipeline`, loading in
+:mod:`._loading`, the round's resources in :mod:`._resources`, the settings in :mod:`.options`,
+failure reports in :mod:`trainguard.checkpoint._onerror`.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from trainguard import _progress, _timeouts, events
-from trainguard.checkpoint import _link
+from trainguard.checkpoint import _link, _onerror
 from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint.format.layout import flatten
 from trainguard.checkpoint.format.write import check_header_fits, place
@@ -119,6 +125,7 @@ class LocalCheckpointManager(Closing):
         key_prefix: str = "trainguard/local",
         spare_roots: Sequence[str | os.PathLike[str]] | None = None,
         spare_interval: _timeouts.Timeout = 1.0,
+        on_error: str = "report",
         options: LocalOptions | None = None,
     ) -> None:
         built = LocalOptions(
@@ -134,9 +141,11 @@ class LocalCheckpointManager(Closing):
             key_prefix=key_prefix,
             spare_roots=spare_roots,
             spare_interval=spare_interval,
+            on_error=on_error,
         )
         #: The settings, checked (built from the keywords unless given as ``options``).
         self.options = opts = chosen(options, built, "LocalCheckpointManager")
+        self._failures = _onerror.FailurePolicy(opts.on_error, "LocalCheckpointManager")
         started = time.monotonic()
         self.timeout = _timeouts.seconds("timeout", opts.timeout)
         _link.resolve(store, *dist_ranks())  # bad arguments fail here, before anything starts
@@ -266,7 +275,10 @@ class LocalCheckpointManager(Closing):
         _inventory.check_iteration(iteration)
         requested = time.monotonic()
         self._pipeline.drain()
-        self._pipeline.raise_errors()
+        try:
+            self._pipeline.raise_errors()
+        except CheckpointWriteError as exc:
+            self._failures.handle(exc)
         self._loader.before_save(iteration)
         flat = flatten(state, pickle=pickle)
         placed, nbytes = place(flat.entries)
@@ -293,13 +305,22 @@ class LocalCheckpointManager(Closing):
     def wait(self, timeout: _timeouts.Timeout | None = None) -> None:
         """Block until the last saved iteration is durable with every copy on every rank.
 
-        Then applies retention. Raises :class:`CheckpointWriteError` naming the ranks whose
-        part or copies failed, or that did not finish within ``timeout`` (default: the
-        manager's). Every rank calls it (it reads the store only).
+        Then applies retention. A failure (the ranks whose part or copies failed, or that did
+        not finish within ``timeout``, default: the manager's) is a :class:`CheckpointWriteError`
+        that ``on_error`` reports (the default) or raises. Every rank calls it (it reads the
+        store only).
         """
         limit = _timeouts.optional_seconds("timeout", timeout)
         self._ensure_bound()
-        self._pipeline.wait(self.timeout if limit is None else limit)
+        try:
+            self._pipeline.wait(self.timeout if limit is None else limit)
+        except CheckpointWriteError as exc:
+            self._failures.handle(exc)
+
+    @property
+    def failures(self) -> list[CheckpointError]:
+        """The background failures reported so far (``on_error="report"``), oldest first."""
+        return list(self._failures.failures)
 
     def find_latest(self) -> int | None:
         """The newest iteration every owner's part of which a live rank holds, verified.
@@ -374,7 +395,8 @@ class LocalCheckpointManager(Closing):
     def close(self) -> None:
         """Finish pending saves, stop the writer and the thread, free buffers and the group.
 
-        Raises the error of a failed pending save after everything is freed. Idempotent.
+        The error of a failed pending save is reported or raised (``on_error``) after
+        everything is freed. Idempotent.
         """
         if self._closed:
             return
@@ -385,7 +407,10 @@ class LocalCheckpointManager(Closing):
         pipeline.close()
         self._res.free(pipeline_closed=True)
         self._remembered = None
-        pipeline.raise_errors()
+        try:
+            pipeline.raise_errors()
+        except CheckpointWriteError as exc:
+            self._failures.handle(exc)
 
     # ------------------------------------------------------------------ internals
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from trainguard._timeouts import Timeout
+from trainguard.checkpoint import _onerror
 from trainguard.checkpoint.local.replication import CliqueReplication
 from trainguard.checkpoint.options import check_shared, check_timeouts
 from trainguard.errors import ConfigError
@@ -63,6 +64,11 @@ class LocalOptions:
     one iteration's parts of those roots in its own root); None: off."""
     spare_interval: Timeout = 1.0
     """How often a spare looks for a newer iteration under ``spare_roots``."""
+    on_error: str = "report"
+    """A save that fails in the background (disk full, a killed writer, a failed copy):
+    ``"report"`` logs it, emits ``ckpt_failure`` and keeps it in ``failures`` while training
+    goes on and the next save retries; ``"raise"`` raises it at the next ``save``/``wait``.
+    See :mod:`trainguard.checkpoint._onerror`."""
 
     def __post_init__(self) -> None:
         replication = self.replication
@@ -83,6 +89,7 @@ class LocalOptions:
                 f"allow_replication_change={self.allow_replication_change!r}: pass True or False"
             )
         check_shared(self)
+        _onerror.check(self.on_error)
         check_timeouts(self, "timeout", "spare_interval")
         object.__setattr__(self, "spare_roots", _roots(self.spare_roots))
 
