@@ -5,7 +5,9 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch on this machine's disk; installed before the package so that pip never
 # resolves the package's `torch>=2.6` range to a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
-PYTEST_ARGS ?=
+# two workers: most of a test's time is spent waiting on its ranks' processes (tests/conftest.py
+# keeps the tests that share the machine on one worker); PYTEST_ARGS= runs it serially
+PYTEST_ARGS ?= -n 2 --dist loadgroup
 
 .PHONY: test lint format bench demo clean soak-test compat gpu-check
 
