@@ -21,6 +21,7 @@ import torch
 from trainguard import events
 from trainguard.checkpoint import _commit, _overwrite, _rebind
 from trainguard.checkpoint._saves import Job
+from trainguard.checkpoint._unchanged import UnchangedWatch
 from trainguard.checkpoint.format import tmpfile
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.writer import WriteJob, WriteResult, WriterProcess
@@ -89,6 +90,7 @@ class SaveWorker:
         self._overwrite = overwrite
         self._close_timeout = close_timeout
         self._giving_up = threading.Event()
+        self._unchanged = UnchangedWatch()  # a save identical to the previous one is reported
 
     @property
     def _committer(self) -> _commit.Committer | None:
@@ -136,6 +138,7 @@ class SaveWorker:
             job.handle.written.set()
         if error is None:
             job.durable(result, rank=self._slot.rank, world_size=self._slot.world_size)
+            self._unchanged.durable(job.handle.path, job.write_file or job.handle.file)
             self._results.put(("durable", job))
         if self._committer is not None:
             self._committer.put(self._report(job, error))
