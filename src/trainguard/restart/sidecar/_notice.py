@@ -24,11 +24,15 @@ rank's new process, which arrives there like any rank. If it never comes, the la
 writes the notice again with ``returning=False``: an ordinary departure, so the barrier
 completes without it. A rank that had already arrived at round ``n+1`` gets an ordinary
 notice (its new process then joins as a newcomer).
+
+:func:`write_notice` writes one; :func:`notify` writes it for a watch (the node watcher's, a
+sidecar's or the launcher's sidecar service) and logs it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 
@@ -39,6 +43,9 @@ from trainguard.restart import _records
 from trainguard.restart._book import RoundBook, peek, propose
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.state import RoundOutcome
+
+# the sidecar's own logger (the node watcher's and the agent's log files hold its lines)
+logger = logging.getLogger("trainguard.restart.sidecar")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,3 +148,32 @@ def _emit(notice: Notice) -> None:
         counted=notice.counted,
         returning=notice.returning,
     )
+
+
+def notify(
+    store: StoreLike,
+    cfg: SidecarConfig,
+    r: int,
+    where: tuple[int, tuple[int, ...]],
+    cause: str,
+    *,
+    returning: bool = False,
+) -> Notice | None:
+    """Write the death notice of rank ``r`` in the wrapped call of ``cfg`` (``store``: a
+    connection of this notice's own), last seen in round ``where[0]`` whose ranks were
+    ``where[1]``, and log it; None when it could not be written (logged). ``returning``: the
+    launcher respawns ``r`` (see :func:`write_notice`)."""
+    try:
+        done = write_notice(store, cfg, r, where[0], where[1], cause, returning=returning)
+    except Exception:
+        logger.exception("could not write the notice that rank %d is gone", r)
+        return None
+    logger.warning(
+        "rank %d gone in round %d (%s); notice written in %.1f ms (counted: %s)",
+        r,
+        done.gone_round,
+        cause,
+        1000 * done.duration,
+        done.counted,
+    )
+    return done

@@ -56,7 +56,7 @@ from trainguard import events
 from trainguard.coord.liveness import RingWatch
 from trainguard.coord.store import connect
 from trainguard.restart.sidecar._config import SidecarConfig
-from trainguard.restart.sidecar._notify import notify
+from trainguard.restart.sidecar._notice import notify
 
 logger = logging.getLogger("trainguard.restart.sidecar")
 

@@ -48,7 +48,7 @@ from trainguard.coord import _wire
 from trainguard.coord.store import connect
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._node import accept_own
-from trainguard.restart.sidecar._notify import notify
+from trainguard.restart.sidecar._notice import notify
 from trainguard.restart.sidecar._relay import Relay
 from trainguard.restart.sidecar._watch import Watch
 
