@@ -49,6 +49,7 @@ TESTS = (
     "tests/checkpoint/test_dcp_interop.py",
     "tests/checkpoint/test_overwrite.py",
     "tests/checkpoint/dcp_conformance",
+    "tests/live",
     "tests/launch/test_compat.py",
     "tests/test_torchcompat.py",
 )
