@@ -12,7 +12,7 @@ import pathlib
 import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "trainguard"
-MAX_MODULE_LINES = 500
+MAX_MODULE_LINES = 450  # issue 32: a smell detector, not a target (split along a seam)
 MAX_FUNCTION_LINES = 80
 
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from trainguard._teardown import close_round
 from trainguard.demo import faults as _faults
 from trainguard.demo._channel import Channel, PipeChannel
+from trainguard.demo._config import DemoConfig as DemoConfig
 from trainguard.errors import StragglerError
 from trainguard.restart.preempt import Preempted
 
@@ -42,54 +43,6 @@ if TYPE_CHECKING:
     from trainguard.checkpoint import AsyncCheckpointer, LocalCheckpointManager
     from trainguard.live import LiveState
     from trainguard.restart import CallWrapper
-
-
-@dataclasses.dataclass(frozen=True)
-class DemoConfig:
-    """Everything a demo process needs (picklable)."""
-
-    out: str
-    ranks: int = 4
-    spares: int = 1
-    steps: int = 300
-    faults: tuple[_faults.Fault, ...] = ()
-    local_every: int = 10
-    disk_every: int = 50
-    report_every: int = 5
-    soft_timeout: float = 3.0
-    hard_timeout: float = 10.0
-    heartbeat_timeout: float = 5.0
-    perturb: bool = False  # test hook: flip one bit of one parameter after the first restore
-    step_time: float = 0.0  # a step lasts at least this long (seconds): faults land mid-run
-    take_out_stragglers: bool = False  # a persistent straggler leaves, a spare takes over
-    live: bool = True  # recover from the survivors' live state first (False: checkpoints only)
-    resumed: bool = False  # `--resume`: a preempted run continues (no reference run)
-
-    @property
-    def world(self) -> int:
-        return self.ranks + self.spares
-
-    def to_json(self) -> str:
-        """This configuration as JSON (:meth:`from_json` reads it back)."""
-        import json
-
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> DemoConfig:
-        import json
-
-        fields = json.loads(text)
-        found = tuple(_faults.Fault(**f) for f in fields.pop("faults"))
-        return cls(faults=found, **fields)
-
-    @property
-    def events_dir(self) -> Path:
-        """The event log of the run (a resumed run's own: its rounds count from 0 again)."""
-        return Path(self.out) / ("events-resumed" if self.resumed else "events")
-
-    def local_root(self, process: int) -> Path:
-        return Path(self.out) / "local" / f"node{process}"
 
 
 def reference(cfg: DemoConfig, process: int, port: int) -> str:

@@ -99,6 +99,25 @@ def handler(context: SubprocessContext, local_rank: int) -> SubprocessHandler:
     return context.subprocess_handlers[local_rank]
 
 
+def kill_groups(
+    context: SubprocessContext | None, local_ranks: Iterator[int] | list[int]
+) -> list[int]:
+    """SIGKILL the process group of each of ``local_ranks``' current process (those still
+    known to ``context``); the pids signalled."""
+    if context is None:
+        return []
+    killed = []
+    for local_rank in local_ranks:
+        try:
+            pid = handler(context, local_rank).proc.pid
+        except (KeyError, AttributeError):
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+            killed.append(pid)
+    return killed
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkerLaunch:
     """What torch used to start ``local_rank``'s first process."""

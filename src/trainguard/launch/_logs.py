@@ -20,6 +20,8 @@ from typing import TextIO
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
+from trainguard.launch._compat import WorkerLaunch
+
 __all__ = ["AgentLogsSpecs", "IncarnationFiles", "incarnation_files", "tail"]
 
 
@@ -71,6 +73,19 @@ def incarnation_files(
     return IncarnationFiles(
         _moved(stdout, incarnation), _moved(stderr, incarnation), _moved(error_file, incarnation)
     )
+
+
+def incarnation_launch(
+    first: WorkerLaunch, incarnation: int
+) -> tuple[WorkerLaunch, IncarnationFiles]:
+    """How a slot's ``incarnation``-th process is started: as its first one (``first``), with
+    ``TRAINGUARD_INCARNATION`` set and files of its own (:func:`incarnation_files`)."""
+    files = incarnation_files(first.stdout, first.stderr, first.error_file, incarnation)
+    env = dict(first.env, TRAINGUARD_INCARNATION=str(incarnation))
+    if env.get("TORCHELASTIC_ERROR_FILE"):
+        env["TORCHELASTIC_ERROR_FILE"] = files.error_file
+    launch = dataclasses.replace(first, env=env, stdout=files.stdout, stderr=files.stderr)
+    return launch, files
 
 
 def tail(name: str, dest: LogsDest, local_rank: int, files: IncarnationFiles) -> list[TailLog]:

@@ -40,10 +40,7 @@ Nodes (with the node heartbeat and, for the c10d rendezvous, the admission gate;
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
-import os
 import signal
 import socket
 import time
@@ -68,7 +65,7 @@ from trainguard.launch import _agenthooks, _compat, _preempt
 from trainguard.launch._agenthooks import Heartbeat, Service
 from trainguard.launch._coordstore import CoordStore, Generation
 from trainguard.launch._gate import AdmissionGate
-from trainguard.launch._logs import AgentLogsSpecs, incarnation_files, tail
+from trainguard.launch._logs import AgentLogsSpecs, incarnation_launch, tail
 from trainguard.launch._nodes import NodeWatch
 from trainguard.launch._partition import Partition, Verdict
 from trainguard.launch._slots import Escalate, Respawn, SlotPolicy, SlotTable
@@ -269,19 +266,10 @@ class TrainguardAgent(LocalElasticAgent):
 
     def _kill_workers(self) -> list[int]:
         """SIGKILL every running worker's process group (the fence; any thread)."""
-        slots, context = self.slots, getattr(self, "_pcontext", None)
-        if slots is None or context is None:
+        slots = self.slots
+        if slots is None:
             return []
-        killed = []
-        for local_rank in slots.running():
-            try:
-                pid = _compat.handler(context, local_rank).proc.pid
-            except (KeyError, AttributeError):
-                continue
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-                killed.append(pid)
-        return killed
+        return _compat.kill_groups(getattr(self, "_pcontext", None), slots.running())
 
     def _evicted(self, group: WorkerGroup) -> RunResult:
         """This node was declared lost: stop its workers, then take a free place of the job
@@ -358,11 +346,7 @@ class TrainguardAgent(LocalElasticAgent):
         _compat.release(_compat.handler(context, local_rank))
         first = _compat.launch_of(context, local_rank)
         incarnation = self.slots.incarnation(local_rank) + 1
-        files = incarnation_files(first.stdout, first.stderr, first.error_file, incarnation)
-        env = dict(first.env, TRAINGUARD_INCARNATION=str(incarnation))
-        if env.get("TORCHELASTIC_ERROR_FILE"):
-            env["TORCHELASTIC_ERROR_FILE"] = files.error_file
-        launch = dataclasses.replace(first, env=env, stdout=files.stdout, stderr=files.stderr)
+        launch, files = incarnation_launch(first, incarnation)
         new = _compat.replace(context, local_rank, launch)
         self.slots.started(local_rank, new.proc.pid)
         self._error_files[local_rank] = files.error_file

@@ -16,6 +16,7 @@ from typing import Any
 
 from trainguard import events
 from trainguard.errors import SidecarLostError
+from trainguard.restart._book import RoundBook
 from trainguard.restart.state import RestartInterrupt, RoundOutcome, RoundState, describe
 
 logger = logging.getLogger(__name__)
@@ -87,3 +88,14 @@ def sidecar_lost(rank: int, lost: str) -> SidecarLostError:
         "TRAINGUARD_SIDECAR=process, in the events directory or tmp)",
         causes={rank: lost},
     )
+
+
+def record_hang(book: RoundBook, rank: int, n: int, why: str) -> None:
+    """Watchdog thread: record a hang (or the sidecar's loss) seen on ``rank`` as round
+    ``n``'s fault, through the call's ``book``;
+    a store that fails is logged (the round's other ways of ending still work)."""
+    kind = "Hang" if why.startswith("hang") else "SidecarLost"
+    try:
+        book.propose(n, RoundOutcome.fault(rank, why, kind))
+    except Exception as exc:
+        logger.error("could not record the fault %r: %s", why, exc)

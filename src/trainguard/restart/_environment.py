@@ -103,6 +103,20 @@ def detect(environ: Mapping[str, str] | None = None) -> Launch:
     )
 
 
+def round_variables(rank: int | None, world_size: int, local_rank: int, pg: str) -> dict[str, str]:
+    """The launcher's variables a round's function sees: its rank and world size, and the
+    round's own store at ``pg`` (``host:port``) as the rendezvous (the agent's store)."""
+    host, _, port = pg.rpartition(":")
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(local_rank),
+        "MASTER_ADDR": host,
+        "MASTER_PORT": port,
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+
+
 @contextlib.contextmanager
 def round_environment(values: Mapping[str, str]) -> Iterator[None]:
     """Set the round's variables in ``os.environ``; restore the previous values after, and

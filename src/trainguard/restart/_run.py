@@ -4,7 +4,7 @@ The methods of :class:`WrappedCall` read in the order things happen. One fault, 
 
 1. :meth:`WrappedCall._round`: the function raises on some rank. That rank proposes the
    round's outcome, a fault (:meth:`_fault`: ``Session.stop``, first proposal wins). A hang
-   seen by the watchdog (:meth:`_hang`) or a death seen by a sidecar proposes one the same way.
+   seen by the watchdog (:func:`._diagnose.record_hang`) or a death seen by a sidecar proposes one the same way.
 2. Every rank's monitor thread wakes on the outcome (:mod:`.monitor`): it interrupts the
    function (``RestartInterrupt``), aborts torch.distributed and calls :meth:`_aborted` (the
    user's ``abort`` hook). A main thread that stays blocked is reported to :meth:`_stuck`:
@@ -31,7 +31,6 @@ from trainguard import _progress, events
 from trainguard.errors import BarrierTimeoutError, JobEndedError, RetryLimitError
 from trainguard.restart import _diagnose
 from trainguard.restart import _environment as _launch
-from trainguard.restart._book import RoundBook
 from trainguard.restart._interrupt import Kick
 from trainguard.restart._preconnect import Preconnect
 from trainguard.restart._records import RoundLayout
@@ -159,7 +158,7 @@ class WrappedCall:
         self.watchdog = Watchdog(
             thread_id=threading.get_ident(),
             state=self._progress_state,
-            on_hang=lambda n, why: self._hang(book, n, why),
+            on_hang=lambda n, why: _diagnose.record_hang(book, self.launch.rank, n, why),
             soft_timeout=cfg.soft_timeout,
             interval=min(0.1, cfg.soft_timeout / 20),
             sidecar=self.sidecar,
@@ -309,7 +308,10 @@ class WrappedCall:
         returned = False
         self.raised = None
         try:
-            with _launch.round_environment(self._round_env(ready.pg)):
+            variables = _launch.round_variables(
+                self.state.rank, self.state.world_size, self.launch.local_rank, ready.pg
+            )
+            with _launch.round_environment(variables):
                 try:
                     if self.cfg.initialize is not None:
                         self.cfg.initialize(state)
@@ -341,18 +343,6 @@ class WrappedCall:
             self.session.complete(n, state.world_size)
             return self._wait(n, self.cfg.completion_timeout, "completion"), value, None
         return self._wait(n, self.cfg.barrier_timeout, "abort"), None, fault
-
-    def _round_env(self, pg: str) -> dict[str, str]:
-        """The launcher's variables for this round (the round's own store at ``pg``)."""
-        host, _, port = pg.rpartition(":")
-        return {
-            "RANK": str(self.state.rank),
-            "WORLD_SIZE": str(self.state.world_size),
-            "LOCAL_RANK": str(self.launch.local_rank),
-            "MASTER_ADDR": host,
-            "MASTER_PORT": port,
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-        }
 
     def _fault(self, n: int, exc: Exception) -> str | None:
         """The function raised: propose a fault; its description when this rank's was first."""
@@ -430,15 +420,6 @@ class WrappedCall:
     def _progress_state(self) -> tuple[int, bool, CallWrapper | None]:
         monitor = self.monitor
         return self.state.round, bool(monitor is not None and monitor.in_function), self.call
-
-    def _hang(self, book: RoundBook, n: int, why: str) -> None:
-        """Watchdog thread: record a hang (or the sidecar's loss) as round ``n``'s fault."""
-        kind = "Hang" if why.startswith("hang") else "SidecarLost"
-        outcome = RoundOutcome.fault(self.launch.rank, why, kind)
-        try:
-            book.propose(n, outcome)
-        except Exception as exc:
-            logger.error("could not record the fault %r: %s", why, exc)
 
     def _take_out(self) -> BaseException | None:
         take_out = self.cfg.stragglers.take_out if self.cfg.stragglers else None
