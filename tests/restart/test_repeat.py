@@ -95,3 +95,21 @@ def test_arguments_the_function_does_not_take_are_refused_at_the_first_call() ->
 
     with pytest.raises(ConfigError, match="passes the CallWrapper as 'call'"):
         train(10, 20)
+
+
+def test_a_call_that_fails_to_start_leaves_the_next_call_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call refused before its first round (here: no RANK in the environment) must not
+    leave the process marked as inside a wrapped call: the next call gets its own error, not
+    "a wrapped function cannot call a wrapped function" (that mark once stayed set)."""
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+
+    @tr.Wrapper(sidecar=False)
+    def train(call: tr.CallWrapper) -> int:
+        return call.rank
+
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="cannot tell this process's rank"):
+            train()

@@ -94,8 +94,8 @@ class Wrapper:
             if getattr(_active_calls, "on", False):
                 raise ConfigError("a wrapped function cannot call a wrapped function")
             _check_arguments(fn, param, args, kwargs)
+            call = WrappedCall(config, fn, param, args, kwargs)  # may raise: nothing is set yet
             _active_calls.on = True
-            call = WrappedCall(config, fn, param, args, kwargs)
             try:
                 value = call.run()
             except Exception as exc:
