@@ -171,7 +171,7 @@ def _two_ranks(root: str) -> dict[str, object]:
     path = f"{root}/ckpt"
     out: dict[str, object] = {}
     try:
-        with AsyncCheckpointer(commit_timeout=60) as ckpt:
+        with AsyncCheckpointer(commit_timeout=60, on_error="raise") as ckpt:
             for step in (1, 2, 3):
                 ckpt.save({"w": torch.full((8,), float(10 * step + rank))}, path)
                 ckpt.wait()

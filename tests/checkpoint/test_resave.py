@@ -50,7 +50,7 @@ def _resave(root: str) -> dict:
     committed, failed = f"{root}/step1", f"{root}/step2"
     out: dict = {}
     try:
-        with AsyncCheckpointer(commit_timeout=60, overwrite=False) as ckpt:
+        with AsyncCheckpointer(commit_timeout=60, overwrite=False, on_error="raise") as ckpt:
             out["first"] = _save_and_wait(ckpt, _state(rank, 1), committed)
             dist.barrier()
             # rank 1 cannot save its state (an object JSON cannot hold, no pickle=True)

@@ -17,6 +17,8 @@ ADDED = {
     "TRAINGUARD_GENERATION",
     "TRAINGUARD_INCARNATION",
     "TRAINGUARD_AGENT",
+    # the preemption grace budget (--tg-preemption-grace), so that workers save within it
+    "TRAINGUARD_PREEMPTION_GRACE",
     # its default: each attempt's bootstrap store lives in worker rank 0 (torch's shared agent
     # store leaks one attempt's keys into the next), unless the user set it
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
