@@ -24,6 +24,7 @@ the partial file and starts a new writer for the next save.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import ctypes
@@ -40,6 +41,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -225,6 +227,25 @@ def _main_hidden() -> Iterator[None]:
             main.__dict__.update(saved)
 
 
+#: writer processes started by this process and maybe still running (see _end_at_exit)
+_STARTED: weakref.WeakSet[Any] = weakref.WeakSet()
+_AT_EXIT: list[bool] = []
+
+
+def _end_at_exit() -> None:
+    """At interpreter exit, SIGKILL the writers of checkpointers that were never closed.
+
+    A writer ignores SIGTERM (a preemption signals every process of the job, and the writer
+    must finish the last save), so multiprocessing's own exit handler, which SIGTERMs daemonic
+    children and then joins them, would wait for it forever. Registered after the first
+    writer started, so it runs before that handler (atexit runs last-registered first)."""
+    for proc in list(_STARTED):
+        with contextlib.suppress(Exception):
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
 class WriterProcess:
     """Handle on one writer process (see the module docstring for the protocol).
 
@@ -258,6 +279,10 @@ class WriterProcess:
         )
         with _main_hidden():
             proc.start()
+        _STARTED.add(proc)
+        if not _AT_EXIT:
+            _AT_EXIT.append(True)
+            atexit.register(_end_at_exit)
         child.close()
         ready = multiprocessing.connection.wait([parent, proc.sentinel], self.start_timeout)
         if parent not in ready:
