@@ -178,6 +178,7 @@ def _two_ranks(root: str) -> dict[str, object]:
                 dist.barrier()
                 out[f"step{step}"] = float(load(path)["w"][0])
             out["entries"] = sorted(os.listdir(root))
+            dist.barrier()  # every rank listed before any starts the next save (its sibling)
             # a save that fails on one rank (an object JSON cannot hold) changes nothing there
             bad = {"w": object()} if rank == 1 else {"w": torch.full((8,), -1.0)}
             try:
@@ -192,6 +193,7 @@ def _two_ranks(root: str) -> dict[str, object]:
             dist.barrier()
             out["step4"] = float(load(path)["w"][0])
             out["entries_after"] = sorted(os.listdir(root))
+            dist.barrier()
         with AsyncCheckpointer(commit_timeout=60, overwrite=False) as ckpt:
             try:
                 ckpt.save({"w": torch.zeros(8)}, path)
