@@ -325,3 +325,20 @@ def test_reinit_is_split_and_training_again_is_shown(tmp_path: Path) -> None:
 
     plot_timeline(events, rep, tmp_path / "t.png")
     assert (tmp_path / "t.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_failed_and_unchanged_saves_are_counted_and_shown() -> None:
+    events = [ev(0.0, "round_start", r) for r in range(2)]
+    events += steps(2, 0, 0, 9, 2.0)
+    events += [
+        ev(6.0, "ckpt_failure", r, checkpointer="AsyncCheckpointer", count=1) for r in (0, 1)
+    ]
+    events += [ev(9.0, "ckpt_unchanged", 0, path="ckpt/step8", previous="ckpt/step4")]
+    events += [ev(13.0, "complete", r) for r in range(2)]
+    rep = report.analyze(events)
+    assert (rep.failed_saves, rep.unchanged_saves) == (2, 1)
+    assert rep.to_dict()["failed_saves"] == 2
+    table = report.format_table(rep)
+    assert "checkpoint saves: 2 failed and reported" in table and "1 identical" in table
+    quiet = report.format_table(report.analyze([e for e in events if "ckpt_" not in e["kind"]]))
+    assert "checkpoint saves:" not in quiet

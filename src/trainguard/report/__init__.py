@@ -137,6 +137,10 @@ class Report:
     launcher: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     # ranks named slower than the others (see trainguard.report._stragglers.summary)
     stragglers: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # background saves that failed and were reported (``ckpt_failure``: training went on), and
+    # saves whose tensors equal the previous save's (``ckpt_unchanged``), one per rank each
+    failed_saves: int = 0
+    unchanged_saves: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -298,6 +302,8 @@ def analyze(events: list[dict[str, Any]]) -> Report:
         notes=notes,
         launcher=summary(tl.events, t0),
         stragglers=straggler_summary(tl.events, t0),
+        failed_saves=sum(1 for e in tl.events if e.get("kind") == "ckpt_failure"),
+        unchanged_saves=sum(1 for e in tl.events if e.get("kind") == "ckpt_unchanged"),
     )
 
 
@@ -360,6 +366,12 @@ def format_table(report: Report) -> str:
         lines.append("goodput: unknown")
     else:
         lines.append(f"goodput: {100 * report.goodput:.1f} % (productive / wall)")
+    if report.failed_saves or report.unchanged_saves:
+        lines.append(
+            f"checkpoint saves: {report.failed_saves} failed and reported (training went on, "
+            f"the previous checkpoint stayed the latest), {report.unchanged_saves} identical to "
+            "the save before (is the saved state the one training updates?)"
+        )
     lines += section(report.launcher)
     lines += straggler_lines(report.stragglers)
     lines += [f"note: {note}" for note in report.notes]
