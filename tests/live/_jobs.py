@@ -55,14 +55,17 @@ def digest(net: nn.Module) -> str:
     return h.hexdigest()
 
 
-def _partial_step(opt: torch.optim.Optimizer) -> None:
-    """``opt.step()`` on the first parameter group only, then a failure: a torn update."""
+def _partial_step(opt: torch.optim.Optimizer, sync: bool) -> None:
+    """``opt.step()`` on the first parameter group only, then a failure: a torn update.
+    ``sync``: first wait until the other ranks finished their own update of this step."""
     groups = opt.param_groups
     opt.param_groups = groups[:1]
     try:
         opt.step()
     finally:
         opt.param_groups = groups
+    if sync:
+        dist.barrier()
     raise InjectedFault("injected: optimizer.step() failed after updating some parameters")
 
 
@@ -74,8 +77,12 @@ def step_once(
     world: int,
     fault: str,
     call: Any = None,
+    sync: bool = False,
 ) -> None:
-    """One step; ``fault`` is what this rank suffers in it ("" for nothing)."""
+    """One step; ``fault`` is what this rank suffers in it ("" for nothing). ``sync`` (the
+    step of a torn update, on every rank): the torn rank fails only once every other rank has
+    finished this step's update, so that they all are donors at the newest step (else which
+    of them finished it before the abort depends on the machine's load)."""
     x, y = batch(step)
     opt.zero_grad(set_to_none=False)
     hidden = net[1](net[0](x))
@@ -100,8 +107,10 @@ def step_once(
         offset += g.numel()
     with live.update(step, call):
         if fault == "torn":
-            _partial_step(opt)
+            _partial_step(opt, sync)
         opt.step()
+    if sync:
+        dist.barrier()
 
 
 def reference(steps: int) -> str:
@@ -182,7 +191,8 @@ def live_job(
         )
         for step in range(first, steps):
             hit = call.rank == victim and step == at and _claim(marker, call.round)
-            step_once(net, opt, live, step, call.world_size, fault if hit else "", call)
+            sync = fault == "torn" and step == at and call.round == 0 and call.world_size > 1
+            step_once(net, opt, live, step, call.world_size, fault if hit else "", call, sync)
             call.ping()
         dist.destroy_process_group()
         return digest(net)
