@@ -155,7 +155,10 @@ def mixed_rounds_job(faulted: int) -> dict[str, Any]:
     # largest count (MAX) at every round's start.
     count = [0]
 
-    @tr.Wrapper(**{**TIMEOUTS, "max_rounds": faulted + 10})
+    # none of these faults needs the sidecar's kill (each hang is interrupted at the soft
+    # timeout): a hard timeout far above it keeps a loaded machine's slow unwind from being
+    # killed as a hang, which would end the rank instead of measuring its leaks
+    @tr.Wrapper(**{**TIMEOUTS, "hard_timeout": 15.0, "max_rounds": faulted + 10})
     def train(call: tr.CallWrapper) -> int:
         dist.init_process_group("gloo")
         t = torch.full((8,), float(count[0]))
