@@ -11,6 +11,9 @@ from __future__ import annotations
 import ast
 import pathlib
 
+from tests.test_codebase import _imports as imports
+from tests.test_codebase import _modules as all_modules
+
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "src" / "trainguard"
 CHECKPOINT = ROOT / "checkpoint"
 MAX_LINES = 400
@@ -19,47 +22,18 @@ REASON = "Over 400 lines:"
 
 
 def _modules() -> dict[str, pathlib.Path]:
-    out = {}
-    for path in sorted(CHECKPOINT.rglob("*.py")):
-        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path
-    return out
-
-
-def _every_import(module: str, path: pathlib.Path, known: set[str]) -> set[str]:
-    """The checkpoint modules ``module`` imports anywhere: at module level, in functions, and
-    under ``if TYPE_CHECKING:`` (an annotation's dependency is a dependency of the design)."""
-    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name in known)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[: len(package) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            for alias in node.names:
-                if f"{target}.{alias.name}" in known:
-                    found.add(f"{target}.{alias.name}")
-                elif target in known:
-                    found.add(target)
-    found.discard(module)
-    return found
+    """The checkpoint package's modules (name -> path)."""
+    return {m: p for m, p in all_modules().items() if m.startswith("trainguard.checkpoint")}
 
 
 def test_nothing_below_the_local_manager_imports_it() -> None:
     """The manager holds its loader, pipeline and resources; none of them reaches back."""
     modules = _modules()
-    known = set(modules)
     manager = "trainguard.checkpoint.local.manager"
     importers = sorted(
         m
         for m, p in modules.items()
-        if manager in _every_import(m, p, known) and m != "trainguard.checkpoint.local"
+        if manager in imports(m, p, modules, every=True) and m != "trainguard.checkpoint.local"
     )
     assert importers == []
 

@@ -1,4 +1,4 @@
-"""Fixtures of the coord tests: a store process, a plain TCPStore."""
+"""Fixtures of the coord tests: a store process, a plain TCPStore, a server of either backend."""
 
 from __future__ import annotations
 
@@ -42,3 +42,20 @@ def store() -> Iterator[Any]:
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
     yield server
     del server
+
+
+@pytest.fixture(params=[True, False], ids=["libuv", "classic"])
+def server(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A real TCPStore server (hosted by this process) of either backend."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        use_libuv=request.param,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=30),
+    )
+    yield store
+    del store

@@ -5,30 +5,11 @@ means the same on each of them against a real TCPStore server (both backends).""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-import pytest
-
 from trainguard.coord import _wire
 from trainguard.coord.store import StoreLike
-
-
-@pytest.fixture(params=[True, False], ids=["libuv", "classic"])
-def server(request: pytest.FixtureRequest) -> Iterator[Any]:
-    import torch.distributed as dist
-
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        is_master=True,
-        use_libuv=request.param,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=30),
-    )
-    yield store
-    del store
 
 
 def _clients(server: Any) -> dict[str, Any]:

@@ -20,23 +20,6 @@ from trainguard.coord._wire import WireStore
 from trainguard.errors import CoordinationError, StoreTimeoutError
 
 
-@pytest.fixture(params=[True, False], ids=["libuv", "classic"])
-def server(request: pytest.FixtureRequest) -> Iterator[Any]:
-    """A real TCPStore server (hosted by this process) of either backend."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        is_master=True,
-        use_libuv=request.param,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=30),
-    )
-    yield store
-    del store
-
-
 def test_values_cross_between_torch_and_wire_clients(server: Any) -> None:
     wire = WireStore("127.0.0.1", server.port, timeout=30)
     wire.set("from_wire", "a")
