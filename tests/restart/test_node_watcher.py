@@ -5,6 +5,7 @@ hung holding the GIL at the hard timeout, and exits when its last rank has left.
 from __future__ import annotations
 
 import re
+import secrets
 import time
 from pathlib import Path
 
@@ -81,7 +82,7 @@ from trainguard.coord.keys import Keyspace
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.sidecar import NodeSidecar, SidecarConfig
 cfg = WrapperConfig(soft_timeout=20, hard_timeout=60, heartbeat_timeout=10)
-config = SidecarConfig.build(cfg, rank=1, world=2, keys=Keyspace("unread", 0, "c" * 32),
+config = SidecarConfig.build(cfg, rank=1, world=2, keys=Keyspace("unread", 0, sys.argv[3]),
                              addr=("127.0.0.1", int(sys.argv[1])), log_dir=sys.argv[2])
 handle = NodeSidecar(config).start()
 assert handle.sock is not None, handle.error
@@ -99,14 +100,21 @@ def test_a_rank_killed_before_it_read_the_reply_still_gets_its_notice(tmp_path) 
 
     from trainguard.coord.keys import Keyspace
 
+    # a secret of this run's own: the watcher's address derives from it, and a fixed one was
+    # shared with any other test run on this machine (its rank reached that run's watcher)
+    secret = secrets.token_hex(16)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
-    proc = subprocess.run(
-        [sys.executable, "-c", _DIES_UNREAD, str(store.port), str(tmp_path)],
-        capture_output=True,
-        timeout=60,
-    )
-    assert proc.returncode == -9, proc.stderr
-    keys = Keyspace("unread", 0, "c" * 32)
+    # the watcher it starts inherits its stderr: a file, not a pipe that stays open until the
+    # watcher ends
+    with open(tmp_path / "rank.err", "wb") as err:
+        proc = subprocess.run(
+            [sys.executable, "-c", _DIES_UNREAD, str(store.port), str(tmp_path), secret],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            timeout=60,
+        )
+    assert proc.returncode == -9, (tmp_path / "rank.err").read_text()
+    keys = Keyspace("unread", 0, secret)
     record = bytes(store.get(keys.member(0, 1)))  # waits for the notice (store timeout 30 s)
     assert b"process died" in record, record
     (log,) = tmp_path.glob("sidecar-node-*.log")
