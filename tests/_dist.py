@@ -239,6 +239,7 @@ class RankGroup:
             "LOCAL_WORLD_SIZE": str(self.world_size),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(self.port),
+            "TG_TEST_JOB": str(self.port),  # names the job (processes it starts inherit it)
             **self.env,
             **(self.rank_env(rank) if self.rank_env else {}),
             **extra,

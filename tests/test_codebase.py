@@ -346,3 +346,40 @@ def test_the_layering_check_sees_every_kind_of_import(tmp_path: pathlib.Path) ->
 )
 def test_cycle_finder_finds_cycles(source: dict[str, set[str]], expected: list[list[str]]) -> None:
     assert _cycles(source) == expected
+
+
+def _untyped_stores(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of every parameter or annotated attribute named like a store whose
+    annotation is ``Any`` (or ``Any | None``): the coordination code passes ``StoreLike``."""
+
+    def is_any(node: ast.expr | None) -> bool:
+        if isinstance(node, ast.Name):
+            return node.id == "Any"
+        if isinstance(node, ast.BinOp):  # Any | None
+            return is_any(node.left) or is_any(node.right)
+        return False
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and "store" in node.arg and is_any(node.annotation):
+            found.append((node.lineno, node.arg))
+        elif isinstance(node, ast.AnnAssign) and is_any(node.annotation):
+            target = node.target
+            name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+            if "store" in name:
+                found.append((node.lineno, name))
+    return found
+
+
+def test_no_store_is_typed_any() -> None:
+    """Strict mypy checks the coordination code only where a store is typed: every store
+    parameter and attribute is a ``StoreLike`` (or a concrete client), never ``Any``."""
+    breaks = [
+        f"{path.relative_to(SRC)}:{line}: {name}"
+        for path in sorted(SRC.rglob("*.py"))
+        for line, name in _untyped_stores(ast.parse(path.read_text()))
+    ]
+    assert not breaks, breaks
+    # the check itself sees both kinds of annotation
+    sample = "def f(store: Any, x: int): ...\nclass C:\n    def g(self):\n        self._store: Any | None = None\n"
+    assert [n for _, n in _untyped_stores(ast.parse(sample))] == ["store", "_store"]

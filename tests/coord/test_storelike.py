@@ -68,6 +68,7 @@ def test_the_protocol_names_only_operations_both_clients_have() -> None:
         "multi_get",
         "delete_key",
         "append",
+        "clone",
     }
     for op in ops:
         assert callable(getattr(_wire.WireStore, op)) and callable(getattr(dist.TCPStore, op))

@@ -44,8 +44,8 @@ def _fault(kind: str, marker: Path) -> None:
     elif kind == "sidecar":  # this rank's sidecar dies; the rank must not go on unwatched
         os.kill(_sidecar_pid(), signal.SIGKILL)
         time.sleep(120)
-    elif kind == "watcher":  # the node watcher dies (the only one: one job, one host)
-        (pid,) = watcher_pids()
+    elif kind == "watcher":  # this job's node watcher dies (one job, one host: one watcher)
+        (pid,) = watcher_pids(os.environ["TG_TEST_JOB"])
         os.kill(pid, signal.SIGKILL)
         time.sleep(120)
     raise AssertionError(f"fault {kind!r} returned")
@@ -57,18 +57,22 @@ def _sidecar_pid() -> int:
     return pid
 
 
-def watcher_pids() -> list[int]:
-    """This user's node watcher processes (detached: no rank is their parent)."""
+def watcher_pids(job: str | None = None) -> list[int]:
+    """This user's node watcher processes (detached: no rank is their parent); with ``job``
+    (``TG_TEST_JOB`` of tests/_dist.py), only that job's (a watcher inherits the environment
+    of the rank that started it; other test runs on this machine have watchers of their own)."""
     pids = []
     for entry in os.listdir("/proc"):
         try:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes() if entry.isdigit() else b""
+            if b"trainguard.restart.sidecar" not in cmdline:
+                continue
+            if os.stat(f"/proc/{entry}").st_uid != os.getuid():
+                continue
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if (
-            b"trainguard.restart.sidecar" in cmdline
-            and os.stat(f"/proc/{entry}").st_uid == os.getuid()
-        ):
+        if job is None or f"TG_TEST_JOB={job}".encode() in environ:
             pids.append(int(entry))
     return pids
 

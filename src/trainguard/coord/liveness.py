@@ -71,8 +71,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any
 
+from trainguard.coord.store import StoreLike
 from trainguard.errors import ConfigError
 
 __all__ = ["BYE", "MAX_DIGITS", "RingWatch", "read_counter", "ring_after"]
@@ -127,7 +127,7 @@ class RingWatch:
 
     def __init__(
         self,
-        store: Any,
+        store: StoreLike,
         key: Callable[[int], str],
         *,
         me: int,

@@ -44,7 +44,8 @@ class StoreLike(Protocol):
     wait for their keys (up to the store timeout, or ``timeout``); ``compare_set`` sets
     ``key`` to ``desired`` when its value is ``expected`` (or it is unset and ``expected`` is
     empty) and returns the value the key then holds; ``append`` adds bytes at the end of a
-    value (creating it). A client serializes its calls: a ``wait`` holds it until it returns.
+    value (creating it); ``clone`` opens a new connection to the same server (for a thread of
+    its own). A client serializes its calls: a ``wait`` holds it until it returns.
 
     Values are ``str`` or ``bytes``: both clients take either (torch's type stubs say ``str``
     and lack ``append``, so a torch store becomes a ``StoreLike`` through one ``cast`` where it
@@ -61,6 +62,7 @@ class StoreLike(Protocol):
     def multi_get(self, keys: list[str], /) -> list[bytes]: ...
     def delete_key(self, key: str, /) -> bool: ...
     def append(self, key: str, value: str | bytes, /) -> None: ...
+    def clone(self) -> StoreLike: ...
 
 
 def as_store(store: Store) -> StoreLike:

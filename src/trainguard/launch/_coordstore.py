@@ -30,7 +30,7 @@ from typing import Any
 from trainguard import _torchcompat
 from trainguard.coord import _bind
 from trainguard.coord.escalation import escalate, escalation_reason
-from trainguard.coord.store import connect, parse_addr
+from trainguard.coord.store import StoreLike, connect, parse_addr
 from trainguard.errors import CoordinationError
 from trainguard.launch._keys import generation_key, published_key
 
@@ -72,7 +72,7 @@ class CoordStore:
         self.last_generation = -1
 
     def join(
-        self, rdzv_store: Any, *, group_rank: int, run_id: str, advertise: str, bind: str
+        self, rdzv_store: StoreLike, *, group_rank: int, run_id: str, advertise: str, bind: str
     ) -> Generation:
         """Step 1-3 of the protocol for this agent; returns the round's :class:`Generation`.
 

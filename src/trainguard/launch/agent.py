@@ -61,6 +61,7 @@ from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from trainguard import _env, events
 from trainguard.coord import _bind
+from trainguard.coord.store import as_store
 from trainguard.launch import _agenthooks, _compat, _preempt
 from trainguard.launch._agenthooks import Heartbeat, Service
 from trainguard.launch._coordstore import CoordStore, Generation
@@ -187,8 +188,9 @@ class TrainguardAgent(LocalElasticAgent):
     def _join_coordination(self, group: WorkerGroup) -> Generation:
         advertise = group.master_addr or socket.getfqdn()
         local = bool(group.spec.local_addr) or _bind.is_loopback(advertise)
+        assert group.store is not None, "torch's rendezvous gave the worker group no store"
         return self.coord.join(
-            group.store,
+            as_store(group.store),
             group_rank=group.group_rank or 0,
             run_id=self.run_id,
             advertise=advertise,

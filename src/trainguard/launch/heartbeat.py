@@ -51,6 +51,7 @@ from typing import Any
 from trainguard import _torchcompat
 from trainguard._timeouts import Timeout, seconds, shorter
 from trainguard.coord.liveness import BYE, RingWatch, ring_after
+from trainguard.coord.store import StoreLike
 from trainguard.errors import ConfigError, CoordinationError
 from trainguard.launch._keys import node_key, ranks_key
 
@@ -90,7 +91,7 @@ class NodeHeartbeat:
 
     def __init__(
         self,
-        store: Any,
+        store: StoreLike,
         *,
         run_id: str,
         generation: int,
@@ -327,13 +328,13 @@ class NodeHeartbeat:
 
 
 def publish_ranks(
-    store: Any, run_id: str, generation: int, node: int, ranks: Sequence[int]
+    store: StoreLike, run_id: str, generation: int, node: int, ranks: Sequence[int]
 ) -> None:
     """Every agent, after its rendezvous: the global ranks of ``node``'s workers (JSON list)."""
     store.set(ranks_key(run_id, generation, node), json.dumps([int(r) for r in ranks]))
 
 
-def node_ranks(store: Any, run_id: str, generation: int, node: int) -> list[int] | None:
+def node_ranks(store: StoreLike, run_id: str, generation: int, node: int) -> list[int] | None:
     """The global ranks ``node`` published in ``generation``; ``None`` if it never did.
 
     Raises :class:`CoordinationError` for a value that is not a JSON list of ints."""

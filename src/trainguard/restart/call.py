@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from trainguard import _progress
-from trainguard.coord.store import StoreLike, connect, parse_addr
+from trainguard.coord.store import StoreLike, as_store, connect, parse_addr
 from trainguard.restart._preconnect import claim
 from trainguard.restart.monitor import Monitor
 from trainguard.restart.preempt import Preemption
@@ -120,7 +120,7 @@ class CallWrapper:
         """
         if self._preemption is None:
             return False
-        return self._preemption.check(self.store, step, self.rank, self.world_size)
+        return self._preemption.check(as_store(self.store), step, self.rank, self.world_size)
 
     def grace_left(self) -> float | None:
         """Seconds left of the preemption budget (``Wrapper(preemption_grace=...)``), for the

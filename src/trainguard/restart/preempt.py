@@ -43,6 +43,7 @@ from types import FrameType
 from typing import Any
 
 from trainguard import events
+from trainguard.coord.store import StoreLike
 from trainguard.restart.state import RoundOutcome
 
 __all__ = ["EXIT_PREEMPTED", "Preempted", "Preemption"]
@@ -92,7 +93,7 @@ class Preemption:
         self.aware = False  # the function called preempted() at least once
         self.ran = False  # this process ran the function (it was active in a round)
         self.done = False  # the function returned after the stop (its save is done)
-        self._store: Any = None  # the round's store, as the function last used it
+        self._store: StoreLike | None = None  # the round's store, as the function last used it
         self._place = (rank, 0)  # (rank, world size) in that round
         self._previous: Any = None
         self._installed = False  # our handler is SIGTERM's now
@@ -177,7 +178,7 @@ class Preemption:
         return max(0.0, self.noticed + self.grace - time.monotonic())
 
     # the step boundary ---------------------------------------------------------------------
-    def check(self, store: Any, step: int, rank: int, world: int) -> bool:
+    def check(self, store: StoreLike, step: int, rank: int, world: int) -> bool:
         """``call.preempted(step)`` on rank ``rank`` of ``world`` in the round whose store is
         ``store``: True when the job stops before ``step`` (see above)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -290,7 +291,7 @@ class Preemption:
         if store is None:
             return ""
         with contextlib.suppress(Exception):
-            client = store.clone()  # this thread's own connection
+            client: Any = store.clone()  # this thread's own connection (a torch store here)
             client.set_timeout(_seconds(2))
             world = self._place[1]
             late = [r for r in range(world) if not client.check([f"{_DONE_KEY}{r}"])]

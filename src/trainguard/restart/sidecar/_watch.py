@@ -54,7 +54,7 @@ from typing import Any
 
 from trainguard import events
 from trainguard.coord.liveness import RingWatch
-from trainguard.coord.store import connect
+from trainguard.coord.store import StoreLike, connect
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._notice import notify
 
@@ -99,7 +99,7 @@ class Watch:
         heartbeats: bool = True,
         group_kill: bool = False,
         killer: str = "its sidecar",
-        store: Any = None,
+        store: StoreLike | None = None,
         shared: bool = False,
         pidfd: int | None = None,
     ) -> None:
@@ -114,7 +114,7 @@ class Watch:
         self.killer = killer
         if store is None:
             store = connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
-        self.coord: Any = store
+        self.coord: StoreLike = store
         self.pidfd = os.pidfd_open(self.parent) if pidfd is None else pidfd
         self.lock = threading.Lock()  # guards the fields below, shared by the threads
         self.round = -1
@@ -169,9 +169,9 @@ class Watch:
 
     def close(self) -> None:
         """Drop the store connections and the pidfd (after :meth:`stop`)."""
-        self.coord = None
+        del self.coord  # not closed: a node watcher's watches share one connection
         if self.ring is not None:
-            self.ring.store = None
+            del self.ring.store
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
