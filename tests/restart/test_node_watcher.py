@@ -4,6 +4,7 @@ hung holding the GIL at the hard timeout, and exits when its last rank has left.
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 import time
@@ -124,6 +125,51 @@ def test_a_rank_killed_before_it_read_the_reply_still_gets_its_notice(tmp_path) 
         time.sleep(0.05)
     assert _gone(pid), log.read_text()
     assert "Traceback" not in log.read_text()
+
+
+def test_a_rank_dead_before_its_watcher_accepted_it_still_gets_its_notice(tmp_path) -> None:
+    """The rank's connect returns once the connection is queued: it may send its
+    configuration and die (and be reaped) before the watcher accepts it. Its notice is still
+    written (a stopped watcher makes the order certain; before, it was refused unwatched)."""
+    import signal
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from trainguard.coord.keys import Keyspace
+    from trainguard.restart.config import WrapperConfig
+    from trainguard.restart.sidecar import NodeSidecar, SidecarConfig
+
+    secret = secrets.token_hex(16)
+    keys = Keyspace("unread", 0, secret)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    cfg = WrapperConfig(soft_timeout=20, hard_timeout=60, heartbeat_timeout=10)
+    first = SidecarConfig.build(
+        cfg, rank=0, world=2, keys=keys, addr=("127.0.0.1", store.port), log_dir=str(tmp_path)
+    )
+    watcher = NodeSidecar(first).start()  # this process is rank 0: it keeps the watcher up
+    watcher.handshake(30)
+    assert watcher.watcher_pid
+    os.kill(watcher.watcher_pid, signal.SIGSTOP)
+    try:
+        with open(tmp_path / "rank.err", "wb") as err:
+            proc = subprocess.run(
+                [sys.executable, "-c", _DIES_UNREAD, str(store.port), str(tmp_path), secret],
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                timeout=60,
+            )
+        assert proc.returncode == -9, (tmp_path / "rank.err").read_text()  # and reaped
+    finally:
+        os.kill(watcher.watcher_pid, signal.SIGCONT)
+    try:
+        record = bytes(store.get(keys.member(0, 1)))  # waits for the notice (30 s)
+        assert b"process died" in record, record
+        assert b"before its node watcher took it" in record, record
+    finally:
+        watcher.stop(10)
 
 
 def test_the_watcher_s_loss_takes_its_ranks_out_and_leaves_none_waiting(tmp_path) -> None:

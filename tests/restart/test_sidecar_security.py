@@ -57,7 +57,9 @@ def _config(store: Any, parent: int, *, rank: int = 0, world: int = 3, **timeout
         cfg,
         rank=rank,
         world=world,
-        keys=Keyspace("sec"),
+        # a secret of this store's: the node watcher's address derives from the keyspace, and
+        # another test run on this machine must not reach this one's watcher
+        keys=Keyspace("sec", 0, f"port{store.port}"),
         addr=("127.0.0.1", store.port),
         log_dir=None,
     )

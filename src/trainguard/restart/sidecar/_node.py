@@ -17,7 +17,10 @@ Protocol:
    and releases the lock.
 2. Each connection: the peer must be this user's (``SO_PEERCRED``; the rank checks the
    watcher the same way before it sends anything), its pidfd is taken at the accept
-   (:func:`accept_own`) and its configuration must name the peer's pid; the watcher connects the rank's watch to the store and replies
+   (:func:`accept_own`) and its configuration must name the peer's pid. A rank that sent its
+   configuration and died before the accept (its pid may be gone or reused) gets its death
+   notice written from that configuration, and nothing is signalled. Otherwise the watcher
+   connects the rank's watch to the store and replies
    ``{"ok": true, "pid": ..., "relay": true}``; then the rank's lines (round, hb, bye) follow,
    as on a sidecar's stdin, and its asks of the node's relay (:mod:`._relay`: each round's
    outcome and layout, read from the store once for all the node's ranks; the replies are the
@@ -48,6 +51,7 @@ from trainguard import _private
 from trainguard.coord import _wire
 from trainguard.coord.keys import Keyspace
 from trainguard.restart.sidecar._config import SidecarConfig
+from trainguard.restart.sidecar._notice import notify
 from trainguard.restart.sidecar._relay import Relay
 from trainguard.restart.sidecar._watch import Watch
 
@@ -92,33 +96,41 @@ def locked(path: Path, timeout: float) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def accept_own(listener: socket.socket, owner: str) -> tuple[socket.socket, int, int] | None:
+def accept_own(
+    listener: socket.socket, owner: str, *, keep_gone: bool = False
+) -> tuple[socket.socket, int, int] | None:
     """Accept a connection on the Unix socket ``listener``: the socket, the peer's pid and a
     pidfd of it, or None when accepting failed, the peer is another user's (``SO_PEERCRED``;
     refused and logged, ``owner`` naming whose it should be) or it is gone already.
 
     The pidfd is opened at once, before anything is read, and only kept while the connection
     is still open: a peer that had died before could have left its pid to another process,
-    which the watch would then signal. The caller owns the pidfd (a :class:`Watch` takes it)."""
+    which the watch would then signal. The caller owns the pidfd (a :class:`Watch` takes it).
+
+    ``keep_gone``: a peer of this user that is gone already (it connected, may have sent its
+    configuration, and died before this accept; its parent may have reaped it) is returned
+    with pidfd ``-1`` instead of refused, so that the caller can still write its death notice
+    from what it sent (and never signals its pid)."""
     try:
         sock, _ = listener.accept()
     except OSError:
         return None
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, _ = struct.unpack("3i", creds)
-    why = f"user {uid} is not {owner}" if uid != os.getuid() else None
-    pidfd = -1
-    if why is None:
-        try:
-            pidfd = os.pidfd_open(pid)
-        except OSError:
-            why = "it is gone"
+    if uid != os.getuid():
+        logger.warning("refused a connection of pid %d: user %d is not %s", pid, uid, owner)
+        sock.close()
+        return None
+    why = None
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        pidfd, why = -1, "it is gone"
     if why is None and _closed(sock):
-        why = "it closed the connection at once (gone: its pid may be another process's)"
-    if why is not None:
+        os.close(pidfd)
+        pidfd, why = -1, "it closed the connection at once (gone: its pid may be another process's)"
+    if why is not None and not keep_gone:
         logger.warning("refused a connection of pid %d: %s", pid, why)
-        if pidfd >= 0:
-            os.close(pidfd)
         sock.close()
         return None
     return sock, pid, pidfd
@@ -181,7 +193,7 @@ class NodeWatcher:
         return True
 
     def _accept(self) -> None:
-        peer = accept_own(self.listener, "this user")
+        peer = accept_own(self.listener, "this user", keep_gone=True)
         if peer is None:
             return
         sock, pid, pidfd = peer
@@ -217,6 +229,19 @@ class NodeWatcher:
                 store.close()  # another rank's connect came first
             return self.beats
 
+    def _gone_before(self, cfg: SidecarConfig) -> None:
+        """Rank ``cfg.rank`` connected, sent its configuration and died before this watcher
+        accepted it (its parent may have reaped it: no pidfd can be had). Nothing may be
+        signalled, but the rank is gone: write its death notice, on a connection of its own,
+        as its watch would have (it never announced a round: the notice finds it)."""
+        logger.warning("rank %d (pid %d) died before its watch began", cfg.rank, cfg.parent)
+        store = _wire.connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
+        try:
+            where = (-1, tuple(range(cfg.world)))
+            notify(store, cfg, cfg.rank, where, "its process died before its node watcher took it")
+        finally:
+            store.close()
+
     def _watch(self, sock: socket.socket, pid: int, pidfd: int) -> None:
         """Serve one rank; ``pidfd`` (of ``pid``, from :func:`accept_own`) goes to its watch,
         or is closed here when it is refused."""
@@ -233,12 +258,19 @@ class NodeWatcher:
                 raise ValueError(f"its configuration names pid {cfg.parent}, not its own")
             if cfg.keys.prefix != self.keys.prefix:
                 raise ValueError("its configuration is of another wrapped call")
+            if pidfd < 0:  # gone before the accept: its notice, from what it sent
+                self._gone_before(cfg)
+                return
             watch = Watch(cfg, store=self._beats(cfg), shared=True, pidfd=pidfd)
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
         finally:
-            if watch is None:
+            if watch is None and pidfd >= 0:
                 os.close(pidfd)
+        if watch is None and pidfd < 0:
+            if why:
+                logger.warning("no notice for pid %d, gone before its watch began: %s", pid, why)
+            return
         if watch is None:
             logger.warning("refused pid %d: %s", pid, why)
             sock.sendall(json.dumps({"ok": False, "error": why}).encode() + b"\n")
