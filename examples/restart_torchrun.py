@@ -29,6 +29,13 @@ state = {"step": 0}
 @tr.Wrapper(max_rounds=3)
 def train(call: tr.CallWrapper) -> int:
     dist.init_process_group("gloo")
+    # Agree on the step first. A collective that a fault aborts can have completed on some
+    # ranks and not on others, so the ranks' counters may differ by one after a fault; a rank
+    # a step behind would then wait in a collective that its peers never start. (Real
+    # training restores one consistent state here: trainguard.live or a checkpoint.)
+    step = torch.tensor([state["step"]])
+    dist.all_reduce(step, op=dist.ReduceOp.MIN)
+    state["step"] = int(step.item())
     t = torch.ones(1)
     while state["step"] < 10:
         if call.round == 0 and call.rank == 0 and state["step"] == 4:
