@@ -18,8 +18,9 @@ per round is O(nodes), not O(ranks):
    it is waiting for has sent its record or arrived itself, or has ended (died or said
    goodbye: its watch tells it before writing the notice, which appends the rank's departure
    to the pool itself). The ranks it waits for are the live ranks of this call whose last
-   announced round is before ``n`` and whose roster holds them (a newcomer waiting outside
-   the roster arrives on its own). A rank whose record comes after the flush makes a batch of
+   announced round is before ``n`` and whose roster holds them, or that announced none yet
+   when ``n`` is 0 (a newcomer arrives on its own: outside the roster, it pools its record
+   uncounted). A rank whose record comes after the flush makes a batch of
    its own.
 4. When the ``add`` reaches the roster (the sender's roster of round ``n - 1``), the watcher
    is the last arriver: it reads the pool (one key), lays the round out with the Wrapper's
@@ -101,6 +102,8 @@ class NodeArrival:
         #: flushes made and records flushed (for tests and benchmarks)
         self.flushes = 0
         self.records = 0
+        #: round -> CPU seconds of the flush that laid it out (for benchmarks)
+        self.laid: dict[int, float] = {}
 
     def watch(self, watch: Watch) -> None:
         """Wait for ``watch``'s rank at the barriers from now on; its hooks go to this."""
@@ -155,7 +158,7 @@ class NodeArrival:
         waiting = set()
         for watch in self._live:
             p, roster = watch.position()
-            if p < n and (p < 0 or watch.rank in roster):
+            if (p < 0 and n == 0) or (0 <= p < n and watch.rank in roster):
                 waiting.add(watch.rank)
         return waiting - batch.done - set(batch.records)
 
@@ -210,11 +213,13 @@ class NodeArrival:
             pooled=True,
         )
         self._history(book, n - 1)
-        start = time.monotonic()
+        start, cpu = time.monotonic(), time.thread_time()
         book.pool(n, list(records.values()))
         published = book.arrive(n, len(records))
         self.flushes += 1
         self.records += len(records)
+        if published is not None:
+            self.laid[n] = time.thread_time() - cpu
         logger.info(
             "node arrival: round %d, ranks %s in one append and one add (%.1f ms)%s",
             n,
