@@ -27,12 +27,13 @@ Baseline, in the same command: each size again with every rank waiting at the st
 (``direct``, as under ``TRAINGUARD_SIDECAR=process``: the protocol without the node's relay);
 ``--no-baseline`` skips it. Node arrival, in the same command: each size again with the node
 watcher arriving for its ranks (``arrival``, ``TRAINGUARD_NODE_ARRIVAL=1``: one append and one
-add per node per round, the records pooled in one key); ``--no-arrival`` skips it. Older revisions have no ``Session.arrive``/``Watch.step`` for the
-simulation to drive (their numbers are in docs/numbers.md).
+add per node per round, the records pooled in one key); ``--no-arrival`` skips it. Older
+revisions have no ``Session.arrive``/``Watch.step`` for the simulation to drive (their
+numbers are in docs/numbers.md).
 
 Run: ``.venv/bin/python bench/coord_scale.py [--sizes 256 1024 4096 16384 65536] [--reps 5]
-[--rtt 50e-6]``. Writes
-``bench/results/coord_scale.json``.
+[--rtt 50e-6] [--no-arrival] [--results NAME]``. Writes ``bench/results/coord_scale.json``
+(``NAME.json``).
 """
 
 from __future__ import annotations
@@ -314,6 +315,11 @@ def main() -> None:
         help="skip the baseline rows (each rank waits for outcomes and layouts at the store)",
     )
     parser.add_argument(
+        "--results",
+        default="coord_scale",
+        help="write bench/results/<this>.json (a partial run need not replace the full one)",
+    )
+    parser.add_argument(
         "--no-arrival",
         action="store_true",
         help="skip the node arrival rows (the node watcher arrives for its ranks)",
@@ -368,7 +374,7 @@ def main() -> None:
     live = [m for m in current if "liveness" in m]
     report(current, base, conns, arrival)
     write_results(
-        "coord_scale",
+        args.results,
         {
             "command": " ".join(["bench/coord_scale.py", *sys.argv[1:]]),
             "interval_s": args.interval,
