@@ -123,7 +123,12 @@ class NodeArrival:
             thread = self._thread
         if thread is not None:
             thread.join(timeout)
-        close = getattr(self._store, "close", None)
+        self._drop()
+
+    def _drop(self) -> None:
+        """Close the flushes' connection (the next flush makes a new one)."""
+        store, self._store = self._store, None
+        close = getattr(store, "close", None)
         if close is not None:
             with contextlib.suppress(Exception):
                 close()
@@ -191,10 +196,17 @@ class NodeArrival:
                 for old in [k for k in self._batches if k < n - 2]:
                     del self._batches[old]
             assert cfg is not None
-            try:
-                self._flush(n, records, roster, cfg)
-            except Exception:
-                logger.exception("node arrival: could not arrive for ranks %s", sorted(records))
+            for attempt in (1, 2):  # again on a new connection (twice the same is harmless)
+                try:
+                    self._flush(n, records, roster, cfg)
+                    break
+                except Exception:
+                    logger.exception(
+                        "node arrival: could not arrive for ranks %s (try %d of 2)",
+                        sorted(records),
+                        attempt,
+                    )
+                    self._drop()
 
     def _flush(
         self, n: int, records: dict[int, bytes], roster: Sequence[int], cfg: SidecarConfig
