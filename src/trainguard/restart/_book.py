@@ -56,7 +56,7 @@ from collections.abc import Sequence
 from trainguard.coord import barrier
 from trainguard.coord.keys import Keyspace, encode
 from trainguard.coord.store import StoreLike, parse_addr, probe
-from trainguard.errors import ConfigError, RetryLimitError
+from trainguard.errors import ConfigError, CoordinationError, RetryLimitError
 from trainguard.restart import _records
 from trainguard.restart._records import BarrierRecord, RoundLayout
 from trainguard.restart._repeat import Repeats
@@ -124,7 +124,8 @@ class RoundBook:
 
     def record(self, n: int, r: int, record: BarrierRecord) -> BarrierRecord | None:
         """Write rank ``r``'s record of round ``n`` unless one is there. Returns None when it
-        was written, else the record found (a notice declared ``r`` gone first)."""
+        was written, else the record found (a notice declared ``r`` gone first). Pooled: the
+        record is appended, None (a departure there wins; the layout tells the rank)."""
         value = record.encode()
         if self.pooled:  # a departure there first wins in the layout (see the module doc)
             self.store.append(self.keys.pool(n), value + b"\n")
@@ -206,9 +207,14 @@ class RoundBook:
             return None
         return found
 
-    def _lay_out(self, n: int, found: dict[int, BarrierRecord | None]) -> tuple[bytes, list[int]]:
-        """Run by the last arriver: from every record (``found``), apply the policies; the
-        layout to publish and the gone ranks it admits."""
+    def _lay_out(
+        self, n: int, found: dict[int, BarrierRecord | None] | None = None
+    ) -> tuple[bytes, list[int]]:
+        """Run by the last arriver: from every record (``found``; read when not given),
+        apply the policies; the layout to publish and the gone ranks it admits."""
+        found = self._found(n) if found is None else found
+        if found is None:
+            raise CoordinationError(f"round {n}'s barrier records are not all in")
         gone = dict(self.gone)
         present: set[int] = set()
         faults: dict[int, str] = {}
@@ -323,6 +329,8 @@ class RoundBook:
             return
         holds = set(_records.layout(published).roster)
         keys = self.keys.round_keys(n, [r for r in self.previous_roster if r not in holds])
+        if not self.pooled:  # not a request more than before without pooled records
+            keys.remove(self.keys.pool(n))
         for key in keys:
             with contextlib.suppress(Exception):
                 self.store.delete_key(key)

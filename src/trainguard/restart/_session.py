@@ -40,6 +40,10 @@ class Session:
     for the next round's layout between rounds (:meth:`take`), go to the node watcher's relay
     when this rank's helper has one (:mod:`.sidecar._relay`: one store read per node), else to
     a second connection of this rank's own (:attr:`watch_store`); see :meth:`watch`.
+
+    Under node arrival (``TRAINGUARD_NODE_ARRIVAL=1``) the records are pooled
+    (:mod:`._book`), and a rank whose helper is the node watcher hands its record to it
+    instead of arriving at the store (:meth:`arrive`; :mod:`.sidecar._arrival`).
     """
 
     def __init__(self, launch: Launch, call: int, cfg: WrapperConfig) -> None:
@@ -228,9 +232,10 @@ class Session:
     def arrive(
         self, n: int, *, leaving: str | None, fault: str | None, progress: bool = False
     ) -> bytes | None:
-        """The first half of :meth:`barrier`: this rank's record and its count. Returns the
-        published round when this call found or made it (it was the last arriver), else None
-        (:meth:`take` waits for it)."""
+        """The first half of :meth:`barrier`: this rank's record and its count (or its record
+        handed to its node watcher, which arrives for it). Returns the published round when
+        this call found or made it (it was the last arriver), else None (:meth:`take` waits
+        for it)."""
         book = self.book
         assert book is not None
         record = self._record(leaving, fault, progress)
