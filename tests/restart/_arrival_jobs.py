@@ -71,7 +71,7 @@ def watcher_death_job(late: int, out_dir: str) -> dict[str, Any]:
         if n != 1 or rank != late or phase != "before":
             return
         time.sleep(2.5)
-        (pid,) = _faults.watcher_pids()
+        pid = session.node.watcher_pid  # this job's (another job's may run on this host)
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while not _gone(pid) and time.monotonic() < deadline:
