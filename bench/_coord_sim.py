@@ -16,7 +16,11 @@ makes, made by the library's own code on that rank's client:
   each rank a :class:`~trainguard.restart.sidecar._relayclient.RelayReader` over a real socket
   pair: the outcome and the layout are read at the store once per node and reach the ranks
   over the sockets. The watcher's ends of the sockets are read by one thread per worker (the
-  node watcher has one per rank), which passes each ask to its node's relay. ``relay=False``:
+  node watcher has one per rank), which passes each ask to its node's relay. With
+  ``arrival=True`` (node arrival) the ranks hand their records to their node's
+  :class:`~trainguard.restart.sidecar._arrival.NodeArrival` over the same sockets, which
+  arrives for them (one append and one add per node) and lays the round out when its add
+  completes the barrier. ``relay=False``:
   each rank waits at the store itself (``TRAINGUARD_SIDECAR=process``);
 - death notices: :func:`trainguard.restart.sidecar._notice.write_notice`;
 - liveness: one :class:`trainguard.restart.sidecar._watch.Watch` per simulated rank, the
@@ -41,6 +45,7 @@ every process of the machine.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing
 import threading
 import time
@@ -75,6 +80,7 @@ class Sim:
         threads: int = 4,
         relay: bool = True,
         share: int | None = None,
+        arrival: bool = False,
     ) -> None:
         from trainguard.coord.keys import Keyspace
         from trainguard.coord.store import StoreProcess, connect
@@ -104,6 +110,7 @@ class Sim:
         self.procs = procs
         self.share = (1 if n <= 4096 else max(LOCAL, n // 2048)) if share is None else share
         self.relay = relay
+        self.arrival = arrival and relay  # node arrival needs the node watchers
         parts = max(1, self.procs)
         bounds = [n * i // parts for i in range(parts + 1)]
         self.workers: list[tuple[Connection, Any]] = []
@@ -116,6 +123,7 @@ class Sim:
                 "timeout": heartbeat_timeout,
                 "threads": threads,
                 "relay": relay,
+                "arrival": self.arrival,
                 "share": self.share,
             }
             ours, theirs = multiprocessing.Pipe()
@@ -143,9 +151,10 @@ class Sim:
         return [conn.recv() for conn, _ in self.workers]
 
     def sidecar_config(self, rank: int) -> Any:
-        return _sidecar_config(
+        config = _sidecar_config(
             self.port, self.n, rank, _config(self.n, self.interval, self.timeout)
         )
+        return dataclasses.replace(config, node_arrival=self.arrival)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -182,6 +182,7 @@ class _Worker:
             self.cfg.policies,
             store_timeout=self.cfg.store_timeout,
             writer=rank,
+            pooled=bool(self.spec.get("arrival")),
         )
         # without a relay the waits go on this rank's one (counted) client: the simulator
         # holds one connection per rank (a real rank's monitor has one more of its own)
@@ -215,7 +216,9 @@ class _Worker:
                 if j % share == 0:
                     client = Counting(next(clients), counters[t])
                 members[t + j * k] = (r, self.session(r, client))
-        nodes = Nodes(self, [s for _, s in members]) if self.spec["relay"] else NoNodes()
+        sessions = [s for _, s in members]
+        arrival = bool(self.spec.get("arrival"))
+        nodes = Nodes(self, sessions, arrival=arrival) if self.spec["relay"] else NoNodes()
         self.nodes = nodes
         threads = [
             threading.Thread(
@@ -251,6 +254,7 @@ class _Worker:
                         if outcome.why == "end":
                             continue
                         if outcome.type == "RankGone" and outcome.rank == r:
+                            nodes.gone(session)
                             continue  # this rank "died" (the notice)
                         alive.append((r, session))
                     if not alive:
@@ -266,6 +270,7 @@ class _Worker:
                 check = _Assignments()
                 for (r, session), (start, raw) in zip(members, raws, strict=True):
                     ready = session.take(k, raw, start)
+                    nodes.entered(session, k)
                     assigned[r] = check.of(r, ready)
                 got = time.monotonic()
                 ops = counter[0] - before + (nodes.ops() - relayed if t == 0 else 0)
@@ -278,6 +283,8 @@ class _Worker:
                 chores.clear()
                 # reported once this thread is idle (a rank's chores are done long before
                 # the next fault: a round trains for minutes), its times taken before them
+                if t == 0:  # node arrival: the node that laid the round out did its work
+                    last = max(last, nodes.laid(k))
                 self.send(("round", k, t, seen, got, assigned, ops, last))
                 k += 1
         except Exception as exc:  # reported, never left waiting

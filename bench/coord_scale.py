@@ -25,12 +25,15 @@ turns on a few threads of a few worker processes, so the round times are an uppe
 
 Baseline, in the same command: each size again with every rank waiting at the store itself
 (``direct``, as under ``TRAINGUARD_SIDECAR=process``: the protocol without the node's relay);
-``--no-baseline`` skips it. Older revisions have no ``Session.arrive``/``Watch.step`` for the
-simulation to drive (their numbers are in docs/numbers.md).
+``--no-baseline`` skips it. Node arrival, in the same command: each size again with the node
+watcher arriving for its ranks (``arrival``, ``TRAINGUARD_NODE_ARRIVAL=1``: one append and one
+add per node per round, the records pooled in one key); ``--no-arrival`` skips it. Older
+revisions have no ``Session.arrive``/``Watch.step`` for the simulation to drive (their
+numbers are in docs/numbers.md).
 
 Run: ``.venv/bin/python bench/coord_scale.py [--sizes 256 1024 4096 16384 65536] [--reps 5]
-[--rtt 50e-6]``. Writes
-``bench/results/coord_scale.json``.
+[--rtt 50e-6] [--no-arrival] [--results NAME]``. Writes ``bench/results/coord_scale.json``
+(``NAME.json``).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def measure(
     budget: float,
     *,
     relay: bool = True,
+    arrival: bool = False,
     live: bool = True,
     rtt: float = RTT,
     round_trips: int = ROUND_TRIPS,
@@ -69,7 +73,8 @@ def measure(
 ) -> dict[str, Any]:
     """One size, in this process and its workers (whatever ``trainguard`` is on the path).
     ``relay``: the ranks learn outcomes and layouts through their node watcher's relay (the
-    default), else each at the store (the baseline); ``live``: measure liveness too; ``rtt``
+    default), else each at the store (the baseline); ``arrival``: node arrival (with the
+    relay); ``live``: measure liveness too; ``rtt``
     and ``round_trips``: the network's part of the modelled cluster round (see
     :mod:`bench._coord_cpu`); ``procs``: worker processes (0: one worker thread here)."""
     from bench import _coord_sim
@@ -77,7 +82,12 @@ def measure(
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the store's waits time out often
     load = os.getloadavg()[0]
     sim = _coord_sim.Sim(
-        n, heartbeat_interval=interval, heartbeat_timeout=timeout, relay=relay, procs=procs
+        n,
+        heartbeat_interval=interval,
+        heartbeat_timeout=timeout,
+        relay=relay,
+        procs=procs,
+        arrival=arrival,
     )
     try:
         start = time.monotonic()
@@ -98,6 +108,7 @@ def measure(
             "rounds_wall_s": time.monotonic() - start,
         }
         out["relay"] = relay
+        out["node_arrival"] = sim.arrival
         out.update(
             _coord_shared.shared(n, rounds["cpu"], rounds["ops_per_rank"], relay, rtt, round_trips)
         )
@@ -222,13 +233,19 @@ def targets(current: list[dict[str, Any]], conns: dict[str, Any]) -> list[list[A
 
 
 def report(
-    current: list[dict[str, Any]], base: list[dict[str, Any]], conns: dict[str, Any]
+    current: list[dict[str, Any]],
+    base: list[dict[str, Any]],
+    conns: dict[str, Any],
+    arrival: list[dict[str, Any]] | None = None,
 ) -> None:
     rows, shared_rows = [], []
+    arrival = arrival or []
     for m in current:
         rows.append(_row("relay", m))
+        rows += [_row("arrival", a) for a in arrival if a["n"] == m["n"]]
         rows += [_row("direct", b) for b in base if b["n"] == m["n"]]
         shared_rows.append(_coord_shared.row("relay", m))
+        shared_rows += [_coord_shared.row("arrival", a) for a in arrival if a["n"] == m["n"]]
         shared_rows += [_coord_shared.row("direct", b) for b in base if b["n"] == m["n"]]
     print_table(
         "Coordination at scale (simulated ranks, one store process; round = fault -> every rank "
@@ -275,6 +292,12 @@ def report(
         ["measure", "target", "measured", "met"],
         _coord_shared.targets(current),
     )
+    if arrival:
+        print_table(
+            "Targets (issue 34, node arrival)",
+            ["measure", "target", "measured", "met"],
+            _coord_shared.targets(arrival),
+        )
 
 
 def main() -> None:
@@ -292,6 +315,16 @@ def main() -> None:
         help="skip the baseline rows (each rank waits for outcomes and layouts at the store)",
     )
     parser.add_argument(
+        "--results",
+        default="coord_scale",
+        help="write bench/results/<this>.json (a partial run need not replace the full one)",
+    )
+    parser.add_argument(
+        "--no-arrival",
+        action="store_true",
+        help="skip the node arrival rows (the node watcher arrives for its ranks)",
+    )
+    parser.add_argument(
         "--rtt", type=float, default=RTT, help="s, one network round trip, for the model"
     )
     parser.add_argument(
@@ -304,7 +337,7 @@ def main() -> None:
         help="measure liveness up to this size (2 cores cannot beat for more ranks each second)",
     )
     args = parser.parse_args()
-    current, base = [], []
+    current, base, arrival = [], [], []
     model = {"rtt": args.rtt, "round_trips": args.round_trips}
     for n in args.sizes:
         live = n <= args.live_max
@@ -324,22 +357,37 @@ def main() -> None:
             )
             print(f"N={n} direct: round p50 {b['round_s']['p50']:.3f} s", file=sys.stderr)
             base.append(b)
+        if not args.no_arrival:
+            a = measure(
+                n,
+                args.reps,
+                args.interval,
+                args.timeout,
+                args.budget,
+                arrival=True,
+                live=False,
+                **model,
+            )
+            print(f"N={n} arrival: round p50 {a['round_s']['p50']:.3f} s", file=sys.stderr)
+            arrival.append(a)
     conns = connections()
     live = [m for m in current if "liveness" in m]
-    report(current, base, conns)
+    report(current, base, conns, arrival)
     write_results(
-        "coord_scale",
+        args.results,
         {
             "command": " ".join(["bench/coord_scale.py", *sys.argv[1:]]),
             "interval_s": args.interval,
             "heartbeat_timeout_s": args.timeout,
             "this": current,
             "baseline_direct": base,
+            "node_arrival": arrival,
             "connections": conns,
             "targets": targets(live, conns) if live else [],
             "rtt_s": args.rtt,
             "round_trips": args.round_trips,
             "targets_shared": _coord_shared.targets(current),
+            "targets_shared_node_arrival": _coord_shared.targets(arrival) if arrival else [],
         },
     )
 

@@ -2,7 +2,8 @@
 
 64 simulated ranks (8 nodes) against the real store process, the ranks' rounds driven by a
 worker thread of this process (``procs=0``); one fault round and one death notice round, with
-the node watchers' relays and without (``direct``). The CPU times come from ``/proc``.
+the node watchers' relays and without (``direct``), and with node arrival (``arrival``: the
+node watchers arrive for their ranks). The CPU times come from ``/proc``.
 """
 
 from __future__ import annotations
@@ -17,14 +18,29 @@ from bench import _coord_shared, coord_scale
 N = 64
 
 
-@pytest.mark.parametrize("relay", [True, False], ids=["relay", "direct"])
+@pytest.mark.parametrize(
+    ("relay", "arrival"),
+    [(True, False), (False, False), (True, True)],
+    ids=["relay", "direct", "arrival"],
+)
 def test_the_store_servers_cpu_and_the_requests_per_rank_are_measured_per_round(
-    relay: bool,
+    relay: bool, arrival: bool
 ) -> None:
     threads_before = threading.active_count()
     m = coord_scale.measure(
-        N, 1, 0.5, 2.0, 30.0, relay=relay, live=False, rtt=50e-6, round_trips=9, procs=0
+        N,
+        1,
+        0.5,
+        2.0,
+        30.0,
+        relay=relay,
+        arrival=arrival,
+        live=False,
+        rtt=50e-6,
+        round_trips=9,
+        procs=0,
     )
+    assert m["node_arrival"] == arrival
     assert m["errors"] == [] and m["consistent"], m["errors"]
     assert m["ranks"] == N
     rounds = m["cpu_per_round"]
@@ -33,9 +49,14 @@ def test_the_store_servers_cpu_and_the_requests_per_rank_are_measured_per_round(
     assert all(busy > 0 for busy in m["server_busy_per_round_s"]), rounds
     assert 0 < m["server_us_per_request"]["p50"] < 5000, m["server_us_per_request"]
     # requests per rank per round: its record, its count, its old record deleted, and the
-    # outcome and the layout read once per node (relay) or by every rank itself (direct)
+    # outcome and the layout read once per node (relay) or by every rank itself (direct);
+    # node arrival: per node of 8, one append, one add and the relay's reads, no tidy (the
+    # round's pool is one key, deleted by the publisher), plus the last arriver's few
     per_rank = m["requests_per_rank"]["mean"]
-    assert (3.0 <= per_rank < 4.0) if relay else (6.0 <= per_rank < 8.0), per_rank
+    if arrival:
+        assert 0.6 <= per_rank < 1.2, per_rank
+    else:
+        assert (3.0 <= per_rank < 4.0) if relay else (6.0 <= per_rank < 8.0), per_rank
     assert m["rank_cpu_s"]["p50"] > 0 and m["last_arriver_s"]["p50"] > 0, m
     assert (m["node_cpu_s"]["p50"] > 0) == relay, m["node_cpu_s"]  # no helper without a relay
     # the model adds the measured terms and 9 round trips of 50 us

@@ -128,6 +128,12 @@ class Keyspace:
         """JSON record of one rank's arrival at round ``n`` (its host, fault, leaving...)."""
         return f"{self.round_prefix(n)}m/{initial_rank}"
 
+    def pool(self, n: int) -> str:
+        """Round ``n``'s records pooled in one value, one JSON record a line (``append``):
+        where every writer puts them under node arrival (``TRAINGUARD_NODE_ARRIVAL=1``)
+        instead of :meth:`member`."""
+        return self.round_prefix(n) + "pool"
+
     def ready(self, n: int) -> str:
         """JSON layout of round ``n`` set by the last arriver; completes the barrier."""
         return self.round_prefix(n) + "ready"
@@ -142,7 +148,7 @@ class Keyspace:
 
     def round_keys(self, n: int, initial_ranks: Any) -> list[str]:
         """Every key round ``n`` may have created, for deletion."""
-        keys = [self.arrive(n), self.ready(n), self.done(n), self.stop(n)]
+        keys = [self.arrive(n), self.ready(n), self.done(n), self.stop(n), self.pool(n)]
         keys.extend(self.member(n, r) for r in initial_ranks)
         return keys
 

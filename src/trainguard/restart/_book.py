@@ -25,6 +25,19 @@ once, whoever deletes the mark), so that the store process does not exit while i
 serves. A layout writer whose layout lost the publication counts out again the ranks it
 admitted that the published round does not hold.
 
+Pooled records (node arrival, ``TRAINGUARD_NODE_ARRIVAL=1``; :attr:`RoundBook.pooled`, the
+same in every writer of the job): the records of round ``n`` are not one key per rank but
+lines ``append``-ed to one value, :meth:`Keyspace.pool`, so that a node watcher arrives for
+all its ranks at once with one ``append`` and one ``add`` of their number
+(:mod:`trainguard.restart.sidecar._arrival`); a rank without a watcher, a newcomer and a
+death notice append their one line the same way. An ``append`` precedes its writer's ``add``,
+so the last ``add`` still sees every line, and the layout writer reads one key, not one per
+rank. A rank may appear more than once (its node's line, then its own after the node's
+watcher died; an arrival and a notice's departure): a departure wins over any arrival,
+whatever their order, so that no arrival overwrites a notice; among arrivals the first
+counts. A notice learns whether the rank had arrived on its own (:meth:`RoundBook.take_arrival`)
+from the order of the lines: an arrival before its departure.
+
 A round's outcome (its stop key) is written here only: :func:`propose` (the first proposal
 wins) and :meth:`RoundBook.complete` (the last active rank to return proposes ``complete``).
 Every proposer (a rank's fault or hang, the monitor's close, a newcomer's admission, a death
@@ -43,7 +56,7 @@ from collections.abc import Sequence
 from trainguard.coord import barrier
 from trainguard.coord.keys import Keyspace, encode
 from trainguard.coord.store import StoreLike, parse_addr, probe
-from trainguard.errors import ConfigError, RetryLimitError
+from trainguard.errors import ConfigError, CoordinationError, RetryLimitError
 from trainguard.restart import _records
 from trainguard.restart._records import BarrierRecord, RoundLayout
 from trainguard.restart._repeat import Repeats
@@ -89,6 +102,7 @@ class RoundBook:
         previous_roster: the roster of the round before (whose keys are deleted).
         gone: initial ranks that left the job -> why, as of the last published round.
         repeats: the run of rounds that failed the same way, as of the last published round.
+        pooled: the records are pooled in one value per round (see the module docstring).
     """
 
     store: StoreLike
@@ -98,6 +112,7 @@ class RoundBook:
     store_timeout: float
     roster: Sequence[int] = ()
     writer: int = -1
+    pooled: bool = False
     previous_roster: Sequence[int] = dataclasses.field(init=False)
     gone: dict[int, str] = dataclasses.field(init=False, default_factory=dict)
     repeats: Repeats = dataclasses.field(init=False, default_factory=Repeats)
@@ -109,22 +124,33 @@ class RoundBook:
 
     def record(self, n: int, r: int, record: BarrierRecord) -> BarrierRecord | None:
         """Write rank ``r``'s record of round ``n`` unless one is there. Returns None when it
-        was written, else the record found (a notice declared ``r`` gone first)."""
+        was written, else the record found (a notice declared ``r`` gone first). Pooled: the
+        record is appended, None (a departure there wins; the layout tells the rank)."""
         value = record.encode()
+        if self.pooled:  # a departure there first wins in the layout (see the module doc)
+            self.store.append(self.keys.pool(n), value + b"\n")
+            return None
         current = bytes(self.store.compare_set(self.keys.member(n, r), "", value))
         if current == value:
             return None
         found = _records.record(current)
         return found or BarrierRecord.departure(r, "an unreadable record in the store")
 
-    def arrive(self, n: int) -> bytes | None:
-        """Count one arrival; if every record is in, publish the round. Returns the published
-        round when this call found or made it, else None (wait for it)."""
-        if int(self.store.add(self.keys.arrive(n), 1)) < len(self.roster):
+    def pool(self, n: int, records: Sequence[bytes]) -> None:
+        """Pooled: append ``records`` (encoded, each one line) to round ``n``'s pool at once
+        (a node watcher's arrival for its ranks; their count follows, :meth:`arrive`)."""
+        self.store.append(self.keys.pool(n), b"".join(rec + b"\n" for rec in records))
+
+    def arrive(self, n: int, count: int = 1) -> bytes | None:
+        """Count ``count`` arrivals (whose records are in); if every record is in, publish
+        the round. Returns the published round when this call found or made it, else None
+        (wait for it)."""
+        if int(self.store.add(self.keys.arrive(n), count)) < len(self.roster):
             return None
-        if not self.store.check([self.keys.member(n, r) for r in self.roster]):
+        found = self._found(n)
+        if found is None:
             return None  # a rank wrote no record yet: its own add comes later
-        payload, admitted = self._lay_out(n)
+        payload, admitted = self._lay_out(n, found)
         published = bytes(self.store.compare_set(self.keys.ready(n), "", payload))
         if published == payload:
             self.store.set(self.keys.latest, payload)
@@ -155,7 +181,7 @@ class RoundBook:
         self.roster = ready.roster
         self.gone = dict(ready.gone)
         self.repeats = ready.repeats
-        if self.writer >= 0 and ready.round > 0:
+        if self.writer >= 0 and ready.round > 0 and not self.pooled:  # pooled: one key
             self.stale = self.keys.member(ready.round - 1, self.writer)
 
     def tidy(self) -> None:
@@ -166,16 +192,36 @@ class RoundBook:
             with contextlib.suppress(Exception):  # a missing key, a store gone: fine
                 self.store.delete_key(stale)
 
-    def _lay_out(self, n: int) -> tuple[bytes, list[int]]:
-        """Run by the last arriver: read every record, apply the policies; the layout to
-        publish and the gone ranks it admits."""
-        raws = self.store.multi_get([self.keys.member(n, r) for r in self.roster])
+    def _found(self, n: int) -> dict[int, BarrierRecord | None] | None:
+        """Round ``n``'s records, every rank of the roster's at least (pooled: every line's,
+        newcomers' included); None when one is missing."""
+        if not self.pooled:
+            keys = [self.keys.member(n, r) for r in self.roster]
+            if not self.store.check(keys):
+                return None
+            raws = [bytes(raw) for raw in self.store.multi_get(keys)]
+            return dict(zip(self.roster, _records.records(raws), strict=True))
+        raw = peek(self.store, self.keys.pool(n))
+        found = pool_records(raw or b"")
+        if any(r not in found for r in self.roster):
+            return None
+        return found
+
+    def _lay_out(
+        self, n: int, found: dict[int, BarrierRecord | None] | None = None
+    ) -> tuple[bytes, list[int]]:
+        """Run by the last arriver: from every record (``found``; read when not given),
+        apply the policies; the layout to publish and the gone ranks it admits."""
+        found = self._found(n) if found is None else found
+        if found is None:
+            raise CoordinationError(f"round {n}'s barrier records are not all in")
         gone = dict(self.gone)
         present: set[int] = set()
         faults: dict[int, str] = {}
         info: dict[int, dict[str, str]] = {}
         progress = False
-        for r, rec in zip(self.roster, _records.records([bytes(raw) for raw in raws]), strict=True):
+        for r in self.roster:
+            rec = found[r]
             if rec is None or rec.rank != r:  # not this job's: that rank cannot be counted on
                 gone[r] = "its barrier record in the store is unreadable"
                 continue
@@ -187,7 +233,7 @@ class RoundBook:
             else:
                 present.add(r)
                 info[r] = {"host": rec.host, "local_rank": str(rec.local_rank)}
-        admitted = self._admit(n, gone, present, info) if gone else []
+        admitted = self._admit(n, gone, present, info, found) if gone else []
         layout = Layout.start(
             round=n,
             initial_world_size=self.world,
@@ -237,16 +283,25 @@ class RoundBook:
         return barrier.wait_key(self.store, self.keys.pg_addr(n), self.store_timeout)
 
     def _admit(
-        self, n: int, gone: dict[int, str], present: set[int], info: dict[int, dict[str, str]]
+        self,
+        n: int,
+        gone: dict[int, str],
+        present: set[int],
+        info: dict[int, dict[str, str]],
+        found: dict[int, BarrierRecord | None],
     ) -> list[int]:
-        """Admit the gone ranks that came back: a record of round ``n`` that is not leaving.
-        Moves each from ``gone`` to ``present`` and undoes its departure; returns them."""
+        """Admit the gone ranks that came back: a record of round ``n`` that is not leaving
+        (pooled: among ``found``, else read). Moves each from ``gone`` to ``present`` and
+        undoes its departure; returns them."""
         admitted = []
         for r in sorted(gone):
             if r in self.roster:
                 continue
-            raw = peek(self.store, self.keys.member(n, r))
-            rec = _records.record(raw) if raw is not None else None
+            if self.pooled:
+                rec = found.get(r)
+            else:
+                raw = peek(self.store, self.keys.member(n, r))
+                rec = _records.record(raw) if raw is not None else None
             if rec is None or rec.rank != r or rec.leave:
                 continue
             del gone[r]
@@ -274,6 +329,8 @@ class RoundBook:
             return
         holds = set(_records.layout(published).roster)
         keys = self.keys.round_keys(n, [r for r in self.previous_roster if r not in holds])
+        if not self.pooled:  # not a request more than before without pooled records
+            keys.remove(self.keys.pool(n))
         for key in keys:
             with contextlib.suppress(Exception):
                 self.store.delete_key(key)
@@ -287,6 +344,11 @@ class RoundBook:
         ``r`` had arrived on its own: a round published before its record was turned into a
         departure still holds ``r`` (the caller then follows ``r`` into that round)."""
         leave = BarrierRecord.departure(r, cause).encode()
+        if self.pooled:
+            self.store.append(self.keys.pool(n), leave + b"\n")
+            arrived = _arrived_first(self.store.get(self.keys.pool(n)), r)
+            self.arrive(n)
+            return arrived
         key = self.keys.member(n, r)
         current = bytes(self.store.compare_set(key, "", leave))
         arrived = False
@@ -305,6 +367,39 @@ class RoundBook:
         if int(self.store.add(self.keys.left, 1)) >= self.world:
             self.store.set(self.keys.exit, b"done")
         return True
+
+
+def has_record(store: StoreLike, keys: Keyspace, n: int, r: int, *, pooled: bool) -> bool:
+    """Whether rank ``r`` has a record of round ``n`` (arrived, or a departure written)."""
+    if not pooled:
+        return bool(store.check([keys.member(n, r)]))
+    raw = peek(store, keys.pool(n))
+    return raw is not None and r in pool_records(raw)
+
+
+def _lines(raw: bytes) -> list[BarrierRecord | None]:
+    return _records.records([line for line in bytes(raw).split(b"\n") if line.strip()])
+
+
+def pool_records(raw: bytes) -> dict[int, BarrierRecord | None]:
+    """The records of a pool (see the module docstring): each rank's departure if it has
+    one, else its first arrival. Lines that are not records are skipped (their rank, if
+    any, counts as not arrived)."""
+    found: dict[int, BarrierRecord | None] = {}
+    for rec in _lines(raw):
+        if rec is None:
+            continue
+        if rec.rank not in found or (rec.leave and not _leaving(found[rec.rank])):
+            found[rec.rank] = rec
+    return found
+
+
+def _arrived_first(raw: bytes, r: int) -> bool:
+    """Whether the pool ``raw`` holds an arrival of ``r`` before its first departure."""
+    for rec in _lines(raw):
+        if rec is not None and rec.rank == r:
+            return not rec.leave
+    return False
 
 
 def _leaving(rec: BarrierRecord | None) -> bool:

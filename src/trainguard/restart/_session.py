@@ -40,6 +40,10 @@ class Session:
     for the next round's layout between rounds (:meth:`take`), go to the node watcher's relay
     when this rank's helper has one (:mod:`.sidecar._relay`: one store read per node), else to
     a second connection of this rank's own (:attr:`watch_store`); see :meth:`watch`.
+
+    Under node arrival (``TRAINGUARD_NODE_ARRIVAL=1``) the records are pooled
+    (:mod:`._book`), and a rank whose helper is the node watcher hands its record to it
+    instead of arriving at the store (:meth:`arrive`; :mod:`.sidecar._arrival`).
     """
 
     def __init__(self, launch: Launch, call: int, cfg: WrapperConfig) -> None:
@@ -52,6 +56,9 @@ class Session:
         self.book: RoundBook | None = None
         self.watch_store: StoreLike | None = None
         self.relay: RelayReader | None = None
+        #: the node watcher that arrives for this rank (node arrival, see :meth:`arrive`)
+        self.node: Any = None
+        self._sent: tuple[int, BarrierRecord] | None = None  # the record it took last
         #: runs a store chore off the restart's path (the call's worker thread; at once here)
         self.later: Callable[[Callable[[], None]], None] = _now
         self._lock = threading.Lock()  # the monitor's and the main thread's waits
@@ -129,6 +136,7 @@ class Session:
             cfg.policies,
             store_timeout=cfg.store_timeout,
             writer=self.irank,
+            pooled=_env.settings().node_arrival,
         )
 
     def watch(self, helper: Any) -> StoreLike:
@@ -137,6 +145,8 @@ class Session:
         this rank's own. Returns the store connection that the monitor may write to when it
         closes (:attr:`watch_store`, or :attr:`coord` when relayed)."""
         self.relay = getattr(helper, "relay", None)
+        if self.book is not None and self.book.pooled and getattr(helper, "arrival", False):
+            self.node = helper
         return self._watch_store() if self.relay is None else self.coord
 
     def outcome(self, n: int) -> bytes:
@@ -152,11 +162,12 @@ class Session:
         return barrier.wait_forever(self._watch_store(), self.keys.stop(n))
 
     def _unrelay(self, exc: CoordinationError) -> None:
-        """The relay failed (the watcher died): wait at the store from now on. The watchdog
+        """The relay failed (the watcher died): wait at the store, and arrive there, from now
+        on. The watchdog
         sees the watcher's loss on its own and takes this rank out (``SidecarLostError``)
         through a round outcome, which this rank must still be able to see."""
         logger.warning("%s; waiting at the store instead", exc)
-        self.relay = None
+        self.relay = self.node = None
 
     def _watch_store(self) -> StoreLike:
         """The connection of the long waits without a relay (made on first use)."""
@@ -221,12 +232,15 @@ class Session:
     def arrive(
         self, n: int, *, leaving: str | None, fault: str | None, progress: bool = False
     ) -> bytes | None:
-        """The first half of :meth:`barrier`: this rank's record and its count. Returns the
-        published round when this call found or made it (it was the last arriver), else None
-        (:meth:`take` waits for it)."""
+        """The first half of :meth:`barrier`: this rank's record and its count (or its record
+        handed to its node watcher, which arrives for it). Returns the published round when
+        this call found or made it (it was the last arriver), else None (:meth:`take` waits
+        for it)."""
         book = self.book
         assert book is not None
         record = self._record(leaving, fault, progress)
+        if self._through_node(n, record, leaving):
+            return None
         found = book.record(n, self.irank, record)
         if found is not None:  # another process declared this rank gone meanwhile
             self._declared_gone(n, found.leave)
@@ -234,6 +248,35 @@ class Session:
         if raw is None and leaving is None and self.relay is not None:
             self.relay.ask("ready", n)  # the relay waits for the layout while this rank does
         return raw
+
+    def _through_node(self, n: int, record: BarrierRecord, leaving: str | None) -> bool:
+        """Node arrival (:mod:`.sidecar._arrival`): hand round ``n``'s record to this rank's
+        node watcher, which arrives for its ranks (True), and ask its relay for the layout.
+        A leaving rank arrives itself (it does not wait for the layout, and its watch ends
+        soon) and says so, so that its node does not wait for its record; False then, and
+        when the watcher is gone (this rank arrives itself)."""
+        node, relay = self.node, self.relay
+        if node is None or relay is None:
+            return False
+        if leaving is not None:
+            node.send({"arrive": n, "direct": 1})
+            return False
+        if not node.send({"arrive": n, "record": record.encode().decode()}):
+            return False
+        self._sent = (n, record)
+        relay.ask("ready", n)
+        return True
+
+    def _arrive_again(self, n: int) -> bytes | None:
+        """The relay failed while this rank waited for round ``n``'s layout: its watcher died,
+        maybe before it arrived for this rank. Arrive at the store itself (a second arrival
+        of the same record is harmless: the first counts, and the count only says when to
+        look); the published round when this call made or found it."""
+        sent, self._sent = self._sent, None
+        if sent is None or sent[0] != n or self.book is None:
+            return None
+        self.book.record(n, self.irank, sent[1])
+        return self.book.arrive(n)
 
     def take(self, n: int, raw: bytes | None, start: float) -> RoundLayout:
         """The second half of :meth:`barrier`: wait for round ``n``'s layout unless ``raw``
@@ -252,6 +295,8 @@ class Session:
             else:
                 if raw is None:
                     raise barrier.late(what, timeout)
+        if raw is None and self.relay is None:  # the watcher is gone (here or meanwhile)
+            raw = self._arrive_again(n)
         if raw is None:  # on the monitor's connection, idle between rounds (see watch)
             raw = barrier.wait_key(self._watch_store(), self.keys.ready(n), timeout, what=what)
         waited = time.monotonic() - start
@@ -339,7 +384,7 @@ class Session:
         them and exits on its own when the job ends (it is not waited for, so it outlives
         this call). Otherwise it is waited for up to ``timeout`` seconds, then killed.
         """
-        self.watch_store = self.relay = None
+        self.watch_store = self.relay = self.node = None
         self.book = None
         if self.secret is not None:
             if early:  # the job goes on: a newcomer may still need the secret's file

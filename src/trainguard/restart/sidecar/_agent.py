@@ -101,6 +101,8 @@ class AgentSidecar:
         self.watcher_pid: int | None = None  # the watching process's, from its handshake
         #: the node watcher's relay of round outcomes and layouts (None: the helper has none)
         self.relay: RelayReader | None = None
+        #: the helper arrives at the barriers for this rank (node arrival, :mod:`._arrival`)
+        self.arrival = False
         self._lock = threading.Lock()  # one line at a time, from any thread
         self._closed = False
 
@@ -132,6 +134,7 @@ class AgentSidecar:
             raise CoordinationError(self.refusal(reply.get("error")))
         if reply.get("relay") and self.sock is not None:  # see _relay
             self.relay = RelayReader(self.sock, self.send)
+            self.arrival = bool(reply.get("arrival"))
 
     def refusal(self, error: object) -> str:
         """The message of the error :meth:`handshake` raises when it is not watched."""

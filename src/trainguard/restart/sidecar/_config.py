@@ -9,6 +9,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
+from trainguard import _env
 from trainguard.coord.keys import Keyspace
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.policy._round import RoundPolicies
@@ -23,6 +24,7 @@ _CONVERT: dict[str, Callable[[Any], object]] = {
     "float": float,
     "str": str,
     "str | None": _optional_str,
+    "bool": bool,
 }
 
 
@@ -41,6 +43,9 @@ class SidecarConfig:
             could not be pickled (lambdas): a notice that lays a round out then uses the
             defaults (:class:`ShiftRanks`, no filter, no retry limit).
         store_timeout ... heartbeat_timeout: the Wrapper's timeouts, in seconds.
+        node_arrival: the round's records are pooled (``TRAINGUARD_NODE_ARRIVAL=1``, see
+            :mod:`trainguard.restart._book`): a notice appends its departure there, and the
+            node watcher arrives for its ranks.
     """
 
     rank: int
@@ -59,6 +64,7 @@ class SidecarConfig:
     termination_grace_time: float
     heartbeat_interval: float
     heartbeat_timeout: float
+    node_arrival: bool = False
 
     @classmethod
     def build(
@@ -93,6 +99,7 @@ class SidecarConfig:
             termination_grace_time=cfg.termination_grace_time,
             heartbeat_interval=cfg.heartbeat_interval,
             heartbeat_timeout=cfg.heartbeat_timeout,
+            node_arrival=_env.settings().node_arrival,
         )
 
     def __repr__(self) -> str:  # never the secret nor the pickle: configurations get logged

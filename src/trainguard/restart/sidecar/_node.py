@@ -21,7 +21,8 @@ Protocol:
    configuration and died before the accept (its pid may be gone or reused) gets its death
    notice written from that configuration, and nothing is signalled. Otherwise the watcher
    connects the rank's watch to the store and replies
-   ``{"ok": true, "pid": ..., "relay": true}``; then the rank's lines (round, hb, bye) follow,
+   ``{"ok": true, "pid": ..., "relay": true, "arrival": ...}`` (``arrival``: it arrives at
+   the barriers for the rank, :mod:`._arrival`); then the rank's lines (round, hb, bye) follow,
    as on a sidecar's stdin, and its asks of the node's relay (:mod:`._relay`: each round's
    outcome and layout, read from the store once for all the node's ranks; the replies are the
    only lines the watcher writes after the handshake). The watcher closes the connection when
@@ -50,6 +51,7 @@ from typing import Any
 from trainguard import _private
 from trainguard.coord import _wire
 from trainguard.coord.keys import Keyspace
+from trainguard.restart.sidecar._arrival import NodeArrival
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._notice import notify
 from trainguard.restart.sidecar._relay import Relay
@@ -160,6 +162,7 @@ class NodeWatcher:
         self.served = 0
         self.threads: list[threading.Thread] = []
         self.relay: Relay | None = None  # made with the first rank's store address
+        self.arrival: NodeArrival | None = None  # likewise, under node arrival
         self.beats: Any = None  # the one connection of every watch's beats, made likewise
 
     def serve(self) -> int:
@@ -176,6 +179,8 @@ class NodeWatcher:
                 break
         for thread in self.threads:
             thread.join()
+        if self.arrival is not None:  # its last batches go before the relay stops
+            self.arrival.close()
         if self.relay is not None:
             self.relay.close()
         if self.beats is not None:  # not close(): a beat stuck in a call would hold it up
@@ -284,8 +289,17 @@ class NodeWatcher:
                         lambda: _wire.connect(cfg.host, cfg.port, timeout=cfg.store_timeout),
                     )
                 watch.on_relay = self.relay.hook(sock)
+                if cfg.node_arrival:  # one for the node likewise (:mod:`._arrival`)
+                    if self.arrival is None:
+                        relay = self.relay
+                        self.arrival = NodeArrival(
+                            lambda: _wire.connect(cfg.host, cfg.port, timeout=cfg.store_timeout),
+                            lambda n: relay.value("ready", n),
+                        )
+                    self.arrival.watch(watch)
             with contextlib.suppress(OSError):  # it died already: the watch writes its notice
                 reply = {"ok": True, "pid": os.getpid(), "relay": True}
+                reply["arrival"] = cfg.node_arrival
                 sock.sendall(json.dumps(reply).encode() + b"\n")
             logger.info("watching rank %d (pid %d)", cfg.rank, pid)
             watch.run_piped(sock.fileno(), rest)

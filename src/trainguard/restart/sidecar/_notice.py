@@ -40,7 +40,7 @@ from trainguard import events
 from trainguard.coord.barrier import wait_key
 from trainguard.coord.store import StoreLike
 from trainguard.restart import _records
-from trainguard.restart._book import RoundBook, peek, propose
+from trainguard.restart._book import RoundBook, has_record, peek, propose
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.state import RoundOutcome
 
@@ -82,10 +82,16 @@ def write_notice(
     policies = cfg.round_policies()
     while True:
         book = RoundBook(
-            store, keys, cfg.world, policies, store_timeout=cfg.store_timeout, roster=roster
+            store,
+            keys,
+            cfg.world,
+            policies,
+            store_timeout=cfg.store_timeout,
+            roster=roster,
+            pooled=cfg.node_arrival,
         )
-        _follow(book, n)
-        if n >= 0 and r in roster and not store.check([keys.member(n + 1, r)]):
+        follow(book, n)
+        if n >= 0 and r in roster and not has_record(store, keys, n + 1, r, pooled=book.pooled):
             # Gone inside round n: a fault of that round, so the others abort it. (A
             # newcomer waiting outside the roster was in no round: nothing to abort.)
             book.propose(n, RoundOutcome.fault(r, cause, "RankGone"))
@@ -105,7 +111,7 @@ def write_notice(
     return notice
 
 
-def _follow(book: RoundBook, n: int) -> None:
+def follow(book: RoundBook, n: int) -> None:
     """Give ``book`` the job's history as of published round ``n``: the ranks gone before and
     the repeated faults. Should this notice complete round ``n+1``'s barrier, its layout
     carries them on, and admits a gone rank whose new process waits with its record."""
@@ -121,7 +127,7 @@ def _awaits_return(store: StoreLike, cfg: SidecarConfig, r: int, n: int, cause: 
     the roster of round ``n+1`` (True). False: an ordinary notice is needed (there is a
     spare, ``r`` already arrived at ``n+1``, or round ``n`` is not readable)."""
     keys = cfg.keys
-    if store.check([keys.member(n + 1, r)]):
+    if has_record(store, keys, n + 1, r, pooled=cfg.node_arrival):
         return False
     if n < 0:
         return True  # round 0's barrier waits for every rank anyway: nothing to abort

@@ -109,6 +109,17 @@ class Relay:
                 return
         send(line)
 
+    def value(self, kind: str, n: int) -> bytes | None:
+        """Round ``n``'s ``kind`` as read already (no store request); None when it was not
+        read (or could not be)."""
+        with self._cond:
+            entry = self._entries.get((kind, n))
+            line = entry.line if entry is not None else None
+        if line is None:
+            return None
+        _, sep, value = line.partition(b" =")
+        return value.rstrip(b"\n") if sep else None
+
     def hook(self, sock: socket.socket) -> Callable[[dict[str, Any]], None]:
         """What a helper's :attr:`Watch.on_relay <trainguard.restart.sidecar._watch.Watch.
         on_relay>` calls with each ask of the rank connected on ``sock``: the ask goes to this

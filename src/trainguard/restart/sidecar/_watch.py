@@ -145,6 +145,10 @@ class Watch:
             self.ring.ensure([self.rank])
         #: the node watcher's hook for the rank's asks of its relay (:mod:`._relay`)
         self.on_relay: Callable[[dict[str, Any]], None] | None = None
+        #: the node watcher's hooks of node arrival (:mod:`._arrival`): the rank's records,
+        #: and its end (death or goodbye, called before its notice is written)
+        self.on_arrive: Callable[[dict[str, Any]], None] | None = None
+        self.on_end: Callable[[], None] | None = None
 
     # lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -189,6 +193,10 @@ class Watch:
         if "relay" in msg:
             if self.on_relay is not None:
                 self.on_relay(msg)
+            return False
+        if "arrive" in msg:
+            if self.on_arrive is not None:
+                self.on_arrive(msg)
             return False
         with self.lock:
             self.last_line = time.monotonic()
@@ -302,6 +310,8 @@ class Watch:
         self.start()
         cause = self.wait_parent(fd, buf)
         self.done.set()
+        if self.on_end is not None:
+            self.on_end()
         self.threads[0].join()  # never blocked: it only waits on the pidfd and the event
         if cause is None:
             logger.info("the training process said goodbye")
