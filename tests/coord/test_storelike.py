@@ -49,6 +49,9 @@ def test_torch_stores_and_the_wire_client_satisfy_store_like(server: Any) -> Non
     # one client's writes are the others' reads: the same keys through every client
     wire, tcp = clients["WireStore"], clients["TCPStore"]
     wire.append("shared", b"w")
+    # an append has no reply (torch's protocol): a read on the same connection orders it
+    # before the other client's append (the server serves each connection in order only)
+    assert bytes(wire.get("shared")) == b"w"
     tcp.append("shared", b"t")
     assert bytes(tcp.get("shared")) == bytes(wire.get("shared")) == b"wt"
     wire.close()
