@@ -69,8 +69,7 @@ class Nodes:
         from bench._coord_worker import LOCAL, Counting, _sidecar_config
         from trainguard.coord.store import connect
         from trainguard.restart.sidecar._arrival import NodeArrival
-        from trainguard.restart.sidecar._relay import Relay
-        from trainguard.restart.sidecar._relayclient import RelayReader
+        from trainguard.restart.sidecar._relay import Relay, RelayReader
 
         self.counters: list[list[int]] = []
         port = worker.spec["port"]

@@ -13,7 +13,7 @@ makes, made by the library's own code on that rank's client:
   rank reading and following its assignment). By default (``relay=True``, as under the node
   watcher) each node of 8 simulated ranks has a
   :class:`~trainguard.restart.sidecar._relay.Relay` with store connections of its own, and
-  each rank a :class:`~trainguard.restart.sidecar._relayclient.RelayReader` over a real socket
+  each rank a :class:`~trainguard.restart.sidecar._relay.RelayReader` over a real socket
   pair: the outcome and the layout are read at the store once per node and reach the ranks
   over the sockets. The watcher's ends of the sockets are read by one thread per worker (the
   node watcher has one per rank), which passes each ask to its node's relay. With

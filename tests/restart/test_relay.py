@@ -1,5 +1,5 @@
 """The node watcher's relay (:mod:`trainguard.restart.sidecar._relay`) and a rank's reader of
-it (:mod:`._relayclient`): each round key read once per node at a real TCPStore, passed to every
+it (:class:`RelayReader`, in the same module): each round key read once per node at a real TCPStore, passed to every
 rank that asked over a real socket, errors and the watcher's loss reaching every waiting rank."""
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ import pytest
 from trainguard.coord import _wire
 from trainguard.coord.keys import Keyspace
 from trainguard.errors import CoordinationError
-from trainguard.restart.sidecar._relay import Relay
-from trainguard.restart.sidecar._relayclient import RelayReader
+from trainguard.restart.sidecar._relay import Relay, RelayReader
 
 KEYS = Keyspace("relay-test", 0)
 

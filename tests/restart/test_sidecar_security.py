@@ -26,8 +26,8 @@ from trainguard.errors import CoordinationError
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.policy import ShiftRanks
 from trainguard.restart.sidecar import AgentSidecar, Sidecar, SidecarConfig, _node
+from trainguard.restart.sidecar._agent import NodeSidecar
 from trainguard.restart.sidecar._handle import log_path
-from trainguard.restart.sidecar._nodeclient import NodeSidecar
 
 
 @pytest.fixture()

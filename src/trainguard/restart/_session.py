@@ -22,7 +22,7 @@ from trainguard.restart._environment import Launch
 from trainguard.restart._join import Newcomer, Notify
 from trainguard.restart._records import BarrierRecord, RoundLayout
 from trainguard.restart.config import WrapperConfig
-from trainguard.restart.sidecar._relayclient import RelayReader
+from trainguard.restart.sidecar._relay import RelayReader
 from trainguard.restart.state import RoundOutcome
 
 logger = logging.getLogger(__name__)

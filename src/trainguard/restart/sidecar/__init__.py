@@ -37,11 +37,11 @@ from trainguard import _env
 from trainguard.coord.keys import Keyspace
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.sidecar._agent import AgentSidecar as AgentSidecar
+from trainguard.restart.sidecar._agent import NodeSidecar as NodeSidecar
 from trainguard.restart.sidecar._agent import agent_address
 from trainguard.restart.sidecar._config import SidecarConfig as SidecarConfig
 from trainguard.restart.sidecar._handle import Sidecar as Sidecar
 from trainguard.restart.sidecar._handle import log_path as log_path
-from trainguard.restart.sidecar._nodeclient import NodeSidecar as NodeSidecar
 from trainguard.restart.sidecar.agent_service import SidecarService as SidecarService
 
 __all__: list[str] = []

@@ -1,7 +1,7 @@
 """The node watcher: one sidecar process for every rank of a wrapped call on this host.
 
 By default (``TRAINGUARD_SIDECAR=node``) the ranks of one host share one watcher process instead
-of one sidecar each (:class:`~trainguard.restart.sidecar._nodeclient.NodeSidecar` is their handle).
+of one sidecar each (:class:`~trainguard.restart.sidecar._agent.NodeSidecar` is their handle).
 It does for each rank what a sidecar does (:class:`~trainguard.restart.sidecar._watch.Watch`,
 one per rank, each with its own store connection and heartbeat thread): the death notice as
 soon as the rank's process dies (its pidfd wakes), the hard timeout, the rank's heartbeats and
