@@ -92,9 +92,24 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def test_a_rank_killed_before_it_read_the_reply_still_gets_its_notice(tmp_path) -> None:
+def _rank_that_dies_unread(port: int, tmp_path: Path, secret: str) -> None:
+    """Run :data:`_DIES_UNREAD` as rank 1 of call ``unread`` under ``secret`` until its end.
+    A watcher it starts inherits its stderr: a file, not a pipe that would stay open (and
+    keep this waiting) until the watcher ends."""
     import subprocess
     import sys
+
+    with open(tmp_path / "rank.err", "wb") as err:
+        proc = subprocess.run(
+            [sys.executable, "-c", _DIES_UNREAD, str(port), str(tmp_path), secret],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            timeout=60,
+        )
+    assert proc.returncode == -9, (tmp_path / "rank.err").read_text()
+
+
+def test_a_rank_killed_before_it_read_the_reply_still_gets_its_notice(tmp_path) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -105,16 +120,7 @@ def test_a_rank_killed_before_it_read_the_reply_still_gets_its_notice(tmp_path) 
     # shared with any other test run on this machine (its rank reached that run's watcher)
     secret = secrets.token_hex(16)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
-    # the watcher it starts inherits its stderr: a file, not a pipe that stays open until the
-    # watcher ends
-    with open(tmp_path / "rank.err", "wb") as err:
-        proc = subprocess.run(
-            [sys.executable, "-c", _DIES_UNREAD, str(store.port), str(tmp_path), secret],
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-            timeout=60,
-        )
-    assert proc.returncode == -9, (tmp_path / "rank.err").read_text()
+    _rank_that_dies_unread(store.port, tmp_path, secret)
     keys = Keyspace("unread", 0, secret)
     record = bytes(store.get(keys.member(0, 1)))  # waits for the notice (store timeout 30 s)
     assert b"process died" in record, record
@@ -132,8 +138,6 @@ def test_a_rank_dead_before_its_watcher_accepted_it_still_gets_its_notice(tmp_pa
     configuration and die (and be reaped) before the watcher accepts it. Its notice is still
     written (a stopped watcher makes the order certain; before, it was refused unwatched)."""
     import signal
-    import subprocess
-    import sys
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -154,14 +158,7 @@ def test_a_rank_dead_before_its_watcher_accepted_it_still_gets_its_notice(tmp_pa
     assert watcher.watcher_pid
     os.kill(watcher.watcher_pid, signal.SIGSTOP)
     try:
-        with open(tmp_path / "rank.err", "wb") as err:
-            proc = subprocess.run(
-                [sys.executable, "-c", _DIES_UNREAD, str(store.port), str(tmp_path), secret],
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-                timeout=60,
-            )
-        assert proc.returncode == -9, (tmp_path / "rank.err").read_text()  # and reaped
+        _rank_that_dies_unread(store.port, tmp_path, secret)  # and is reaped
     finally:
         os.kill(watcher.watcher_pid, signal.SIGCONT)
     try:
