@@ -40,10 +40,21 @@ def test_exception_in_backward_recovers_every_rank_in_place(tmp_path: Path) -> N
     assert [v["digest"] for v in values] == [ref] * 3
     again = _after(values, tmp_path)
     assert len(again) == 3
-    # nobody reached the update of step AT: every rank is at AT, nothing moves, nothing is lost
+    # nobody reached the update of step AT: the round resumes at AT and nothing is lost. The
+    # faulting rank finished the update of step AT-1 before it raised, so it keeps its state
+    # untouched. Another rank may not have finished that update when the abort came (its
+    # last collective of step AT-1 cut short, or the update torn; possible on a loaded
+    # machine). It then receives the state of step AT from a rank that holds it, and nothing
+    # is recomputed.
+    receivers = again[0]["receivers"]
+    assert 1 not in receivers, receivers
     for rec in again:
-        assert rec["live"] and rec["step"] == AT and rec["receivers"] == []
-        assert rec["recomputed"] == 0 and rec["received_from"] is None
+        assert rec["live"] and rec["step"] == AT and rec["receivers"] == receivers
+        assert rec["recomputed"] == 0
+        if rec["rank"] in receivers:
+            assert rec["received_from"] not in (None, *receivers), rec
+        else:
+            assert rec["received_from"] is None, rec
 
 
 def test_exception_inside_optimizer_step_tears_one_rank_that_receives_from_a_donor(
