@@ -5,10 +5,10 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch on this machine's disk; installed before the package so that pip never
 # resolves the package's `torch>=2.6` range to a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
-# serial by default (CI). PYTEST_ARGS="-n 2 --dist loadgroup" runs it on two workers (about 15 min
-# here instead of about 20; tests/conftest.py keeps the tests that share the machine on one
-# worker), at the price of more load on the timing-sensitive multi-rank tests
-PYTEST_ARGS ?=
+# two pytest-xdist workers (about 14 min here; about 19 serially): tests/conftest.py keeps the
+# tests that share something of the machine (emulated hosts, the soak) on one worker.
+# PYTEST_ARGS= (empty) runs the suite serially; PYTEST_ARGS="tests/coord -n 0" one folder.
+PYTEST_ARGS ?= -n 2 --dist loadgroup
 
 .PHONY: test lint format bench demo clean soak-test compat gpu-check
 
