@@ -44,10 +44,11 @@ def test_256_ranks_agree_on_every_layout_and_a_silent_node_is_declared() -> None
     # declared at heartbeat_timeout after the first observer saw its last beat (observers look
     # at the deadline, not at their next beat): well under an interval late, plus the load
     assert 0.0 <= live["detect_group_s"] < INTERVAL + 0.5, live
-    # O(N) liveness: two operations per rank per interval, WINDOW counters read by each (plus
-    # a look at a deadline when a loaded machine steps a watch late; every rank reading every
-    # other rank's counter would be N * N keys)
-    assert live["ops_per_interval"] <= 3 * N, live
+    # O(N) liveness: two operations per rank per interval, WINDOW counters read by each, plus
+    # looks at a deadline when a loaded machine steps a watch late (about 4 per rank were
+    # counted beside a 16K-rank benchmark at a load of 76); every rank reading every other
+    # rank's counter would be N * N keys, N per rank
+    assert live["ops_per_interval"] <= 5 * N, live
     assert live["keys_per_interval"] <= 2 * (WINDOW + 1) * N, live
     # one connection per node watcher: 32 nodes of 8 for the 255 ranks left after the notices
     assert live["sidecar_connections_per_rank"] == pytest.approx(32 / 255), live
