@@ -5,7 +5,9 @@ of one sidecar each (:class:`~trainguard.restart.sidecar._nodeclient.NodeSidecar
 It does for each rank what a sidecar does (:class:`~trainguard.restart.sidecar._watch.Watch`,
 one per rank, each with its own store connection and heartbeat thread): the death notice as
 soon as the rank's process dies (its pidfd wakes), the hard timeout, the rank's heartbeats and
-judging the ranks it observes. It never imports torch (:mod:`trainguard.coord._wire`).
+judging the ranks it observes (under node arrival the node beats once for all of them and
+judges the nodes after it instead, :mod:`._nodering`). It never imports torch
+(:mod:`trainguard.coord._wire`).
 
 Protocol:
 
