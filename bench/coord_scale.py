@@ -119,12 +119,15 @@ def measure(
             out["liveness"] = _coord_sim.liveness(sim, roster, last, silent=SILENT)
             nodes = -(-len(roster) // LOCAL)
             # each member beats once an interval: its requests per beat are per interval,
-            # measured exactly (the window's own count scales by its length, +-1 request)
+            # measured exactly (the window's own count scales by its length, +-1 request).
+            # Under node arrival a member is a node (a node whose ranks two worker processes
+            # drive is two members here: the simulation's split, not the watcher's)
             hb = out["liveness"]
+            per_node = 1 if arrival else hb["members"] / nodes
             out["liveness_requests_per_node"] = (
                 hb["ops_per_interval"] / nodes
                 if hb["requests_per_beat"] is None
-                else hb["requests_per_beat"] * hb["members"] / nodes
+                else hb["requests_per_beat"] * per_node
             )
         out["load_after"] = os.getloadavg()[0]
         return out
