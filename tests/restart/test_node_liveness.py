@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tests._dist import RankGroup, run_ranks
 from tests.restart import _nodering_jobs
 from trainguard.coord.keys import Keyspace
-from trainguard.restart.sidecar._nodering import parse_node_value
+from trainguard.restart.sidecar._nodering import NodeRing, parse_node_value
 
 PER_NODE, NODES, RUN_S = 4, 3, 5.0
 
@@ -91,3 +91,44 @@ def test_the_node_watcher_beats_once_for_its_node_under_node_arrival(tmp_path) -
     assert seen["ranks"] == [False, False, False], seen
     ranks, counter = parse_node_value(seen["node"].encode())
     assert ranks == [0, 1, 2] and counter >= 2, seen
+
+
+def test_the_node_key_moves_with_its_lowest_rank_and_a_silent_node_is_judged_once() -> None:
+    """One real store, two nodes' rings stepped by hand on a fake clock: the node's key is
+    under its lowest live rank (the old one says bye), a node that stops beating is declared
+    with every rank it lists in the roster, once, after heartbeat_timeout."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    keys = Keyspace(f"nodering-{secrets.token_hex(4)}")
+    now = [0.0]
+    roster = (0, 1, 2, 3, 4)
+    mine = {"a": (0, 1), "b": (2, 3, 4)}
+    declared: list[tuple[int, list[int]]] = []
+    rings = {
+        name: NodeRing(
+            server,
+            keys,
+            interval=1.0,
+            timeout=3.0,
+            position=lambda name=name: (mine[name], 0, roster),
+            on_silent=lambda leader, ranks, *_: declared.append((leader, ranks)),
+            clock=lambda: now[0],
+        )
+        for name in mine
+    }
+    for _ in range(3):  # both beat; a watches b's leader, 2
+        for ring in rings.values():
+            ring.beat_and_look()
+        now[0] += 1.0
+    assert rings["a"].window_of(0, roster) == [2, 3, 4]
+    mine["b"] = (3, 4)  # rank 2 left node b: its key says bye, the node beats under 3
+    rings["b"].beat_and_look()
+    assert server.get(keys.node_heartbeat(2)) == b"bye"
+    assert parse_node_value(server.get(keys.node_heartbeat(3))) == ([3, 4], 4)
+    for _ in range(2):
+        rings["a"].beat_and_look()  # a sees 2's bye (no notice) and b's beats under 3
+        now[0] += 1.0
+    assert declared == []
+    for _ in range(5):  # b is silent from now on
+        rings["a"].beat_and_look()
+        now[0] += 1.0
+    assert declared == [(3, [3, 4])]  # once, every rank of it in the roster
