@@ -351,7 +351,7 @@ def liveness(
     sim.send(("run", {"start": start, "count": count, "quiet_at": quiet_at, "until": until}))
     outs = [msg[1] for msg in sim.recv_all()]
     ranks = sum(o["ranks"] for o in outs)
-    ops, nbytes, nkeys = (sum(w[i] for o in outs for w in o["window"]) for i in range(3))
+    ops, nbytes, nkeys, beats = (sum(w[i] for o in outs for w in o["window"]) for i in range(4))
     last = {int(r): t for o in outs for r, t in o["last"].items()}
     declared: dict[int, float] = {}
     for o in outs:
@@ -362,6 +362,8 @@ def liveness(
         "ops_per_interval": ops,
         "bytes_per_interval": nbytes,
         "ops_per_rank": ops / ranks,
+        "members": ranks,  # a rank each, or under node arrival a node each
+        "requests_per_beat": ops / beats if beats else None,
         "keys_per_interval": nkeys,
         "bytes_per_rank": nbytes / ranks,
         "sidecar_connections_per_rank": sum(o["conns"] for o in outs) / ranks,

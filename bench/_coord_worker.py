@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from trainguard.restart._records import RoundLayout
 
+from bench import _coord_nodelive
 from bench._coord_nodes import Nodes, NoNodes
 
 JOB = "sim"
@@ -312,7 +313,11 @@ class _Worker:
         watches = []
         nodes = sorted({r // LOCAL for r in mine})  # a node watcher's ranks share one connection
         beats = dict(zip(nodes, self.clients(len(nodes)), strict=True))
-        for r in mine:
+        if self.spec.get("arrival"):  # the node beats for its ranks (bench/_coord_nodelive.py)
+            watches = _coord_nodelive.members(
+                self.cfg, self.keys, mine, LOCAL, params["round"], roster, beats
+            )
+        for r in [] if watches else mine:
             config = _sidecar_config(port, self.n, r, self.cfg)
             watch = Watch(config, pid=os.getpid(), store=beats[r // LOCAL], shared=True)
             watch.round, watch.roster = params["round"], roster
@@ -320,19 +325,22 @@ class _Worker:
         conns = held() - before
 
         def warm(watch: Any) -> None:  # each sidecar makes its observed counters once, at start
-            watch.ring.ensure(watch.ring.observed(params["round"], roster))
+            if hasattr(watch, "warm"):
+                watch.warm()
+            else:
+                watch.ring.ensure(watch.ring.observed(params["round"], roster))
 
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(warm, watches))
         self.send(("built",))
         params.update(self.conn_recv()[1])
         k = self.spec["threads"]
-        counters = [[0, 0, 0] for _ in range(k)]
+        counters = [[0, 0, 0, 0] for _ in range(k)]  # operations, bytes, keys; beats
         for i, watch in enumerate(watches):
             watch.ring.store = Counting(watch.ring.store, counters[i % k])
         out: dict[str, Any] = {"conns": conns, "ranks": len(watches), "last": {}, "declared": {}}
         out["lag"] = 0.0  # the latest a watch was stepped after it asked, seconds
-        out["window"] = [[0.0, 0.0, 0.0] for _ in range(k)]
+        out["window"] = [[0.0, 0.0, 0.0, 0.0] for _ in range(k)]
         drivers = [
             threading.Thread(
                 target=self._drive, args=(watches[t::k], counters[t], out["window"][t], params, out)
@@ -395,9 +403,11 @@ class _Worker:
             had = len(watch.ring.gone)
             beats = now >= next_beat
             next_beat = watch.ring.step(next_beat)
+            counter[3] += beats
             done = time.monotonic()
             if beats and watch.rank in silent:
-                out["last"][watch.rank] = done
+                for r in getattr(watch, "ranks", (watch.rank,)):  # a node: each of its ranks
+                    out["last"][r] = done
             if len(watch.ring.gone) != had:
                 for r in watch.ring.gone:
                     out["declared"].setdefault(r, done)

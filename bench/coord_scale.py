@@ -15,7 +15,8 @@ rank + last arriver + node + server busy + round trips x ``--rtt``) beside the s
 Beyond 4,096 ranks (16,384, 65,536) the ranks of a node share a store connection (they take
 turns anyway; one process holds at most 20,000 descriptors here), a worker process drives
 6,144 ranks, and liveness is not measured (``--live-max``: 2 cores cannot step that many
-heartbeats a second).
+heartbeats a second). Under node arrival liveness is one member per node (the node watcher
+beats for its ranks, :mod:`bench._coord_nodelive`), measured up to ``--live-max`` nodes.
 
 What is real and what is simulated: see ``bench/_coord_sim.py``. In short: the store process
 is the library's, started as the initial rank 0 starts it; every simulated rank has its own
@@ -117,7 +118,17 @@ def measure(
         if live:
             out["liveness"] = _coord_sim.liveness(sim, roster, last, silent=SILENT)
             nodes = -(-len(roster) // LOCAL)
-            out["liveness_requests_per_node"] = out["liveness"]["ops_per_interval"] / nodes
+            # each member beats once an interval: its requests per beat are per interval,
+            # measured exactly (the window's own count scales by its length, +-1 request).
+            # Under node arrival a member is a node (a node whose ranks two worker processes
+            # drive is two members here: the simulation's split, not the watcher's)
+            hb = out["liveness"]
+            per_node = 1 if arrival else hb["members"] / nodes
+            out["liveness_requests_per_node"] = (
+                hb["ops_per_interval"] / nodes
+                if hb["requests_per_beat"] is None
+                else hb["requests_per_beat"] * per_node
+            )
         out["load_after"] = os.getloadavg()[0]
         return out
     finally:
@@ -334,7 +345,8 @@ def main() -> None:
         "--live-max",
         type=int,
         default=4096,
-        help="measure liveness up to this size (2 cores cannot beat for more ranks each second)",
+        help="measure liveness up to this size (2 cores cannot beat for more ranks each second); "
+        "node arrival's up to this many nodes",
     )
     args = parser.parse_args()
     current, base, arrival = [], [], []
@@ -358,6 +370,8 @@ def main() -> None:
             print(f"N={n} direct: round p50 {b['round_s']['p50']:.3f} s", file=sys.stderr)
             base.append(b)
         if not args.no_arrival:
+            # node liveness: one ring member per node, so 8 times the ranks for the same steps
+            live = n // LOCAL <= args.live_max
             a = measure(
                 n,
                 args.reps,
@@ -365,7 +379,7 @@ def main() -> None:
                 args.timeout,
                 args.budget,
                 arrival=True,
-                live=False,
+                live=live,
                 **model,
             )
             print(f"N={n} arrival: round p50 {a['round_s']['p50']:.3f} s", file=sys.stderr)

@@ -38,8 +38,9 @@ VARIABLES: dict[str, str] = {
     "TRAINGUARD_SIDECAR": "'node' (default: one watcher process per node, shared by its ranks) "
     "or 'process' (one sidecar process per rank); ignored under `trainguard launch`",
     "TRAINGUARD_NODE_ARRIVAL": "'1': the node watcher arrives at each barrier for its ranks (one "
-    "append and one add per node per round, not two requests per rank); the same on every node; "
-    "default '0'",
+    "append and one add per node per round, not two requests per rank) and beats once for its "
+    "node (two requests per node per heartbeat interval, not two per rank); the same on every "
+    "node; default '0'",
     "TRAINGUARD_HOST_NAME": "the host name a rank reports for the placement of local checkpoint "
     "copies (CliqueReplication by host); default socket.gethostname()",
     "TRAINGUARD_OVERWRITE_KILL_AT": "tests only: SIGKILL this process when a checkpoint "

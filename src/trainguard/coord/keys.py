@@ -157,6 +157,11 @@ class Keyspace:
         once the rank finished normally)."""
         return f"{self.prefix}hb/{initial_rank}"
 
+    def node_heartbeat(self, leader: int) -> str:
+        """Counter of the node whose lowest watched rank is ``leader``, after the list of the
+        ranks it watches (node liveness, ``bye`` once it has none left)."""
+        return f"{self.prefix}hbn/{leader}"
+
 
 def launch_prefix(run_id: str) -> str:
     """``trainguard/launch/<run_id>/[<secret digest>/]``: every launcher key of one run starts

@@ -45,7 +45,8 @@ class SidecarConfig:
         store_timeout ... heartbeat_timeout: the Wrapper's timeouts, in seconds.
         node_arrival: the round's records are pooled (``TRAINGUARD_NODE_ARRIVAL=1``, see
             :mod:`trainguard.restart._book`): a notice appends its departure there, and the
-            node watcher arrives for its ranks.
+            node watcher arrives for its ranks and beats once for its node
+            (:mod:`._nodering`).
     """
 
     rank: int

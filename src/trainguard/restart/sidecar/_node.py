@@ -5,7 +5,9 @@ of one sidecar each (:class:`~trainguard.restart.sidecar._agent.NodeSidecar` is 
 It does for each rank what a sidecar does (:class:`~trainguard.restart.sidecar._watch.Watch`,
 one per rank, each with its own store connection and heartbeat thread): the death notice as
 soon as the rank's process dies (its pidfd wakes), the hard timeout, the rank's heartbeats and
-judging the ranks it observes. It never imports torch (:mod:`trainguard.coord._wire`).
+judging the ranks it observes (under node arrival the node beats once for all of them and
+judges the nodes after it instead, :mod:`._nodering`). It never imports torch
+(:mod:`trainguard.coord._wire`).
 
 Protocol:
 
@@ -53,6 +55,7 @@ from trainguard.coord import _wire
 from trainguard.coord.keys import Keyspace
 from trainguard.restart.sidecar._arrival import NodeArrival
 from trainguard.restart.sidecar._config import SidecarConfig
+from trainguard.restart.sidecar._nodering import NodeLiveness
 from trainguard.restart.sidecar._notice import notify
 from trainguard.restart.sidecar._relay import Relay
 from trainguard.restart.sidecar._watch import Watch
@@ -164,6 +167,7 @@ class NodeWatcher:
         self.relay: Relay | None = None  # made with the first rank's store address
         self.arrival: NodeArrival | None = None  # likewise, under node arrival
         self.beats: Any = None  # the one connection of every watch's beats, made likewise
+        self.liveness: NodeLiveness | None = None  # the node's beat, under node arrival
 
     def serve(self) -> int:
         """Accept ranks until the last has left; the number of ranks served."""
@@ -183,6 +187,8 @@ class NodeWatcher:
             self.arrival.close()
         if self.relay is not None:
             self.relay.close()
+        if self.liveness is not None:
+            self.liveness.close()
         if self.beats is not None:  # not close(): a beat stuck in a call would hold it up
             self.beats.interrupt()
             self.beats = None
@@ -266,7 +272,11 @@ class NodeWatcher:
             if pidfd < 0:  # gone before the accept: its notice, from what it sent
                 self._gone_before(cfg)
                 return
-            watch = Watch(cfg, store=self._beats(cfg), shared=True, pidfd=pidfd)
+            # under node arrival the node beats once for its ranks (:mod:`._nodering`)
+            heartbeats = not cfg.node_arrival
+            watch = Watch(
+                cfg, store=self._beats(cfg), shared=True, pidfd=pidfd, heartbeats=heartbeats
+            )
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
         finally:
@@ -297,6 +307,14 @@ class NodeWatcher:
                             lambda n: relay.value("ready", n),
                         )
                     self.arrival.watch(watch)
+                    if self.liveness is None:
+                        self.liveness = NodeLiveness(
+                            self._beats(cfg),
+                            self.keys,
+                            interval=cfg.heartbeat_interval,
+                            timeout=cfg.heartbeat_timeout,
+                        )
+                    self.liveness.watch(watch)
             with contextlib.suppress(OSError):  # it died already: the watch writes its notice
                 reply = {"ok": True, "pid": os.getpid(), "relay": True}
                 reply["arrival"] = cfg.node_arrival
@@ -305,4 +323,6 @@ class NodeWatcher:
             watch.run_piped(sock.fileno(), rest)
         finally:
             watch.stop()  # its threads end with it, also when it failed
+            if self.liveness is not None:
+                self.liveness.forget(watch)
             watch.close()
