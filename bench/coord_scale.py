@@ -356,34 +356,20 @@ def main() -> None:
         m = measure(n, args.reps, args.interval, args.timeout, args.budget, live=live, **model)
         print(f"N={n}: round p50 {m['round_s']['p50']:.3f} s ...", file=sys.stderr, flush=True)
         current.append(m)
+        # the other protocols, side by side in the same run: each rank at the store itself
+        # (no relay), and the node arriving for its ranks (node liveness: one ring member per
+        # node, so 8 times the ranks for the same steps)
+        others = []
         if not args.no_baseline:
-            b = measure(
-                n,
-                args.reps,
-                args.interval,
-                args.timeout,
-                args.budget,
-                relay=False,
-                live=False,
-                **model,
-            )
-            print(f"N={n} direct: round p50 {b['round_s']['p50']:.3f} s", file=sys.stderr)
-            base.append(b)
+            others.append(("direct", base, {"relay": False, "live": False}))
         if not args.no_arrival:
-            # node liveness: one ring member per node, so 8 times the ranks for the same steps
-            live = n // LOCAL <= args.live_max
-            a = measure(
-                n,
-                args.reps,
-                args.interval,
-                args.timeout,
-                args.budget,
-                arrival=True,
-                live=live,
-                **model,
+            others.append(
+                ("arrival", arrival, {"arrival": True, "live": n // LOCAL <= args.live_max})
             )
-            print(f"N={n} arrival: round p50 {a['round_s']['p50']:.3f} s", file=sys.stderr)
-            arrival.append(a)
+        for name, into, how in others:
+            o = measure(n, args.reps, args.interval, args.timeout, args.budget, **how, **model)
+            print(f"N={n} {name}: round p50 {o['round_s']['p50']:.3f} s", file=sys.stderr)
+            into.append(o)
     conns = connections()
     live = [m for m in current if "liveness" in m]
     report(current, base, conns, arrival)
