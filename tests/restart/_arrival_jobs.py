@@ -64,7 +64,7 @@ def death_job(victim: int, when: str, out_dir: str) -> dict[str, Any]:
 def watcher_death_job(late: int, out_dir: str) -> dict[str, Any]:
     """Round 0 ends with rank 0's exception. At round 1's barrier, rank ``late`` comes 2.5 s
     after the others: its node flushes the others' records at the bound (1 s); then ``late``
-    kills the node watcher, waits for it to be gone and arrives."""
+    kills the node watcher, waits for it to be gone and arrives. Round 1 holds at step 5."""
     rank = int(os.environ["RANK"])
 
     def hook(session: Any, n: int, phase: str) -> None:
@@ -78,4 +78,6 @@ def watcher_death_job(late: int, out_dir: str) -> dict[str, Any]:
             time.sleep(0.01)
 
     _wrap_arrive(hook)
-    return _faults.fault_job(10, 0, 4, "raise", out_dir, SLOW)
+    # round 1 holds at step 5 until its watchdog takes the rank out: it cannot finish its steps
+    # first on a loaded machine
+    return _faults.fault_job(10, 0, 4, "raise", out_dir, SLOW, hold_round=1)
