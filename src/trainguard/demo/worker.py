@@ -20,6 +20,10 @@ under ``trainguard launch``: see :mod:`trainguard.demo._channel`; a killed proce
 break another's channel): ``("hello", ...)`` first, ``("step", ...)`` from rank 0 every few
 steps, ``("fault", ...)`` at an injection, ``("resumed", ...)`` after each round's restore,
 ``("done", ...)``.
+
+Over 400 lines: one class, the demo's guarded training loop with each fault it injects and
+each way back (live state, local and durable checkpoints, preemption) beside it, so that the
+demo reads as one story.
 """
 
 from __future__ import annotations

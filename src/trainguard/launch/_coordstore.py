@@ -24,15 +24,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import socket
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainguard import _torchcompat
 from trainguard.coord import _bind
 from trainguard.coord.escalation import escalate, escalation_reason
-from trainguard.coord.store import StoreLike, connect, parse_addr
+from trainguard.coord.store import StoreLike, as_store, connect, parse_addr
 from trainguard.errors import CoordinationError
 from trainguard.launch._keys import generation_key, published_key
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.agent.server.api import WorkerGroup
 
 __all__ = [
     "CoordStore",
@@ -70,6 +74,21 @@ class CoordStore:
         self.client: Any = None  # this agent's connection (the server object when hosting)
         self.addr: str | None = None
         self.last_generation = -1
+
+    def join_group(self, group: WorkerGroup, run_id: str) -> Generation:
+        """:meth:`join` after torch's rendezvous gave this agent ``group``: its store, its group
+        rank, and the address of this machine that the others reach (agent 0's store binds to
+        that interface only, or to loopback for a job on one machine)."""
+        advertise = group.master_addr or socket.getfqdn()
+        local = bool(group.spec.local_addr) or _bind.is_loopback(advertise)
+        assert group.store is not None, "torch's rendezvous gave the worker group no store"
+        return self.join(
+            as_store(group.store),
+            group_rank=group.group_rank or 0,
+            run_id=run_id,
+            advertise=advertise,
+            bind=_bind.bind_host(advertise, local=local),
+        )
 
     def join(
         self, rdzv_store: StoreLike, *, group_rank: int, run_id: str, advertise: str, bind: str

@@ -36,13 +36,15 @@ Nodes (with the node heartbeat and, for the c10d rendezvous, the admission gate;
 8. Preemption: a SIGTERM to the agent goes to its workers, which save, and the agent waits
    for them within the grace budget (:mod:`trainguard.launch._preempt`); a worker that exits
    with status 75 was preempted, its slot is done (:attr:`TrainguardAgent.preempted`).
+
+Over 400 lines: one subclass of torch's agent; each override is torch's method with
+trainguard's change, and they share the state machine's fields.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -60,8 +62,6 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from trainguard import _env, events
-from trainguard.coord import _bind
-from trainguard.coord.store import as_store
 from trainguard.launch import _agenthooks, _compat, _preempt
 from trainguard.launch._agenthooks import Heartbeat, Service
 from trainguard.launch._coordstore import CoordStore, Generation
@@ -165,7 +165,7 @@ class TrainguardAgent(LocalElasticAgent):
         self._first_rendezvous = False
         if taken is None:
             super()._rendezvous(worker_group)
-            joined, incarnation = self._join_coordination(worker_group), 0
+            joined, incarnation = self.coord.join_group(worker_group, self.run_id), 0
         else:
             joined, incarnation = taken
         self.generation = joined.generation
@@ -184,18 +184,6 @@ class TrainguardAgent(LocalElasticAgent):
         self.slots = SlotTable(ranks, policy, incarnation=incarnation)
         self.nodes.enter(worker_group, joined)
         self._start_heartbeat()
-
-    def _join_coordination(self, group: WorkerGroup) -> Generation:
-        advertise = group.master_addr or socket.getfqdn()
-        local = bool(group.spec.local_addr) or _bind.is_loopback(advertise)
-        assert group.store is not None, "torch's rendezvous gave the worker group no store"
-        return self.coord.join(
-            as_store(group.store),
-            group_rank=group.group_rank or 0,
-            run_id=self.run_id,
-            advertise=advertise,
-            bind=_bind.bind_host(advertise, local=local),
-        )
 
     def _worker_env(self, joined: Generation, incarnation: int) -> dict[str, str]:
         """What the agent adds to torch's environment of every worker it starts."""

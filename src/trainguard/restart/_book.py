@@ -42,6 +42,10 @@ A round's outcome (its stop key) is written here only: :func:`propose` (the firs
 wins) and :meth:`RoundBook.complete` (the last active rank to return proposes ``complete``).
 Every proposer (a rank's fault or hang, the monitor's close, a newcomer's admission, a death
 notice, the straggler policy) goes through them.
+
+Over 400 lines: one class and the pool readers that it and the death notices share, so that
+the round's write protocol (record, count, lay out, publish, admit, count out) stays in one
+place.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ The methods of :class:`WrappedCall` read in the order things happen. One fault, 
 4. :meth:`_rounds` then tears the round's groups down, runs ``finalize`` and
    ``health_check`` (a rank whose hook raised leaves at the next barrier) and goes to the
    next round's barrier with the fault in its record.
+
+Over 400 lines: one class whose methods read in the order things happen (above); split, one
+fault's path would go back and forth between two files.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""One wrapped call's coordination: store connections, the store process, barriers, leaving."""
+"""One wrapped call's coordination: store connections, the store process, barriers, leaving.
+
+Over 400 lines: one class, a rank's side of every store exchange of a wrapped call (connect,
+barrier, outcome, leaving) in the order a call goes through them; node arrival added its path
+beside the direct and the relayed one in the same methods, where a reader compares them.
+"""
 
 from __future__ import annotations
 

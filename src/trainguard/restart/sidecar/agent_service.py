@@ -25,6 +25,10 @@ and closes); then the worker sends its round/hb/bye lines and its asks of the re
 round's outcome and layout, read from the store once for all of this node's workers of the
 same wrapped call, :mod:`trainguard.restart.sidecar._relay`; its replies are the only lines
 the service writes after the handshake). After ``bye`` the service closes the connection.
+
+Over 400 lines: one class, the agent's side of the sidecar protocol for all of its workers
+(accept, handshake, lines, notices, rejoin deadlines); the watch, the relay and the notice it
+uses live in their own modules.
 """
 
 from __future__ import annotations
