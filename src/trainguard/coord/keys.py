@@ -146,10 +146,15 @@ class Keyspace:
         """JSON outcome of round ``n``: the first of fault / complete / end wins (compare_set)."""
         return self.round_prefix(n) + "stop"
 
-    def round_keys(self, n: int, initial_ranks: Any) -> list[str]:
-        """Every key round ``n`` may have created, for deletion."""
-        keys = [self.arrive(n), self.ready(n), self.done(n), self.stop(n), self.pool(n)]
-        keys.extend(self.member(n, r) for r in initial_ranks)
+    def round_keys(self, n: int, initial_ranks: Any, *, pooled: bool | None = None) -> list[str]:
+        """Every key round ``n`` may have created, for deletion: its fixed keys and its
+        records, those of ``initial_ranks`` (``pooled=False``), its pool (``True``) or both
+        (``None``: a cleanup that does not know how the job kept them)."""
+        keys = [self.arrive(n), self.ready(n), self.done(n), self.stop(n)]
+        if pooled is not False:
+            keys.append(self.pool(n))
+        if pooled is not True:
+            keys.extend(self.member(n, r) for r in initial_ranks)
         return keys
 
     def heartbeat(self, initial_rank: int) -> str:

@@ -242,10 +242,7 @@ class RingWatch:
         others = self.observed(epoch, members)
         if not others:
             return
-        values, now = self.read(others)
-        self.restart_clocks(asked, now)
-        watched = set(others)  # a member that comes back into the window starts afresh
-        self.seen = {m: v for m, v in self.seen.items() if m in watched}
+        values, now = self.read_window(others, asked)
         for m, raw in zip(others, values, strict=True):
             if raw == BYE:  # that member finished normally
                 self.gone.add(m)
@@ -262,6 +259,16 @@ class RingWatch:
                 self.forget(m)
                 self.on_silent(m, silent, epoch, members)
         self.due = self.deadline()
+
+    def read_window(self, observed: list[int], asked: float) -> tuple[list[bytes], float]:
+        """One look's read of ``observed`` (asked at ``asked``): their values and the time read,
+        the clocks restarted after a starved look, and whoever left the window forgotten (a
+        member that comes back into it starts afresh)."""
+        values, now = self.read(observed)
+        self.restart_clocks(asked, now)
+        watched = set(observed)
+        self.seen = {m: v for m, v in self.seen.items() if m in watched}
+        return values, now
 
     def deadline(self) -> float | None:
         """The earliest moment an observed member is late unless it moves."""

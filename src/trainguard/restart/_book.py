@@ -332,9 +332,8 @@ class RoundBook:
         if n < 0:
             return
         holds = set(_records.layout(published).roster)
-        keys = self.keys.round_keys(n, [r for r in self.previous_roster if r not in holds])
-        if not self.pooled:  # not a request more than before without pooled records
-            keys.remove(self.keys.pool(n))
+        gone = [r for r in self.previous_roster if r not in holds]
+        keys = self.keys.round_keys(n, gone, pooled=self.pooled)
         for key in keys:
             with contextlib.suppress(Exception):
                 self.store.delete_key(key)

@@ -156,10 +156,7 @@ class NodeRing(RingWatch):
         observed = self.window_of(epoch, roster)
         if not observed:
             return
-        values, now = self.read(observed)
-        self.restart_clocks(asked, now)
-        watched = set(observed)
-        self.seen = {m: v for m, v in self.seen.items() if m in watched}
+        values, now = self.read_window(observed, asked)
         in_roster = set(roster)
         for m, raw in zip(observed, values, strict=True):
             if raw == BYE:  # that leader left: its node goes on under another key, or ended
