@@ -226,10 +226,11 @@ def _clone(value: Any) -> Any:
     return value
 
 
-def transfer_job(flip: bool) -> dict[str, Any]:
-    """Rank 0 sends a state with a large tensor (its own message) and small ones (the pack) to
+def transfer_job(flip: bool, chunk: int | None = None, flip_chunk: int = 0) -> dict[str, Any]:
+    """Rank 0 sends a state with a large tensor (its own messages) and small ones (the pack) to
     rank 1, whose own large tensor of the same size takes the bytes in place; ``flip``: a bit
-    of the large tensor flips on the way."""
+    of the large tensor's chunk ``flip_chunk`` flips on the way; ``chunk``: the donor's chunk
+    size (the receiver follows the header)."""
     from trainguard.live import _transfer
 
     dist.init_process_group("gloo")
@@ -238,9 +239,13 @@ def transfer_job(flip: bool) -> dict[str, Any]:
         big = torch.randn(1 << 19, generator=gen)  # 2 MiB
         state = {"big": big, "small": [torch.arange(10), torch.tensor(2.5)], "step": 3}
         if dist.get_rank() == 0:
+            if chunk is not None:
+                _transfer.CHUNK = chunk
+            seen = []
 
             def tamper(name: str, data: torch.Tensor) -> torch.Tensor:
-                if not flip or name != "big":
+                seen.append(name)
+                if not flip or name != "big" or seen.count("big") != flip_chunk + 1:
                     return data
                 out = data.clone()
                 out[100] ^= 4
