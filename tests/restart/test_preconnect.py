@@ -15,6 +15,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
+
 from tests._dist import run_ranks
 
 
@@ -122,3 +124,50 @@ def test_a_rank_s_record_of_the_round_before_is_deleted_off_the_restart_s_path()
     assert ran == ["trainguard-preconnect"]
     assert all(peek(store, keys.member(0, r)) is None for r in (0, 1))
     assert all(peek(store, keys.member(1, r)) is not None for r in (0, 1))  # this round's stay
+
+
+def test_a_round_waits_for_a_client_made_ahead_no_longer_than_that_connect_s_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Something that is not a store answers on the next round's published port (a silent
+    listener: it accepts and never replies). torch's client then hangs past its timeout in the
+    worker thread. The round's ``init_process_group`` used to wait for that connect for the
+    group's whole timeout (30 min by default), so the watchdog took the round for a hang and
+    restarted it; it now gives up at the connect's own bound and connects as usual."""
+    import socket
+    import time
+
+    import torch.distributed as dist
+
+    from trainguard.coord.keys import Keyspace
+    from trainguard.restart import _preconnect
+
+    monkeypatch.setattr(_preconnect, "_CONNECT_S", 1.0)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False)
+    keys = Keyspace("silent", 0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    store.set(keys.pg_addr(1), f"127.0.0.1:{port}")
+    accepted: list[socket.socket] = []
+    ahead = _preconnect.Preconnect(store.clone(), keys, timeout=30.0)
+    try:
+        ahead.ahead(1)
+        listener.settimeout(20)
+        accepted.append(listener.accept()[0])  # the probe's connection
+        accepted.append(listener.accept()[0])  # torch's client: it waits for a reply
+        accepted[-1].settimeout(20)
+        got = b""
+        while len(got) < 10:  # its validation and ping (as a gloo listener reads them)
+            got += accepted[-1].recv(64)
+        start = time.monotonic()
+        client = _preconnect.claim("127.0.0.1", port, 30.0)
+        waited = time.monotonic() - start
+        assert client is None
+        assert waited < 5.0, waited  # its bound is 1.5 s here, not the 30 s asked for
+        assert _preconnect.claim("127.0.0.1", port, 30.0) is None  # given up on: not handed out
+    finally:
+        for conn in accepted:
+            conn.close()  # torch's client sees the end of the stream and gives up
+        listener.close()
+        ahead.close(10.0)
+    assert not ahead._thread.is_alive()

@@ -8,6 +8,7 @@ import pytest
 
 from tests._dist import free_port, run_ranks
 from tests.restart import _jobs
+from trainguard.events import read_events
 
 STEPS = 12
 
@@ -86,12 +87,20 @@ def test_twenty_faulted_rounds_leak_nothing() -> None:
         assert value["handlers"] == []
 
 
-def test_spare_moves_in_only_when_a_health_check_fails() -> None:
-    results = run_ranks(_jobs.spares_job, 4, args=(1,), timeout=120)
+def test_spare_moves_in_only_when_a_health_check_fails(tmp_path) -> None:
+    results = run_ranks(
+        _jobs.spares_job,
+        4,
+        args=(1,),
+        env={"TRAINGUARD_EVENTS_DIR": str(tmp_path)},
+        timeout=120,
+    )
     r1 = results[1]
     assert r1.exc_type is not None and r1.exc_type.endswith("Unhealthy"), r1.traceback
     values = {r.rank: r.get() for r in results if r.rank != 1}
     # round 0 and round 1: ranks 0,1,2 active, 3 idle; round 2: 0,2,3 with 3 moved in
+    log = "\n".join(json.dumps(e) for e in read_events(tmp_path))
+    assert values[0]["seen"][-1][0] == 2, log  # round 2 completes (no fault in it)
     assert values[0]["seen"] == [(0, 0, 3), (1, 0, 3), (2, 0, 3)]
     assert values[2]["seen"] == [(0, 2, 3), (1, 2, 3), (2, 1, 3)]
     assert values[3]["seen"] == [(2, 2, 3)]

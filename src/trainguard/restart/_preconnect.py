@@ -21,7 +21,8 @@ The store process opens round ``n+1``'s store before round ``n`` starts
    makes their store in ``torch.distributed.rendezvous._create_c10d_store``, which
    :meth:`Preconnect.install` replaces while the wrapper runs) and ``call.store`` take that
    client with :func:`claim` instead of connecting. The first taker gets it (waiting for a
-   connect still under way), later ones connect as before; another address is never touched.
+   connect still under way, never past that connect's bound), later ones connect as before;
+   another address is never touched.
 3. Round ``n+1`` is over: :meth:`Preconnect.forget` drops a client nobody took;
    :meth:`Preconnect.close` stops the thread and drops everything.
 """
@@ -56,10 +57,18 @@ _PROBE_S = 1.0  # a probe of the next round's store before connecting a client t
 _CONNECT_S = 8.0
 
 
+#: a taker waits this much past the connect's own bound (_CONNECT_S) before it gives up on it
+_CLAIM_SLACK_S = 0.5
+
+
 @dataclasses.dataclass
 class _Slot:
     round: int
     owner: Preconnect
+    #: when a taker stops waiting for this connect (time.monotonic): the connect's bound
+    deadline: float = dataclasses.field(
+        default_factory=lambda: time.monotonic() + _CONNECT_S + _CLAIM_SLACK_S
+    )
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     store: StoreLike | None = None
 
@@ -79,16 +88,31 @@ def _rendezvous() -> Any:
 def claim(host: str, port: int, timeout: float) -> StoreLike | None:
     """The client connected ahead of time to ``host:port``, or None (connect as usual).
 
-    Waits up to ``timeout`` seconds for a connect that is still under way. Each client is
-    handed out once."""
+    Waits up to ``timeout`` seconds for a connect that is still under way, and never past
+    that connect's own bound (:data:`_CONNECT_S` from its start): torch's client can hang
+    past its timeout (something that is not a store answers on the port, a reverse lookup
+    stalls), and the round must not wait on it for the group's whole timeout (the watchdog
+    would take it for a hang and restart the round). A connect given up on is the caller's
+    no longer: its client is dropped when it returns. Each client is handed out once."""
     with _lock:
         slot = _slots.get((host, port))
-    if slot is None or not slot.done.wait(timeout):
+    if slot is None:
         return None
+    bound = max(0.0, min(timeout, slot.deadline - time.monotonic()))
+    done = slot.done.wait(bound)
     with _lock:
         if _slots.get((host, port)) is not slot:
             return None  # taken meanwhile
-        del _slots[(host, port)]
+        del _slots[(host, port)]  # taken, or given up on: a late client is dropped
+    if not done:
+        logger.warning(
+            "the client of %s:%d connected ahead of time was not ready within %.1f s; "
+            "connecting as usual",
+            host,
+            port,
+            bound,
+        )
+        return None
     return slot.store
 
 
