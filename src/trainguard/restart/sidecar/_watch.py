@@ -21,7 +21,8 @@ TCPStore operation on a server that stopped answering blocks far past its timeou
   ``hard_timeout`` (a thread holds the GIL), or the watchdog reports the function stalled that
   long, it sends SIGTERM, waits ``termination_grace_time``, sends SIGKILL. Signals go through a
   pidfd (``pidfd_send_signal``), so they never reach a process that reused the pid; with
-  ``group_kill`` a SIGCONT goes first (a stopped process cannot handle SIGTERM) and every signal
+  ``group_kill`` a SIGCONT goes first (a stopped process cannot handle SIGTERM), the SIGTERM once
+  the process no longer shows as stopped (at most a second later), and every signal
   goes to the process group the training process leads, if it leads one.
 - ``tg-beats`` (sidecar only): this rank's member of the rank ring
   (:class:`trainguard.coord.liveness.RingWatch`, whose docstring holds the protocol): it counts
@@ -59,6 +60,9 @@ from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._notice import notify
 
 logger = logging.getLogger("trainguard.restart.sidecar")
+
+#: after the hard timeout's SIGCONT, how long a stopped process has to resume before SIGTERM
+_CONTINUE_S = 1.0
 
 #: how many ranks each sidecar observes (the ones after it on the ring, see
 #: :mod:`trainguard.coord.liveness`).
@@ -240,11 +244,24 @@ class Watch:
         logger.error("rank %d: hard timeout: %s; SIGTERM to %d", self.rank, why, self.parent)
         if self.group_kill:
             self.signal(signal.SIGCONT)
+            self.await_continued(_CONTINUE_S)
         self.signal(signal.SIGTERM)
         ready, _, _ = select.select([self.pidfd], [], [], grace)
         if not ready:
             logger.error("rank %d: still alive %.1f s after SIGTERM; SIGKILL", self.rank, grace)
             self.signal(signal.SIGKILL)
+
+    def await_continued(self, timeout: float) -> None:
+        """After a SIGCONT: wait up to ``timeout`` seconds until the watched process is no
+        longer stopped (or is gone). A SIGTERM sent while it is still stopping was seen lost
+        (gVisor, under load: the process resumed, its handler never ran, and only the SIGKILL
+        after the grace ended it); sent to a process that runs, its handler runs."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.pidfd], [], [], 0)
+            if ready or _state(self.parent) not in ("T", "t"):
+                return
+            time.sleep(0.002)
 
     def signal(self, sig: signal.Signals) -> None:
         """``sig`` to the watched process through its pidfd; with ``group_kill`` to the group
@@ -333,3 +350,12 @@ class Watch:
         for thread in self.threads[1:]:
             thread.join(0.5)
         return 0
+
+
+def _state(pid: int) -> str | None:
+    """The state letter of ``pid`` in ``/proc`` (``T``: stopped), None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0].decode()
+    except (OSError, IndexError):
+        return None
