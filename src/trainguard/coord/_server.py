@@ -40,7 +40,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from trainguard import _subproc, _torchcompat
+from trainguard import _procfs, _subproc, _torchcompat
 from trainguard.coord import _bind, _sockets, _wire
 from trainguard.coord.barrier import timed_out, wait_forever
 from trainguard.coord.keys import Keyspace
@@ -203,11 +203,9 @@ def _owner(parent: int, owner: int) -> int | None:
     except OSError:
         return None
     try:
-        with open(f"/proc/{parent}/stat", "rb") as f:
-            stat = f.read()
-        if int(stat[stat.rfind(b")") + 2 :].split()[1]) == owner:
+        if _procfs.parent_of(parent) == owner:
             return fd
-    except (OSError, ValueError, IndexError):
+    except ValueError:
         pass
     os.close(fd)
     return None

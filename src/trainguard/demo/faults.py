@@ -41,6 +41,7 @@ import signal
 import time
 from pathlib import Path
 
+from trainguard import _procfs
 from trainguard.errors import ConfigError
 
 KINDS = ("exception", "hang", "kill", "lostdir", "slow")
@@ -198,10 +199,10 @@ def sigterm_job(root: int) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-            parent = int(stat[stat.rfind(b")") + 2 :].split()[1])
-        except (OSError, ValueError, IndexError):
+            parent = _procfs.parent_of(int(entry))
+        except ValueError:
+            continue
+        if parent is None:
             continue
         children.setdefault(parent, []).append(int(entry))
     found, todo = [], list(children.get(root, []))

@@ -45,7 +45,7 @@ import threading
 import time
 from typing import Any
 
-from trainguard import _env, _subproc
+from trainguard import _env, _procfs, _subproc
 from trainguard.errors import CoordinationError
 from trainguard.restart.sidecar import _node
 from trainguard.restart.sidecar._config import SidecarConfig
@@ -83,12 +83,10 @@ def _lineage() -> list[int]:
     """This process's pid, its parent's, and so on up to the first process."""
     pids = [os.getpid(), os.getppid()]
     while pids[-1] > 1 and len(pids) < 4096:
-        try:
-            with open(f"/proc/{pids[-1]}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
+        parent = _procfs.parent_of(pids[-1])
+        if parent is None:
             break
-        pids.append(int(stat[stat.rfind(b")") + 2 :].split()[1]))
+        pids.append(parent)
     return pids
 
 

@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainguard import events
+from trainguard import _procfs, events
 from trainguard.coord.liveness import RingWatch
 from trainguard.coord.store import StoreLike, connect
 from trainguard.restart.sidecar._config import SidecarConfig
@@ -259,7 +259,7 @@ class Watch:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             ready, _, _ = select.select([self.pidfd], [], [], 0)
-            if ready or _state(self.parent) not in ("T", "t"):
+            if ready or _procfs.state_of(self.parent) not in ("T", "t"):
                 return
             time.sleep(0.002)
 
@@ -350,12 +350,3 @@ class Watch:
         for thread in self.threads[1:]:
             thread.join(0.5)
         return 0
-
-
-def _state(pid: int) -> str | None:
-    """The state letter of ``pid`` in ``/proc`` (``T``: stopped), None when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0].decode()
-    except (OSError, IndexError):
-        return None
