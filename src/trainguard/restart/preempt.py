@@ -120,10 +120,16 @@ class Preemption:
         self._installed = self._owned = True
 
     def enter(self) -> None:
-        """Main thread, the function starts on this rank: until it calls ``preempted`` (it
-        may never), SIGTERM keeps its previous action (the default kills the process even
-        while a thread holds the GIL, e.g. the sidecar's kill at the hard timeout)."""
+        """Main thread, the function starts on this rank (each round): until it calls
+        ``preempted`` (it may never), SIGTERM keeps its previous action (the default kills the
+        process even while a thread holds the GIL, e.g. the sidecar's kill at the hard
+        timeout). A save of the stop step in an earlier round counts no more."""
         self.ran = True
+        if self.done:  # saved in a round that then faulted: this round saves again
+            self.done = False
+            if self._store is not None and self._keys is not None:
+                with contextlib.suppress(Exception):
+                    self._store.delete_key(self._keys.preempt_done(self.rank))
         if self._installed and not self.aware:
             signal.signal(signal.SIGTERM, self._previous)
             self._installed = False
