@@ -46,7 +46,7 @@ def test_a_fault_during_a_preemption_stops_every_rank_at_the_agreed_step_and_sav
         train_job,
         2,
         args=(str(out),),
-        kwargs={"steps": STEPS, "fault_at": 13, "grace": 20.0},
+        kwargs={"steps": STEPS, "fault_at": 13},
         timeout=120,
     )
     stops = {r.rank: _preempted(r).step for r in results}
