@@ -113,10 +113,11 @@ class CallWrapper:
 
         True on every rank at the same ``step`` once any rank of the job got SIGTERM (the
         first to notice proposes the next boundary; the others read it from the coordination
-        store, where it outlives the round: one round trip per call). Then save the state of ``step`` completed steps
-        (local and durable), wait for the saves within :meth:`grace_left` and return: the
-        wrapped function then raises :class:`~trainguard.restart.Preempted` (exit status 75)
-        and the next start resumes from that step. Protocol: :mod:`trainguard.restart.preempt`.
+        store, where it outlives the round: one round trip per call). Then save the state of
+        ``step`` completed steps (local and durable), wait for the saves within
+        :meth:`grace_left` and return: the wrapped function then raises
+        :class:`~trainguard.restart.Preempted` (exit status 75) and the next start resumes
+        from that step. Protocol: :mod:`trainguard.restart.preempt`.
         """
         if self._preemption is None:
             return False
