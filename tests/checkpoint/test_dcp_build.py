@@ -13,7 +13,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.serialization
-from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
+from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
+    Metadata,
+    TensorStorageMetadata,
+)
 
 from trainguard.checkpoint.dcp import StorageReader, StorageWriter, _metadata
 from trainguard.errors import CheckpointCorruptError
@@ -102,7 +106,8 @@ def test_a_refused_metadata_sets_nothing_on_the_objects_of_the_process(
     assert _attributes() == untouched, "the refused file changed them"
     metadata = StorageReader(tmp_path / "good").read_metadata()
     assert isinstance(metadata, Metadata)
-    assert metadata.state_dict_metadata["w"].properties.layout is torch.strided  # type: ignore[union-attr]
+    entry = metadata.state_dict_metadata["w"]
+    assert isinstance(entry, TensorStorageMetadata) and entry.properties.layout is torch.strided
     target: dict[str, Any] = {
         "w": torch.zeros(6, 5),
         "i": torch.zeros(7, dtype=torch.long),
