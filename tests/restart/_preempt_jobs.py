@@ -5,6 +5,12 @@ local one every ``local_every``, and the preemption protocol at every step bound
 Each rank appends ``{"rank", "step", "pid"}`` to ``progress-<rank>.jsonl`` before each step.
 It returns the final parameters as a list of floats (the resumed run's must equal a run
 without preemption bit for bit); a preempted rank's wrapped function raises ``Preempted``.
+
+``fault_at``: a fault during a preemption, in round 0: during step ``fault_at - 1`` every
+rank sends SIGTERM to its process group (itself and its helpers, as a scheduler does); at the
+boundary ``fault_at`` rank 0 proposes the stop step (``fault_at + 1``) and rank 1 raises
+before it reads it, so round 1 starts before every rank knows the stop step.
+``announce``: rank 0 writes the address of its first round's store to ``round-store.json``.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -44,6 +51,8 @@ def train_job(
     step_time: float = 0.02,
     grace: float = 30.0,
     late_rank: int | None = None,
+    fault_at: int | None = None,
+    announce: bool = False,
 ) -> list[float]:
     """One rank; resumes from the newest committed disk checkpoint under ``out/ckpt``.
     ``late_rank``: that rank sleeps past the grace budget before it saves the stop step."""
@@ -83,7 +92,11 @@ def train_job(
             opt.load_state_dict(state["optim"])
             first = int(state["step"])
         log = root / f"progress-{call.rank}.jsonl"
+        if announce and call.rank == 0 and call.round == 0:
+            _announce(root, call)
         for step in range(first, steps):
+            if step == fault_at and call.round == 0:
+                _fault_during_preemption(call, root, disk, step)
             if call.preempted(step):
                 path = root / "ckpt" / f"step_{step:06d}"
                 if step % local_every:  # else saved after the step before
@@ -106,6 +119,8 @@ def train_job(
                 dist.all_reduce(p.grad)
                 p.grad /= call.world_size
             opt.step()
+            if fault_at is not None and call.round == 0 and step == fault_at - 1:
+                os.killpg(0, signal.SIGTERM)  # lands mid-step, as a scheduler's does
             time.sleep(step_time)
             done = step + 1
             if done % local_every == 0:
@@ -121,6 +136,29 @@ def train_job(
     finally:
         local.close()
         disk.close()
+
+
+def _fault_during_preemption(call: tr.CallWrapper, root: Path, disk: Any, step: int) -> None:
+    """Round 0 at the boundary ``step``, after the SIGTERM: rank 0 proposes the stop step,
+    then rank 1 raises without having read it (the stop step is known to rank 0 only)."""
+    disk.wait()  # the periodic checkpoint is committed: every rank resumes from it in round 1
+    proposed = root / "proposed"
+    if call.rank == 0:
+        assert not call.preempted(step)  # proposes step + 1
+        proposed.touch()
+        return  # into the step's all-reduce, which rank 1's fault aborts
+    deadline = time.monotonic() + 30
+    while not proposed.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    raise RuntimeError(f"a fault at step {step}, during a preemption")
+
+
+def _announce(root: Path, call: tr.CallWrapper) -> None:
+    """What anyone who can reach this machine's ports can find out: the round store's."""
+    store: Any = call.store
+    tmp = root / "round-store.json.tmp"
+    tmp.write_text(json.dumps({"host": store.host, "port": store.port}))
+    tmp.rename(root / "round-store.json")
 
 
 def progress(out: Path, rank: int) -> list[dict[str, Any]]:

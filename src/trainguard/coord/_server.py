@@ -183,7 +183,9 @@ class _Host:
     def cleanup_external(self) -> None:
         n = self.last_round
         keys = [self.keys.left, self.keys.exit, self.keys.handover, self.keys.latest]
+        keys.append(self.keys.preempt_stop)
         keys.extend(self.keys.left_mark(r) for r in range(self.cfg["world_size"]))
+        keys.extend(self.keys.preempt_done(r) for r in range(self.cfg["world_size"]))
         for r in range(max(0, n - 1), n + 3):
             keys.extend(self.keys.round_keys(r, range(self.cfg["world_size"])))
             keys.append(self.pg_key(r))

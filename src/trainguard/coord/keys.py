@@ -106,6 +106,17 @@ class Keyspace:
         starts (``restart/_join.py``)."""
         return self.prefix + "latest"
 
+    @property
+    def preempt_stop(self) -> str:
+        """The step every rank stops at for a preemption (:mod:`trainguard.restart.preempt`;
+        the first proposal wins, ``compare_set``): for the whole call, not one round, so that
+        a round started before every rank read it still stops there."""
+        return self.prefix + "preempt/stop"
+
+    def preempt_done(self, initial_rank: int) -> str:
+        """Set once ``initial_rank``'s function returned after saving the preemption step."""
+        return f"{self.prefix}preempt/done/{initial_rank}"
+
     def pg_addr(self, n: int) -> str:
         """``host:port`` of the store that round ``n``'s process groups rendezvous on."""
         return f"{self.prefix}pg/{n}"

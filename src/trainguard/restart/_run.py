@@ -122,6 +122,7 @@ class WrappedCall:
         """Connect, start the sidecar, the monitor thread and the watchdog thread."""
         cfg, session, rank = self.cfg, self.session, self.launch.rank
         session.open()
+        self.preemption.bind(session.coord, session.keys, session.clone_coord)
         if cfg.stragglers:  # the detector reaches the round through what it is given only
             self.stragglers = StragglerWatch(
                 cfg.stragglers,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from trainguard import _progress
-from trainguard.coord.store import StoreLike, as_store, connect, parse_addr
+from trainguard.coord.store import StoreLike, connect, parse_addr
 from trainguard.restart._preconnect import claim
 from trainguard.restart.monitor import Monitor
 from trainguard.restart.preempt import Preemption
@@ -112,15 +112,16 @@ class CallWrapper:
         boundary, on every active rank, with the number of steps completed.
 
         True on every rank at the same ``step`` once any rank of the job got SIGTERM (the
-        first to notice proposes the next boundary; the others read it from the round's
-        store: one round trip per call). Then save the state of ``step`` completed steps
-        (local and durable), wait for the saves within :meth:`grace_left` and return: the
-        wrapped function then raises :class:`~trainguard.restart.Preempted` (exit status 75)
-        and the next start resumes from that step. Protocol: :mod:`trainguard.restart.preempt`.
+        first to notice proposes the next boundary; the others read it from the coordination
+        store, where it outlives the round: one round trip per call). Then save the state of
+        ``step`` completed steps (local and durable), wait for the saves within
+        :meth:`grace_left` and return: the wrapped function then raises
+        :class:`~trainguard.restart.Preempted` (exit status 75) and the next start resumes
+        from that step. Protocol: :mod:`trainguard.restart.preempt`.
         """
         if self._preemption is None:
             return False
-        return self._preemption.check(as_store(self.store), step, self.rank, self.world_size)
+        return self._preemption.check(step, self.state)
 
     def grace_left(self) -> float | None:
         """Seconds left of the preemption budget (``Wrapper(preemption_grace=...)``), for the

@@ -11,11 +11,15 @@ Protocol (the Wrapper and the wrapped function; every active rank does the same)
    (a spare that never ran it notes the signal and ends with the others, or at the budget).
 2. At every step boundary the function calls ``call.preempted(step)``, ``step`` being the
    number of steps completed (the step it is about to run). A rank that noticed the signal
-   and finds no stop step in the round's store proposes ``step + 1`` (compare-and-set: the
-   first proposal wins; +1 because a rank that checked before the proposal may already be
+   and finds no stop step in the coordination store proposes ``step + 1`` (compare-and-set:
+   the first proposal wins; +1 because a rank that checked before the proposal may already be
    inside step ``step``, waiting for this one in a collective). Every rank reads the stop
    step (one store round trip per call) and gets True at that boundary: a rank that did not
-   see the signal learns it there.
+   see the signal learns it there. The stop step lives under the call's keyspace, with the
+   job secret (:attr:`~trainguard.coord.Keyspace.preempt_stop`): nobody who reaches a store
+   without the secret can forge it, and it is the call's, not a round's, so a fault that
+   starts a new round before every rank read it changes nothing (every rank reads it there,
+   none proposes another).
 3. On True the function saves the state of ``step`` completed steps (a local and a durable
    checkpoint), waits for both within :meth:`~trainguard.restart.CallWrapper.grace_left`
    and returns.
@@ -39,12 +43,14 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 from trainguard import events
+from trainguard.coord.keys import Keyspace
 from trainguard.coord.store import StoreLike
-from trainguard.restart.state import RoundOutcome
+from trainguard.restart.state import RoundOutcome, RoundState
 
 __all__ = ["EXIT_PREEMPTED", "Preempted", "Preemption"]
 
@@ -53,9 +59,6 @@ logger = logging.getLogger(__name__)
 #: exit status of a process (and of ``trainguard launch``) stopped by a preemption: EX_TEMPFAIL,
 #: "try again later"; a scheduler requeues the job on it (``docs/preemption.md``).
 EXIT_PREEMPTED = 75
-
-_STOP_KEY = "trainguard/preempt/stop"
-_DONE_KEY = "trainguard/preempt/done/"
 
 
 class Preempted(SystemExit):
@@ -82,7 +85,10 @@ class Preemption:
 
     Args:
         grace: the budget, in seconds, from the SIGTERM to the end of the call.
-        rank: this process's initial rank (for the log).
+        rank: this process's initial rank.
+
+    :meth:`bind` gives it the coordination store once the call's session is open, before the
+    first round.
     """
 
     def __init__(self, grace: float, rank: int) -> None:
@@ -93,8 +99,10 @@ class Preemption:
         self.aware = False  # the function called preempted() at least once
         self.ran = False  # this process ran the function (it was active in a round)
         self.done = False  # the function returned after the stop (its save is done)
-        self._store: StoreLike | None = None  # the round's store, as the function last used it
-        self._place = (rank, 0)  # (rank, world size) in that round
+        self._store: StoreLike | None = None  # the coordination store (bind)
+        self._keys: Keyspace | None = None  # the call's keyspace, with the job secret
+        self._clone: Callable[[], StoreLike] | None = None  # a connection of the caller's own
+        self._ranks: tuple[int, ...] = ()  # initial ranks of the round's active ranks
         self._previous: Any = None
         self._installed = False  # our handler is SIGTERM's now
         self._owned = False  # between install() and uninstall()
@@ -112,10 +120,16 @@ class Preemption:
         self._installed = self._owned = True
 
     def enter(self) -> None:
-        """Main thread, the function starts on this rank: until it calls ``preempted`` (it
-        may never), SIGTERM keeps its previous action (the default kills the process even
-        while a thread holds the GIL, e.g. the sidecar's kill at the hard timeout)."""
+        """Main thread, the function starts on this rank (each round): until it calls
+        ``preempted`` (it may never), SIGTERM keeps its previous action (the default kills the
+        process even while a thread holds the GIL, e.g. the sidecar's kill at the hard
+        timeout). A save of the stop step in an earlier round counts no more."""
         self.ran = True
+        if self.done:  # saved in a round that then faulted: this round saves again
+            self.done = False
+            if self._store is not None and self._keys is not None:
+                with contextlib.suppress(Exception):
+                    self._store.delete_key(self._keys.preempt_done(self.rank))
         if self._installed and not self.aware:
             signal.signal(signal.SIGTERM, self._previous)
             self._installed = False
@@ -178,24 +192,34 @@ class Preemption:
         return max(0.0, self.noticed + self.grace - time.monotonic())
 
     # the step boundary ---------------------------------------------------------------------
-    def check(self, store: StoreLike, step: int, rank: int, world: int) -> bool:
-        """``call.preempted(step)`` on rank ``rank`` of ``world`` in the round whose store is
-        ``store``: True when the job stops before ``step`` (see above)."""
+    def bind(self, store: StoreLike, keys: Keyspace, clone: Callable[[], StoreLike]) -> None:
+        """Main thread, once the session is open: ``store`` is this rank's connection to the
+        coordination store (shared with other threads: short operations only), ``keys`` the
+        call's keyspace with the job secret, ``clone`` makes a connection of the caller's own
+        (the budget's timer thread)."""
+        self._store, self._keys, self._clone = store, keys, clone
+
+    def check(self, step: int, state: RoundState) -> bool:
+        """``call.preempted(step)`` on an active rank of the round ``state`` describes: True
+        when the job stops before ``step`` (see above)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             from trainguard.errors import ConfigError
 
             raise ConfigError(
                 f"call.preempted(step={step!r}): pass the number of steps completed (an int >= 0)"
             )
+        store, keys = self._store, self._keys
+        assert store is not None and keys is not None, "bind() comes before the first round"
         if not self.aware:
             self._aware()
-        self._store, self._place = store, (rank, world)
+        self._ranks = state.active_ranks
         if self.stop_step is None:
-            if store.check([_STOP_KEY]):
-                self.stop_step = _read_step(store.get(_STOP_KEY))
+            key = keys.preempt_stop
+            if store.check([key]):
+                self.stop_step = _read_step(store.get(key))
             elif self.noticed is not None:
                 wanted = str(step + 1).encode()
-                self.stop_step = _read_step(store.compare_set(_STOP_KEY, b"", wanted))
+                self.stop_step = _read_step(store.compare_set(key, b"", wanted))
                 if self.stop_step == step + 1:
                     logger.info(
                         "rank %d: proposed the preemption stop at step %d", self.rank, step + 1
@@ -220,11 +244,11 @@ class Preemption:
 
     def returned(self) -> None:
         """The active function returned: once the stop was agreed, its save is done."""
-        if self.stop_step is None or self._store is None:
+        if self.stop_step is None or self._store is None or self._keys is None:
             return
         self.done = True
         with contextlib.suppress(Exception):
-            self._store.set(f"{_DONE_KEY}{self._place[0]}", b"1")
+            self._store.set(self._keys.preempt_done(self.rank), b"1")
 
     def failed(self, error: str) -> RoundOutcome | None:
         """The function raised ``error``: after the stop was agreed, the round's outcome that
@@ -285,16 +309,15 @@ class Preemption:
         events.emit("preempt_lost", step=step, why=what)
 
     def _late(self) -> str:
-        """`` (ranks not done: ...)``: the ranks of the round that had not saved the stop step,
-        as the store has it; nothing when it cannot be read."""
-        store = self._store
-        if store is None:
+        """`` (ranks not done: ...)``: the (initial) ranks of the round that had not saved the
+        stop step, as the store has it; nothing when it cannot be read."""
+        clone, keys = self._clone, self._keys
+        if clone is None or keys is None:
             return ""
         with contextlib.suppress(Exception):
-            client: Any = store.clone()  # this thread's own connection (a torch store here)
+            client: Any = clone()  # this thread's own connection (a torch store here)
             client.set_timeout(_seconds(2))
-            world = self._place[1]
-            late = [r for r in range(world) if not client.check([f"{_DONE_KEY}{r}"])]
+            late = [r for r in self._ranks if not client.check([keys.preempt_done(r)])]
             return f" (ranks not done: {late})" if late else ""
         return ""
 

@@ -5,7 +5,10 @@ DCP's :class:`~torch.distributed.checkpoint.metadata.Metadata` is a graph of its
 (plus torch dtypes and sizes), stored pickled under ``.metadata`` as DCP's own
 ``FileSystemWriter`` does. :func:`write` makes it durable before the commit marker exists (a
 temporary file, fsync, rename, directory fsync). :func:`read` unpickles only the classes such a
-graph holds, so a planted ``.metadata`` cannot run code.
+graph holds, so a planted ``.metadata`` cannot run code, and sets the state (pickle's ``BUILD``)
+only of the metadata objects it creates, so a planted file, refused, leaves nothing changed in
+the process: not an attribute of an allowed class, function or enum member (``BUILD`` on a
+global would set it for every later load, good checkpoints included).
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar, cast
 
 import torch
+import torch.distributed.checkpoint.metadata as _dcp_metadata
 from torch.distributed.checkpoint.metadata import Metadata
 
 from trainguard.checkpoint._regular import regular_only
@@ -58,13 +63,60 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset(
 )
 
 
-class _Unpickler(pickle.Unpickler):
+#: The classes whose instances a ``BUILD`` may set the state of: DCP's metadata dataclasses,
+#: which pickle as ``NEWOBJ`` (a fresh instance) then ``BUILD``. Not the enum: its members are
+#: singletons of the process.
+_BUILDABLE: frozenset[type] = frozenset(
+    getattr(_dcp_metadata, name)
+    for name in (
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+    )
+)
+
+_BUILD = cast("Callable[[Any], None]", pickle._Unpickler.dispatch[pickle.BUILD[0]])
+
+
+class _Unpickler(pickle._Unpickler):
+    """pickle's Python unpickler (a subclass can narrow its opcodes; the C one's only its
+    globals), narrowed to the globals of :data:`ALLOWED` and to ``BUILD`` on instances of
+    :data:`_BUILDABLE` (as torch's ``weights_only`` unpickler allows it)."""
+
+    stack: list[Any]  # the unpickler's stack (set by load)
+    dispatch: ClassVar[dict[int, Callable[[pickle.Unpickler], None]]] = dict(
+        pickle._Unpickler.dispatch
+    )
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in ALLOWED:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(
             f"it refers to {module}.{name}, which DCP's metadata never holds (it may run code)"
         )
+
+    def load_build(self) -> None:
+        """``BUILD``: set the state of the object below the top of the stack to the top."""
+        target = self.stack[-2] if len(self.stack) >= 2 else None
+        if type(target) not in _BUILDABLE:
+            raise pickle.UnpicklingError(
+                f"it sets the state of {_what(target)}, which DCP's metadata never does (only "
+                "of the metadata objects it creates); that would change it for the whole process"
+            )
+        _BUILD(self)
+
+    dispatch[pickle.BUILD[0]] = cast("Callable[[pickle.Unpickler], None]", load_build)
+
+
+def _what(target: Any) -> str:
+    if isinstance(target, type) or callable(target):
+        module = getattr(target, "__module__", "?")
+        return f"{module}.{getattr(target, '__qualname__', type(target).__name__)}"
+    return f"a {type(target).__module__}.{type(target).__qualname__} object"
 
 
 def write(directory: str, metadata: Metadata, *, fsync: bool = True) -> None:
