@@ -231,6 +231,22 @@ def test_gone_before_any_worker_connected_is_written_once_one_connects(store_add
     assert "RankGone" in bytes(store.get(keys.stop(3))).decode()  # round 3 became a fault
 
 
+def test_gone_while_the_only_worker_is_in_no_round_yet_starts_from_the_latest_round(
+    store_addr, service
+):
+    """The agent's only worker connected but announced no round (a newcomer on its way in):
+    the notice starts from the store's latest round, not from before round 0."""
+    config = _config(store_addr, "newcomer")
+    keys = Keyspace("newcomer", 0, config.secret)
+    store = connect(*store_addr, timeout=10)
+    store.set(keys.latest, RoundLayout(round=5, active=[0, 1, 2], spare=[]).encode())
+    with _worker(service, config, "sleep") as (_, hello):
+        assert hello["reply"]["ok"] is True
+        service.gone(1, "its node was lost")
+        assert _left_at(store, keys, 6, 1) == "its node was lost"
+    assert not store.check([keys.member(0, 1)])
+
+
 def test_gone_after_every_worker_said_goodbye_is_written_in_their_call(store_addr, service):
     config = _config(store_addr, "after")
     keys = Keyspace("after", 0, config.secret)

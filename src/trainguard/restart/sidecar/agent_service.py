@@ -187,9 +187,9 @@ class SidecarService:
             cfg = self._last_cfg
             if not live and cfg is None:
                 self._pending[slot] = cause
-        if live:
-            watch = live[-1]
-            args: tuple[Any, ...] = (watch.cfg, slot, watch.position(), cause)
+        if live:  # a worker in no round yet (a newcomer): the store's latest round
+            watch, where = live[-1], live[-1].position()
+            args: tuple[Any, ...] = (watch.cfg, slot, where if where[0] >= 0 else None, cause)
         elif cfg is not None:
             args = (cfg, slot, None, cause)
         else:
