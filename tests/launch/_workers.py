@@ -21,7 +21,9 @@ Modes:
   to ``OUT/ready.jsonl`` (its start-up, for bench/launch.py). In generation ``--raise-gen``
   every round raises the same error before it builds a group (the Wrapper gives up after
   ``max_repeated_faults`` rounds). The first process of rank ``--gil-hang-rank`` hangs holding
-  the GIL at step 3 (``--hard-timeout``).
+  the GIL at step 3 (``--hard-timeout``). A process of a later incarnation (a respawn, a
+  replacement node's) first sleeps ``--newcomer-delay`` seconds, as a slow import would: its
+  agent has no worker in a wrapped call meanwhile.
 - ``preempt``: (imports torch) the preemption tests' job (``tests/restart/_preempt_jobs.py``),
   ``--steps`` steps, checkpoints under ``OUT``; writes its final parameters to
   ``OUT/result-<rank>.json``; preempted, it exits with status 75.
@@ -96,6 +98,8 @@ def gloo(out: Path, rank: int, args: argparse.Namespace) -> int:
 
 
 def wrapper(out: Path, rank: int, args: argparse.Namespace) -> int:
+    if os.environ.get("TRAINGUARD_INCARNATION") != "0":
+        time.sleep(args.newcomer_delay)
     import torch
     import torch.distributed as dist
 
@@ -167,6 +171,7 @@ def main() -> int:
     parser.add_argument("--gil-hang-rank", type=int, default=None)
     parser.add_argument("--hard-timeout", type=float, default=20.0)
     parser.add_argument("--log-steps", action="store_true")
+    parser.add_argument("--newcomer-delay", type=float, default=0.0)
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     _append(

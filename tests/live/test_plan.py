@@ -7,7 +7,7 @@ import torch
 
 from trainguard.errors import ConfigError
 from trainguard.live import LiveState
-from trainguard.live._plan import FIRST_START, NO_STEP, Record, plan
+from trainguard.live._plan import FIRST_START, NO_STEP, Record, no_holder, plan
 
 
 def _recs(*specs: tuple[int, bool, int]) -> list[Record]:
@@ -40,6 +40,22 @@ def test_replica_groups_each_need_an_untorn_member() -> None:
 
 def test_nobody_holding_state_is_a_first_start() -> None:
     assert plan(_recs((NO_STEP, False, 0), (NO_STEP, False, 0))).fallback == FIRST_START
+    assert (
+        plan(
+            _recs(
+                (NO_STEP, False, 0),
+            ),
+            round=0,
+        ).fallback
+        == FIRST_START
+    )
+
+
+def test_nobody_holding_state_in_a_later_round_is_no_first_start() -> None:
+    # the ranks that held the state were ended: the fallback says so, not "a first start"
+    p = plan(_recs((NO_STEP, False, 0), (NO_STEP, False, 0)), round=10)
+    assert p.fallback == no_holder(10) and "first start" not in p.fallback
+    assert "round 10" in p.fallback and "gone" in p.fallback
 
 
 def test_live_state_refuses_bad_registrations() -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from tests._dist import run_ranks
 from tests.live._jobs import live_job, reference
+from trainguard.live._plan import FIRST_START, no_holder
 
 STEPS = 12
 AT = 6
@@ -136,3 +137,21 @@ def test_a_shard_without_an_untorn_replica_falls_back(tmp_path: Path) -> None:
     again = _after(values, tmp_path)
     assert len(again) == 2
     assert all(not rec["live"] and "replica group 1" in rec["fallback"] for rec in again)
+
+
+def test_holders_gone_the_fallback_says_so_and_is_no_first_start(tmp_path: Path) -> None:
+    # the only rank that holds live state (rank 0; rank 1 waits as a spare) is SIGKILLed: the
+    # spare's round falls back, and its reason is the loss, not "a first start"
+    results = _run(tmp_path, 2, 1, "kill", 0)
+    assert results[0].exitcode == -9
+    (value,) = _values(results, dead={0})
+    assert value["digest"] == reference(STEPS)
+    after = int((tmp_path / "fault").read_text()) + 1
+    (rec,) = [r for r in value["recoveries"] if r["round"] == after]
+    assert not rec["live"] and rec["rank"] == 0
+    assert rec["fallback"] == no_holder(after), rec
+    from trainguard.events import read_events
+
+    warned = [e for e in read_events(tmp_path) if e["kind"] == "live_recover"]
+    assert {e["reason"] for e in warned if e["round"] == 0} == {FIRST_START}
+    assert {e["reason"] for e in warned if e["round"] == after} == {no_holder(after)}

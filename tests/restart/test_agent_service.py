@@ -24,6 +24,7 @@ from tests.restart import _faults, _jobs
 from trainguard.coord import Keyspace
 from trainguard.coord.store import connect
 from trainguard.errors import CoordinationError
+from trainguard.restart._records import RoundLayout
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.policy import ShiftRanks
 from trainguard.restart.sidecar import AgentSidecar, SidecarConfig, SidecarService
@@ -201,6 +202,60 @@ def test_gone_writes_the_notice_of_a_rank_of_a_lost_node(store_addr, service):
         while not store.check([key]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert json.loads(bytes(store.get(key)))["leave"] == "its node was lost"
+
+
+def _left_at(store: Any, keys: Keyspace, n: int, r: int, timeout: float = 20) -> str:
+    """Why rank ``r``'s record at round ``n``'s barrier says it left (waits for it)."""
+    key = keys.member(n, r)
+    deadline = time.monotonic() + timeout
+    while not store.check([key]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.check([key]), f"no notice of rank {r} at round {n}"
+    return str(json.loads(bytes(store.get(key)))["leave"])
+
+
+def test_gone_before_any_worker_connected_is_written_once_one_connects(store_addr, service):
+    """A replacement node's agent declares a node lost while its own workers still start: the
+    notice waits for the first of them to connect (it used to be dropped), and starts from the
+    latest round the store published."""
+    config = _config(store_addr, "early")
+    keys = Keyspace("early", 0, config.secret)
+    store = connect(*store_addr, timeout=10)
+    store.set(keys.latest, RoundLayout(round=3, active=[0, 1, 2], spare=[]).encode())
+    service.gone(2, "its node was lost")
+    time.sleep(0.5)
+    assert not store.check([keys.member(4, 2), keys.stop(3)])  # nothing to write it in yet
+    with _worker(service, config, "sleep") as (_, hello):
+        assert hello["reply"]["ok"] is True
+        assert _left_at(store, keys, 4, 2) == "its node was lost"
+    assert "RankGone" in bytes(store.get(keys.stop(3))).decode()  # round 3 became a fault
+
+
+def test_gone_while_the_only_worker_is_in_no_round_yet_starts_from_the_latest_round(
+    store_addr, service
+):
+    """The agent's only worker connected but announced no round (a newcomer on its way in):
+    the notice starts from the store's latest round, not from before round 0."""
+    config = _config(store_addr, "newcomer")
+    keys = Keyspace("newcomer", 0, config.secret)
+    store = connect(*store_addr, timeout=10)
+    store.set(keys.latest, RoundLayout(round=5, active=[0, 1, 2], spare=[]).encode())
+    with _worker(service, config, "sleep") as (_, hello):
+        assert hello["reply"]["ok"] is True
+        service.gone(1, "its node was lost")
+        assert _left_at(store, keys, 6, 1) == "its node was lost"
+    assert not store.check([keys.member(0, 1)])
+
+
+def test_gone_after_every_worker_said_goodbye_is_written_in_their_call(store_addr, service):
+    config = _config(store_addr, "after")
+    keys = Keyspace("after", 0, config.secret)
+    service.expect(1, os.getpid(), 0)
+    sidecar = AgentSidecar(config, service.address).start()
+    sidecar.handshake(30)
+    sidecar.stop(10)
+    service.gone(2, "its node was lost")  # before any round: at round 0's barrier
+    assert _left_at(connect(*store_addr, timeout=10), keys, 0, 2) == "its node was lost"
 
 
 def test_close_leaves_no_thread_socket_or_store_connection(store_addr, tmp_path):

@@ -11,10 +11,19 @@ import dataclasses
 #: what names a replica group: ranks with equal keys hold replicas of the same state
 GroupKey = int | str
 
-__all__ = ["FIRST_START", "NO_STEP", "Plan", "Record", "plan"]
+__all__ = ["FIRST_START", "NO_STEP", "Plan", "Record", "no_holder", "plan"]
 
 NO_STEP = -1  #: a record's step when the rank holds no live state (a spare, a new process)
 FIRST_START = "no rank holds live state yet (a first start)"  #: the fallback of a first start
+
+
+def no_holder(round: int) -> str:
+    """The fallback of a later round (``round`` > 0) in which no rank holds live state: not a
+    first start, the state the job had is lost with the ranks that held it."""
+    return (
+        f"no rank of round {round} holds live state: the ranks that held it are gone "
+        "(or none had built it yet)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,15 +71,20 @@ class Plan:
         return donors[(mine.index(receiver) + attempt) % len(donors)]
 
 
-def plan(records: list[Record]) -> Plan:
-    """Agree on the newest step that an untorn replica holds for every replica group."""
+def plan(records: list[Record], *, round: int | None = None) -> Plan:
+    """Agree on the newest step that an untorn replica holds for every replica group.
+
+    ``round``: the restart round this recovery runs in (None: not known). When no rank holds
+    live state, the fallback is :data:`FIRST_START` only in round 0 (or an unknown round);
+    in a later round it says that the state is gone with its holders (:func:`no_holder`)."""
     groups = {r.rank: r.group for r in records}
     newest = max((r.step for r in records if r.step != NO_STEP), default=0)
     members: dict[int, list[Record]] = {}
     for r in records:
         members.setdefault(r.group, []).append(r)
     if all(r.step == NO_STEP and not r.torn for r in records):
-        return Plan(0, newest, FIRST_START, {}, [], groups)
+        why = FIRST_START if not round else no_holder(round)
+        return Plan(0, newest, why, {}, [], groups)
     best: dict[int, int] = {}
     for key, recs in sorted(members.items()):
         steps = [r.step for r in recs if r.holder]

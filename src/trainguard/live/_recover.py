@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from trainguard import events
 from trainguard.live import _transfer
 from trainguard.live._outcome import Recovery
 from trainguard.live._plan import FIRST_START, NO_STEP, GroupKey, Plan, Record, plan
@@ -73,7 +74,7 @@ def run(live: LiveState, group: Any) -> Recovery:
             "torch.distributed.init_process_group() first"
         )
     rank, records = _records(live, group)
-    agreed = plan(records)
+    agreed = plan(records, round=events.get_log().round)  # the round the Wrapper runs now
     if agreed.fallback is not None:
         return Recovery(None, agreed.fallback, agreed.newest, None)
     pending = list(agreed.receivers)
@@ -155,8 +156,6 @@ def _global(rank: int, group: Any) -> int:
 
 def report(got: Recovery) -> None:
     """Log and emit the outcome (``live_recover``; a fallback also warns)."""
-    from trainguard import events
-
     events.emit(
         "live_recover",
         duration=got.seconds,

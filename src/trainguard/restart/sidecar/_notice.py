@@ -26,7 +26,9 @@ completes without it. A rank that had already arrived at round ``n+1`` gets an o
 notice (its new process then joins as a newcomer).
 
 :func:`write_notice` writes one; :func:`notify` writes it for a watch (the node watcher's, a
-sidecar's or the launcher's sidecar service) and logs it.
+sidecar's or the launcher's sidecar service) and logs it; :func:`notify_anew` writes a final one
+on a connection of its own, where the rank was last seen or, when nobody here knows, at the
+latest round the store published (:func:`latest_position`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from collections.abc import Sequence
 
 from trainguard import events
 from trainguard.coord.barrier import wait_key
-from trainguard.coord.store import StoreLike
+from trainguard.coord.store import StoreLike, connect
 from trainguard.restart import _records
 from trainguard.restart._book import RoundBook, has_record, peek, propose
 from trainguard.restart.sidecar._config import SidecarConfig
@@ -183,3 +185,32 @@ def notify(
         done.counted,
     )
     return done
+
+
+def latest_position(store: StoreLike, cfg: SidecarConfig) -> tuple[int, tuple[int, ...]]:
+    """The latest round the store published (:attr:`Keyspace.latest`) and its roster;
+    ``(-1, ())`` before the first. What a notice starts from when nobody here saw the rank in
+    a round: should the rank already be at the next round's barrier, :func:`write_notice`
+    follows it there."""
+    raw = peek(store, cfg.keys.latest)
+    if raw is None:
+        return -1, ()
+    ready = _records.layout(raw)
+    return ready.round, tuple(ready.roster)
+
+
+def notify_anew(
+    cfg: SidecarConfig, r: int, where: tuple[int, tuple[int, ...]] | None, cause: str
+) -> Notice | None:
+    """The final (not returning) notice of rank ``r`` in the wrapped call of ``cfg``, on a new
+    connection to its store: last seen in round ``where[0]`` whose ranks were ``where[1]``
+    (None: nobody here saw it in a round, the store's :func:`latest_position` is taken).
+    None when it could not be written (logged)."""
+    try:
+        store = connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
+        if where is None:
+            where = latest_position(store, cfg)
+    except Exception as exc:
+        logger.error("could not write the notice that rank %d is gone: %s", r, exc)
+        return None
+    return notify(store, cfg, r, where, cause, returning=False)

@@ -49,10 +49,9 @@ from typing import Any
 from trainguard import _private, _subproc
 from trainguard._timeouts import Timeout, seconds
 from trainguard.coord import _wire
-from trainguard.coord.store import connect
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._node import accept_own
-from trainguard.restart.sidecar._notice import notify
+from trainguard.restart.sidecar._notice import notify, notify_anew
 from trainguard.restart.sidecar._relay import Relay
 from trainguard.restart.sidecar._watch import Watch
 
@@ -124,6 +123,8 @@ class SidecarService:
         self._closing = threading.Event()
         self._log: logging.StreamHandler[Any] | None = None
         self._relays: dict[str, Relay] = {}  # a wrapped call's keyspace -> its relay
+        self._last_cfg: SidecarConfig | None = None  # of the last worker that connected
+        self._pending: dict[int, str] = {}  # slot -> cause: gone before any worker connected
 
     # the agent's calls --------------------------------------------------------------------
     def start(self) -> None:
@@ -175,17 +176,26 @@ class SidecarService:
         return bool(threads)
 
     def gone(self, slot: int, cause: str) -> None:
-        """Rank ``slot`` (a global rank of a lost node) is gone for good: its notice, written in
-        the background in the wrapped call of a worker of this agent (none: nothing to do)."""
+        """Rank ``slot`` (a global rank of a lost node) is gone for good: its notice, written
+        in the background in the wrapped call of a worker of this agent, from the round that
+        worker is in. With none in a wrapped call now, in the last one a worker of this agent
+        was in, from the latest round the store published; with none ever (a replacement node
+        whose workers are still starting), as soon as the first one connects: the node is
+        marked lost, so nobody else will count its ranks out."""
         with self._cond:
             live = [c.watch for c in self._conns if c.watch is not None and not c.watch.said_bye]
-        if not live:
-            logger.info("rank %d gone (%s); no wrapped call runs here", slot, cause)
+            cfg = self._last_cfg
+            if not live and cfg is None:
+                self._pending[slot] = cause
+        if live:  # a worker in no round yet (a newcomer): the store's latest round
+            watch, where = live[-1], live[-1].position()
+            args: tuple[Any, ...] = (watch.cfg, slot, where if where[0] >= 0 else None, cause)
+        elif cfg is not None:
+            args = (cfg, slot, None, cause)
+        else:
+            logger.warning("rank %d gone (%s); its notice waits for a worker here", slot, cause)
             return
-        watch = live[-1]
-        n, roster = watch.position()
-        args = (watch.cfg, slot, n, roster, cause)
-        self._spawn(self._fresh_notice, "tg-notice", args)
+        self._spawn(notify_anew, "tg-notice", args)
 
     def close(self) -> None:
         """Stop every thread, close every socket and store connection; workers still connected
@@ -217,6 +227,8 @@ class SidecarService:
                 self._drop(conn)
             self._conns.clear()
             self._rejoins.clear()
+            if self._pending:  # no worker connected: no wrapped call to count them out of
+                logger.warning("closed before a notice for ranks %s", sorted(self._pending))
             self._threads.clear()
             if self._listener is not None:
                 self._listener.close()
@@ -319,7 +331,11 @@ class SidecarService:
         with self._cond:
             self._joined[slot] = time.monotonic()
             self._rejoins.pop(slot, None)
+            self._last_cfg, pending, self._pending = cfg, self._pending, {}
         logger.info("watching rank %d (slot %d, pid %d)", cfg.rank, slot, conn.pid)
+        for gone, cause in pending.items():  # the store's latest round: the worker is new
+            logger.info("writing the notice that rank %d is gone (%s) now", gone, cause)
+            self._spawn(notify_anew, "tg-notice", (cfg, gone, None, cause))
         watch.feed(rest)
         return watch
 
@@ -403,18 +419,7 @@ class SidecarService:
         for r in due:
             cause = f"{r.cause}; not back within rejoin_timeout={self.rejoin_timeout:g} s"
             logger.warning("slot %d: %s", r.slot, cause)
-            self._spawn(self._fresh_notice, "tg-notice", (r.cfg, r.rank, r.round, r.roster, cause))
-
-    def _fresh_notice(
-        self, cfg: SidecarConfig, r: int, n: int, roster: tuple[int, ...], cause: str
-    ) -> None:
-        """tg-notice: the final (not returning) notice of rank ``r``, on a new connection."""
-        try:
-            store = connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
-        except Exception as exc:
-            logger.error("could not write the notice that rank %d is gone: %s", r, exc)
-            return
-        notify(store, cfg, r, (n, roster), cause, returning=False)
+            self._spawn(notify_anew, "tg-notice", (r.cfg, r.rank, (r.round, r.roster), cause))
 
     # the log ------------------------------------------------------------------------------
     def _open_log(self) -> None:
