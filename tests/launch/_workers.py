@@ -22,6 +22,8 @@ Modes:
   every round raises the same error before it builds a group (the Wrapper gives up after
   ``max_repeated_faults`` rounds). The first process of rank ``--gil-hang-rank`` hangs holding
   the GIL at step 3 (``--hard-timeout``).
+- ``term``: like ``run``, but a SIGTERM makes the worker write the time it came to
+  ``OUT/term-<rank>`` and exit with status 75 (a worker that saved on a preemption).
 - ``preempt``: (imports torch) the preemption tests' job (``tests/restart/_preempt_jobs.py``),
   ``--steps`` steps, checkpoints under ``OUT``; writes its final parameters to
   ``OUT/result-<rank>.json``; preempted, it exits with status 75.
@@ -33,6 +35,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -50,6 +53,15 @@ def _progress(path: Path) -> int:
         return int(path.read_text() or 0)
     except (FileNotFoundError, ValueError):
         return 0
+
+
+def term(out: Path, rank: int, args: argparse.Namespace) -> int:
+    def on_term(signum: int, frame: object) -> None:
+        (out / f"term-{rank}").write_text(repr(time.time()))
+        os._exit(75)
+
+    signal.signal(signal.SIGTERM, on_term)
+    return run(out, rank, args)
 
 
 def run(out: Path, rank: int, args: argparse.Namespace) -> int:
@@ -156,7 +168,7 @@ def preempt(out: Path, rank: int, args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["run", "env", "gloo", "wrapper", "preempt"])
+    parser.add_argument("mode", choices=["run", "env", "gloo", "wrapper", "preempt", "term"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--step", type=float, default=0.05)
     parser.add_argument("--steps", type=int, default=None)
@@ -191,6 +203,8 @@ def main() -> int:
         return wrapper(args.out, rank, args)
     if args.mode == "preempt":
         return preempt(args.out, rank, args)
+    if args.mode == "term":
+        return term(args.out, rank, args)
     return run(args.out, rank, args)
 
 
