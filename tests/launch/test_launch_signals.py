@@ -240,8 +240,8 @@ def test_a_script_that_does_not_exist_ends_the_job_at_once(tmp_path: Path) -> No
     print(f"missing script: exit {proc.returncode} after {took:.1f} s")
     assert proc.returncode != 0
     assert took < 20.0, took  # the launcher's import (5-9 s on this loaded machine)
-    assert "starting workers" not in output and "Traceback" not in output, output
     output = proc.stdout + proc.stderr
+    assert "starting workers" not in output and "Traceback" not in output, output
     assert output.count("no_such_train.py") == 1, output
     assert "does not exist" in output
 
