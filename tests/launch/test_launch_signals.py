@@ -267,3 +267,21 @@ def test_a_wrappers_config_error_ends_the_job_at_once_with_the_error_once(tmp_pa
     assert "the job cannot start: a worker raised ConfigError" in output
     assert PREEMPT_LINE not in output
     assert took < 20.0, took
+
+
+@pytest.mark.parametrize(
+    ("argv", "missing"),
+    [
+        (["no_such.py"], "training script 'no_such.py' does not exist"),
+        (["--no-python", "no-such-command-tg"], "command 'no-such-command-tg' does not exist"),
+        (["-m", "no_such_module"], None),  # only the workers' sys.path can tell
+        (["--no-python", "true"], None),
+    ],
+)
+def test_missing_script_names_what_cannot_start(argv: list[str], missing: str | None) -> None:
+    from trainguard.launch.cli import build_parser, missing_script
+
+    found = missing_script(build_parser().parse_args(argv))
+    assert (found is None) == (missing is None), found
+    if missing is not None:
+        assert found is not None and missing in found
