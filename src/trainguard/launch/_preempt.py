@@ -58,16 +58,20 @@ def save(agent: Any, grace: float, sent: set[int]) -> bool:
     """Forward SIGTERM to every running worker's process group not in ``sent`` (those
     :func:`forward` signalled already) and wait for them, at most ``grace`` +
     :data:`PREEMPT_MARGIN` seconds. True when every worker ended with status 0 or 75 and at
-    least one with 75 (the job was preempted and saved)."""
+    least one with 75 (the job was preempted and saved). Workers that had all ended before
+    the signal (it came in the exit barrier) are not a preemption of this node: no line, no
+    event, and True only if one of them ended with 75."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the wait
     context = _compat.pcontext(agent)
     handlers = list(context.subprocess_handlers.values())
     wait = grace + PREEMPT_MARGIN
-    logger.warning(
-        "SIGTERM: preemption; the workers save their state, waiting up to %g s for them", wait
-    )
-    agent.events.emit("launch_preempt", grace=grace)
-    forward(agent, sent)
+    if sent or any(h.proc.poll() is None for h in handlers):  # else they had all ended
+        logger.warning(
+            "SIGTERM: preemption; the workers save their state, waiting up to %g s for them",
+            wait,
+        )
+        agent.events.emit("launch_preempt", grace=grace)
+        forward(agent, sent)
     deadline = time.monotonic() + wait
     for h in handlers:
         with contextlib.suppress(Exception):

@@ -20,9 +20,9 @@ Protocol (:class:`SignalWatch`, one per agent; the agent's main thread unless sa
    torch's ``SignalException`` as torch's does. The first install also starts a thread that
    reads Python's signal wake-up descriptor: on a SIGTERM it calls ``forward`` at once (the
    agent signals its workers' process groups), whatever the main thread is waiting on.
-2. :meth:`~SignalWatch.reraise` after each step of the agent's loop (a monitor tick, a
-   rendezvous, the exit barrier): a signal that was noted but swallowed is raised again, so it
-   ends the loop one tick late at most.
+2. :meth:`~SignalWatch.reraise` around each monitor tick and after a rendezvous: a signal
+   that was noted but swallowed is raised again, so it ends the loop one tick late at most.
+   (In the exit barrier the workers are done: a signal there only ends the wait.)
 3. :meth:`~SignalWatch.preempted` decides what a ``_shutdown(SIGTERM)`` is: a preemption only
    when a SIGTERM reached this process (from the scheduler, ``kill``, ``srun``).
 4. :meth:`~SignalWatch.close` when the agent's run ends: torch's wake-up descriptor setting
@@ -74,7 +74,6 @@ class SignalWatch:
         self.forward = forward
         #: the first signal this process received while the watch was installed, or None
         self.received: signal.Signals | None = None
-        self._raised = False  # the agent's run took the signal (its shutdown began)
         self._thread: threading.Thread | None = None
         self._fds: tuple[int, int] | None = None
         self._old_wakeup = -1
@@ -124,17 +123,16 @@ class SignalWatch:
 
     # 2. reraise ----------------------------------------------------------------------------
     def reraise(self) -> None:
-        """Raise the signal noted again when it was swallowed (the agent's run has not taken
-        it yet)."""
+        """Raise the signal noted again (it was swallowed: the agent's loop runs on). Only
+        the loop calls it; once torch's ``run()`` took the signal the loop is over."""
         sig = self.received
-        if sig is not None and not self._raised:
+        if sig is not None:
             raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
 
     # 3. what a shutdown is ------------------------------------------------------------------
     def preempted(self, death_sig: Any) -> bool:
-        """The agent's run takes the signal (no :meth:`reraise` after this); True when the
-        shutdown is for a SIGTERM that reached this process: a preemption."""
-        self._raised = self._raised or self.received is not None
+        """True when a shutdown with ``death_sig`` is for a SIGTERM that reached this process:
+        a preemption (torch's own shutdowns pass SIGTERM too, with no signal received)."""
         return death_sig == signal.SIGTERM and self.received == signal.SIGTERM
 
     # 4. close -----------------------------------------------------------------------------

@@ -403,8 +403,7 @@ class TrainguardAgent(LocalElasticAgent):
             super()._exit_barrier()  # type: ignore[no-untyped-call]
             return
         with _compat.in_exit_barrier(self):
-            self.nodes.exit_barrier()
-        self.signals.reraise()
+            self.nodes.exit_barrier()  # a signal ends it: the workers are done, no reraise
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         if self.signals.preempted(death_sig) and self._pcontext is not None:
