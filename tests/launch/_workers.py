@@ -6,8 +6,8 @@ to ``OUT/starts.jsonl`` when it starts (rank, local rank, pid, generation, incar
 Modes:
 - ``run``: count steps in ``OUT/progress-<rank>`` (continuing from the count a dead
   predecessor left there) every ``--step`` seconds until ``OUT/stop`` exists or ``--steps``
-  are done, then exit 0. ``--crash-gen G --crash-rank R``: rank R of generation G exits 3 at
-  once.
+  are done, then exit 0 (``--endless-rank R``: rank R ignores ``--steps``).
+  ``--crash-gen G --crash-rank R``: rank R of generation G exits 3 at once.
 - ``env``: write the environment to ``OUT/env-<rank>.json`` and exit 0.
 - ``gloo``: (imports torch) init a gloo group from torchrun's variables, ``--steps`` all_reduces
   (rank ``--crash-rank`` of generation ``--crash-gen`` exits 3 after the first), write the sum
@@ -71,7 +71,8 @@ def run(out: Path, rank: int, args: argparse.Namespace) -> int:
     counter = out / f"progress-{rank}"
     step = _progress(counter)
     done = 0
-    while not (out / "stop").exists() and (args.steps is None or done < args.steps):
+    steps = None if rank == args.endless_rank else args.steps
+    while not (out / "stop").exists() and (steps is None or done < steps):
         step += 1
         done += 1
         tmp = counter.with_suffix(f".{os.getpid()}")
@@ -174,6 +175,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--crash-gen", type=int, default=None)
     parser.add_argument("--crash-rank", type=int, default=None)
+    parser.add_argument("--endless-rank", type=int, default=None)
     parser.add_argument("--active", type=int, default=2)
     parser.add_argument("--raise-gen", type=int, default=None)
     parser.add_argument("--gil-hang-rank", type=int, default=None)

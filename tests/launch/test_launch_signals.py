@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests._dist import free_port
-from tests.launch._agents import ROOT, Agents, leftovers, read_starts
+from tests.launch._agents import ROOT, Agents, alive, leftovers, progress, read_starts
 from tests.restart._preempt_jobs import progress as preempt_progress
 from trainguard import events
 from trainguard.checkpoint import latest, load
@@ -140,6 +140,31 @@ def test_a_whole_job_restart_is_no_preemption(tmp_path: Path) -> None:
     assert kinds.count("launch_generation") == 2, kinds
     assert PREEMPT_LINE not in text, text
     assert "launch_preempt" not in kinds
+
+
+def test_a_sigterm_in_the_exit_barrier_of_a_finished_node_is_no_failure(tmp_path: Path) -> None:
+    """Node 1's worker finished, its agent waits for node 0 in the exit barrier: a SIGTERM
+    there ends the wait, with status 0 (its work is done) and no preemption."""
+    out, ev = tmp_path / "out", tmp_path / "events"
+    out.mkdir()
+    worker = ["run", str(out), "--steps=3", "--endless-rank=0"]
+    extra = [f"--tg-events-dir={ev}", "--tg-exit-barrier-timeout=60"]
+    with Agents(tmp_path, nodes=2, nproc=1, worker=worker, extra=extra) as job:
+        starts = job.wait_for(lambda: len(read_starts(out)) == 2 and read_starts(out))
+        finished = next(s["pid"] for s in starts if s["rank"] == 1)
+        job.wait_for(lambda: not alive(finished), what="rank 1 finished")
+        time.sleep(1.0)  # its agent saw it on its next tick (0.05 s) and waits in the barrier
+        assert job.procs[1].poll() is None and progress(out, 0) > 3
+        sent = time.monotonic()
+        job.signal(1, signal.SIGTERM)
+        assert job.procs[1].wait(10) == 0, job.output()
+        took = time.monotonic() - sent
+        (out / "stop").touch()
+        assert job.wait(timeout=30) == [0, 0], job.output()
+        text = job.output()
+    assert took < 5.0, took
+    assert PREEMPT_LINE not in text, text
+    assert "launch_preempt" not in _kinds(ev)
 
 
 # 3. a preemption of one node of two ---------------------------------------------------------
