@@ -310,3 +310,54 @@ def test_missing_script_names_what_cannot_start(argv: list[str], missing: str | 
     assert (found is None) == (missing is None), found
     if missing is not None:
         assert found is not None and missing in found
+
+
+def test_the_signal_watch_notes_raises_again_forwards_sigterm_once_and_restores() -> None:
+    """In this process: the watch replaces a Python handler, notes the first signal, raises
+    torch's SignalException for it (and again on reraise), calls ``forward`` once for SIGTERM
+    from its thread, and restores the wake-up descriptor and ends its thread on close."""
+    import os
+    import threading
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from trainguard.launch._signals import SignalWatch
+
+    forwarded: list[str] = []
+    done = threading.Event()
+
+    def forward() -> None:
+        forwarded.append(threading.current_thread().name)
+        done.set()
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    for s in before:
+        signal.signal(s, lambda *_: None)  # torch's handler would be here
+    watch = SignalWatch(forward)
+    try:
+        watch.install()
+        watch.reraise()  # nothing received: nothing raised
+        assert not watch.preempted()  # torch's own shutdown (SIGTERM): no preemption
+        with pytest.raises(SignalException):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(1)
+        assert watch.received == signal.SIGUSR1 and not forwarded
+        assert not watch.preempted()  # a SIGUSR1 is no preemption
+        with pytest.raises(SignalException):
+            watch.reraise()
+        with pytest.raises(SignalException):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+        assert done.wait(5) and forwarded == ["trainguard-agent-signals"]
+        assert watch.preempted() and watch.received == signal.SIGUSR1  # the first one
+        with pytest.raises(SignalException):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+        time.sleep(0.2)
+        assert forwarded == ["trainguard-agent-signals"]  # once
+    finally:
+        watch.close()
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    assert signal.set_wakeup_fd(-1) == -1  # restored (pytest set none)
+    assert not any(t.name == "trainguard-agent-signals" for t in threading.enumerate())

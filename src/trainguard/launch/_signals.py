@@ -23,8 +23,9 @@ Protocol (:class:`SignalWatch`, one per agent; the agent's main thread unless sa
 2. :meth:`~SignalWatch.reraise` around each monitor tick and after a rendezvous: a signal
    that was noted but swallowed is raised again, so it ends the loop one tick late at most.
    (In the exit barrier the workers are done: a signal there only ends the wait.)
-3. :meth:`~SignalWatch.preempted` decides what a ``_shutdown(SIGTERM)`` is: a preemption only
-   when a SIGTERM reached this process (from the scheduler, ``kill``, ``srun``).
+3. :meth:`~SignalWatch.preempted` decides what the agent's ``_shutdown`` is: a preemption only
+   when a SIGTERM reached this process (from the scheduler, ``kill``, ``srun``), not for the
+   SIGTERM that torch's shutdown passes by default.
 4. :meth:`~SignalWatch.close` when the agent's run ends: torch's wake-up descriptor setting
    is restored, the thread ends, the descriptors are closed.
 """
@@ -38,7 +39,6 @@ import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -74,6 +74,8 @@ class SignalWatch:
         self.forward = forward
         #: the first signal this process received while the watch was installed, or None
         self.received: signal.Signals | None = None
+        #: a SIGTERM reached this process (first or not)
+        self.sigterm = False
         self._thread: threading.Thread | None = None
         self._fds: tuple[int, int] | None = None
         self._old_wakeup = -1
@@ -102,6 +104,7 @@ class SignalWatch:
         sig = signal.Signals(signum)
         if self.received is None:
             self.received = sig
+        self.sigterm = self.sigterm or sig == signal.SIGTERM
         raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
 
     def _watch(self) -> None:
@@ -130,10 +133,10 @@ class SignalWatch:
             raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
 
     # 3. what a shutdown is ------------------------------------------------------------------
-    def preempted(self, death_sig: Any) -> bool:
-        """True when a shutdown with ``death_sig`` is for a SIGTERM that reached this process:
-        a preemption (torch's own shutdowns pass SIGTERM too, with no signal received)."""
-        return death_sig == signal.SIGTERM and self.received == signal.SIGTERM
+    def preempted(self) -> bool:
+        """True when a SIGTERM reached this process, so the agent's shutdown is a preemption
+        (its workers got it too); torch's own shutdowns pass SIGTERM with no signal received."""
+        return self.sigterm
 
     # 4. close -----------------------------------------------------------------------------
     def close(self) -> None:

@@ -406,7 +406,7 @@ class TrainguardAgent(LocalElasticAgent):
             self.nodes.exit_barrier()  # a signal ends it: the workers are done, no reraise
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-        if self.signals.preempted(death_sig) and self._pcontext is not None:
+        if self.signals.preempted() and self._pcontext is not None:
             grace = self.options.preemption_grace
             deadline = time.monotonic() + grace + _preempt.PREEMPT_MARGIN
             saved = _preempt.save(self, grace, self._sigterm_sent)
