@@ -74,3 +74,55 @@ def test_the_wrapper_asks_the_launcher_without_importing_it(store: dist.TCPStore
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == []  # restart stands below launch
     assert coord.escalation_reason(store, "wrapped", 3) == "RuntimeError: the job ended"
+
+
+def test_a_request_to_end_the_job_is_marked_and_its_error_read_back(store: dist.TCPStore) -> None:
+    from trainguard.coord.escalation import cannot_start
+
+    assert coord.escalate(store, "job", 0, "ConfigError: bad", fatal=True) is True
+    reason = coord.escalation_reason(store, "job", 0)
+    assert reason is not None and cannot_start(reason) == "ConfigError: bad"
+    assert coord.escalate(store, "job", 1, "a restart") is True
+    assert cannot_start(coord.escalation_reason(store, "job", 1) or "") is None
+
+
+# A Wrapper built with a bad configuration under `trainguard launch`: the ConfigError is raised
+# as everywhere, and the launcher was asked to end the job first.
+_BAD_WRAPPER = """
+import trainguard.restart as tr
+from trainguard.errors import ConfigError
+try:
+    tr.Wrapper(soft_timeout=30, hard_timeout=10)
+except ConfigError as exc:
+    print("raised", exc)
+"""
+
+
+def test_a_wrappers_config_error_under_the_launcher_asks_it_to_end_the_job(
+    store: dist.TCPStore,
+) -> None:
+    from trainguard.coord.escalation import cannot_start
+
+    env = {
+        **os.environ,
+        "TRAINGUARD_AGENT": "tg-test-agent",
+        "TRAINGUARD_STORE_ADDR": f"127.0.0.1:{store.port}",
+        "TRAINGUARD_GENERATION": "0",
+        "TORCHELASTIC_RUN_ID": "badcfg",
+    }
+    env.pop("TRAINGUARD_JOB_SECRET", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _BAD_WRAPPER], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("raised soft_timeout=30 s must be shorter"), out.stdout
+    reason = coord.escalation_reason(store, "badcfg", 0)
+    assert reason is not None
+    assert (cannot_start(reason) or "").startswith("ConfigError: soft_timeout=30 s")
+    del env["TRAINGUARD_AGENT"]  # not under the launcher: nothing is asked
+    env["TORCHELASTIC_RUN_ID"] = "plain"
+    out = subprocess.run(
+        [sys.executable, "-c", _BAD_WRAPPER], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.startswith("raised"), out.stderr
+    assert coord.escalation_reason(store, "plain", 0) is None

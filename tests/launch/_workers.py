@@ -6,8 +6,8 @@ to ``OUT/starts.jsonl`` when it starts (rank, local rank, pid, generation, incar
 Modes:
 - ``run``: count steps in ``OUT/progress-<rank>`` (continuing from the count a dead
   predecessor left there) every ``--step`` seconds until ``OUT/stop`` exists or ``--steps``
-  are done, then exit 0. ``--crash-gen G --crash-rank R``: rank R of generation G exits 3 at
-  once.
+  are done, then exit 0 (``--endless-rank R``: rank R ignores ``--steps``).
+  ``--crash-gen G --crash-rank R``: rank R of generation G exits 3 at once.
 - ``env``: write the environment to ``OUT/env-<rank>.json`` and exit 0.
 - ``gloo``: (imports torch) init a gloo group from torchrun's variables, ``--steps`` all_reduces
   (rank ``--crash-rank`` of generation ``--crash-gen`` exits 3 after the first), write the sum
@@ -24,6 +24,8 @@ Modes:
   the GIL at step 3 (``--hard-timeout``). A process of a later incarnation (a respawn, a
   replacement node's) first sleeps ``--newcomer-delay`` seconds, as a slow import would: its
   agent has no worker in a wrapped call meanwhile.
+- ``term``: like ``run``, but a SIGTERM makes the worker write the time it came to
+  ``OUT/term-<rank>`` and exit with status 75 (a worker that saved on a preemption).
 - ``preempt``: (imports torch) the preemption tests' job (``tests/restart/_preempt_jobs.py``),
   ``--steps`` steps, checkpoints under ``OUT``; writes its final parameters to
   ``OUT/result-<rank>.json``; preempted, it exits with status 75.
@@ -35,6 +37,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -54,6 +57,15 @@ def _progress(path: Path) -> int:
         return 0
 
 
+def term(out: Path, rank: int, args: argparse.Namespace) -> int:
+    def on_term(signum: int, frame: object) -> None:
+        (out / f"term-{rank}").write_text(repr(time.time()))
+        os._exit(75)
+
+    signal.signal(signal.SIGTERM, on_term)
+    return run(out, rank, args)
+
+
 def run(out: Path, rank: int, args: argparse.Namespace) -> int:
     generation = os.environ.get("TRAINGUARD_GENERATION")
     if args.crash_rank == rank and generation == str(args.crash_gen):
@@ -61,7 +73,8 @@ def run(out: Path, rank: int, args: argparse.Namespace) -> int:
     counter = out / f"progress-{rank}"
     step = _progress(counter)
     done = 0
-    while not (out / "stop").exists() and (args.steps is None or done < args.steps):
+    steps = None if rank == args.endless_rank else args.steps
+    while not (out / "stop").exists() and (steps is None or done < steps):
         step += 1
         done += 1
         tmp = counter.with_suffix(f".{os.getpid()}")
@@ -160,12 +173,13 @@ def preempt(out: Path, rank: int, args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["run", "env", "gloo", "wrapper", "preempt"])
+    parser.add_argument("mode", choices=["run", "env", "gloo", "wrapper", "preempt", "term"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--step", type=float, default=0.05)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--crash-gen", type=int, default=None)
     parser.add_argument("--crash-rank", type=int, default=None)
+    parser.add_argument("--endless-rank", type=int, default=None)
     parser.add_argument("--active", type=int, default=2)
     parser.add_argument("--raise-gen", type=int, default=None)
     parser.add_argument("--gil-hang-rank", type=int, default=None)
@@ -196,6 +210,8 @@ def main() -> int:
         return wrapper(args.out, rank, args)
     if args.mode == "preempt":
         return preempt(args.out, rank, args)
+    if args.mode == "term":
+        return term(args.out, rank, args)
     return run(args.out, rank, args)
 
 

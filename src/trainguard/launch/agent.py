@@ -33,9 +33,14 @@ Nodes (with the node heartbeat and, for the c10d rendezvous, the admission gate;
    (``TRAINGUARD_INCARNATION`` >= 1) and its heartbeat makes the node live again.
 7. The exit barrier runs in the coordination store and counts lost nodes as arrived.
 
-8. Preemption: a SIGTERM to the agent goes to its workers, which save, and the agent waits
-   for them within the grace budget (:mod:`trainguard.launch._preempt`); a worker that exits
-   with status 75 was preempted, its slot is done (:attr:`TrainguardAgent.preempted`).
+8. Preemption: a SIGTERM to the agent goes to its workers at once, whatever the agent is
+   doing, and no signal is lost (:mod:`trainguard.launch._signals`); the workers save, and the
+   agent waits for them within the grace budget and then counts its node as finished in the
+   exit barrier (:mod:`trainguard.launch._preempt`). A worker that exits with status 75 was
+   preempted, its slot is done (:attr:`TrainguardAgent.preempted`). torch's own shutdown at
+   the end of a run or for a whole-job restart is no preemption.
+9. A worker's request to end the job (an error before its first round) ends it at once on
+   every node: no respawn, no whole-job restart (:attr:`TrainguardAgent.cannot_start`).
 
 Over 400 lines: one subclass of torch's agent; each override is torch's method with
 trainguard's change, and they share the state machine's fields.
@@ -62,13 +67,14 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from trainguard import _env, events
-from trainguard.launch import _agenthooks, _compat, _preempt
+from trainguard.launch import _agenthooks, _compat, _escalation, _preempt
 from trainguard.launch._agenthooks import Heartbeat, Service
 from trainguard.launch._coordstore import CoordStore, Generation
 from trainguard.launch._gate import AdmissionGate
 from trainguard.launch._logs import AgentLogsSpecs, incarnation_launch, tail
 from trainguard.launch._nodes import NodeWatch
 from trainguard.launch._partition import Partition, Verdict
+from trainguard.launch._signals import SignalWatch
 from trainguard.launch._slots import Escalate, Respawn, SlotPolicy, SlotTable
 from trainguard.launch.heartbeat import NodeHeartbeat
 from trainguard.launch.options import LaunchOptions
@@ -154,6 +160,9 @@ class TrainguardAgent(LocalElasticAgent):
         self._died_at: dict[int, float] = {}
         self.last_escalation: str | None = None  # why the last whole-job restart was asked
         self.preempted = False  # a worker ended preempted (exit status 75)
+        self.cannot_start: str | None = None  # the error that ended the job before it ran
+        self._sigterm_sent: set[int] = set()  # workers the preemption's SIGTERM went to
+        self.signals = SignalWatch(lambda: _preempt.forward(self, self._sigterm_sent))
 
     # rendezvous and start ------------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -184,6 +193,7 @@ class TrainguardAgent(LocalElasticAgent):
         self.slots = SlotTable(ranks, policy, incarnation=incarnation)
         self.nodes.enter(worker_group, joined)
         self._start_heartbeat()
+        self.signals.reraise()
 
     def _worker_env(self, joined: Generation, incarnation: int) -> dict[str, str]:
         """What the agent adds to torch's environment of every worker it starts."""
@@ -201,6 +211,7 @@ class TrainguardAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pids: dict[int, Any] = super()._start_workers(worker_group)
+        self.signals.install()  # torch's start set its handler again
         context = _compat.pcontext(self)
         assert self.slots is not None
         self._error_files = {lr: _compat.launch_of(context, lr).error_file for lr in pids}
@@ -212,8 +223,15 @@ class TrainguardAgent(LocalElasticAgent):
 
     # monitor -------------------------------------------------------------------------------
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        """One tick: D-state check, escalation key (one store ``check``), each worker's exit,
-        due respawns."""
+        """One tick (:meth:`_tick`); a signal that something in it swallowed is raised."""
+        self.signals.reraise()
+        result = self._tick(worker_group)
+        self.signals.reraise()
+        return result
+
+    def _tick(self, worker_group: WorkerGroup) -> RunResult:
+        """D-state check, escalation key (one store ``check``), each worker's exit, due
+        respawns."""
         stuck = _compat.check_uninterruptible(self, worker_group)
         if stuck is not None:
             return stuck
@@ -224,9 +242,9 @@ class TrainguardAgent(LocalElasticAgent):
             return self._leave(self.partition.left or "this node left the job")
         if verdict is Verdict.FENCED:
             return RunResult(state=WorkerState.HEALTHY)
-        reason = self._escalation_requested()
+        reason = _escalation.requested(self)
         if reason is not None:  # already in the store (or the store is gone): nothing to set
-            return self._escalate(reason, {}, announce=False)
+            return _escalation.escalate(self, reason, {}, announce=False)
         context = _compat.pcontext(self)
         assert self.slots is not None
         for local_rank in self.slots.running():
@@ -245,14 +263,6 @@ class TrainguardAgent(LocalElasticAgent):
             done = {w.global_rank: None for w in worker_group.workers}
             return RunResult(state=WorkerState.SUCCEEDED, return_values=done)
         return RunResult(state=WorkerState.HEALTHY)
-
-    def _escalation_requested(self) -> str | None:
-        assert self.generation is not None
-        try:
-            return self.coord.escalation(self.run_id, self.generation)
-        except Exception as exc:  # cut off, or the store is gone: the fence decides
-            self.partition.store_failed(exc)
-            return None
 
     def _kill_workers(self) -> list[int]:
         """SIGKILL every running worker's process group (the fence; any thread)."""
@@ -324,9 +334,12 @@ class TrainguardAgent(LocalElasticAgent):
             code,
         )
         self._service_died(rank, pid, code, returning=isinstance(decision, Respawn))
+        failure = ProcessFailure(local_rank, pid, code, self._error_files[local_rank])
+        asked = _escalation.requested(self)  # the worker may have asked before it exited
+        if asked is not None:
+            return _escalation.escalate(self, asked, {rank: failure}, announce=False)
         if isinstance(decision, Escalate):
-            failure = ProcessFailure(local_rank, pid, code, self._error_files[local_rank])
-            return self._escalate(decision.reason, {rank: failure})
+            return _escalation.escalate(self, decision.reason, {rank: failure})
         return None
 
     def _respawn(self, group: WorkerGroup, local_rank: int) -> None:
@@ -353,22 +366,6 @@ class TrainguardAgent(LocalElasticAgent):
             seconds=waited,
         )
         logger.info("rank %d respawned as pid %d (incarnation %d)", rank, new.proc.pid, incarnation)
-
-    def _escalate(
-        self, reason: str, failures: dict[int, ProcessFailure], *, announce: bool = True
-    ) -> RunResult:
-        """Ask every agent for a whole-job restart (``announce``: set the escalation key) and
-        report FAILED to torch's loop."""
-        assert self.generation is not None
-        self.last_escalation = reason
-        if announce:
-            try:
-                self.coord.escalate(self.run_id, self.generation, reason)
-            except Exception as exc:
-                logger.warning("could not set the escalation key (%s)", exc)
-        self.events.emit("launch_escalated", reason=reason, generation=self.generation)
-        logger.error("whole-job restart of generation %d: %s", self.generation, reason)
-        return RunResult(state=WorkerState.FAILED, failures=failures)
 
     # the sidecar service and the node heartbeat -------------------------------------------
     def _service_died(self, slot: int, pid: int, code: int, *, returning: bool) -> None:
@@ -406,11 +403,16 @@ class TrainguardAgent(LocalElasticAgent):
             super()._exit_barrier()  # type: ignore[no-untyped-call]
             return
         with _compat.in_exit_barrier(self):
-            self.nodes.exit_barrier()
+            self.nodes.exit_barrier()  # a signal ends it: the workers are done, no reraise
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-        if death_sig == signal.SIGTERM and self._pcontext is not None:
-            self.preempted = _preempt.save(self, self.options.preemption_grace) or self.preempted
+        if self.signals.preempted() and self._pcontext is not None:
+            grace = self.options.preemption_grace
+            deadline = time.monotonic() + grace + _preempt.PREEMPT_MARGIN
+            saved = _preempt.save(self, grace, self._sigterm_sent)
+            if saved:
+                _preempt.arrive(self, deadline)
+            self.preempted = saved or self.preempted
             timeout = 0  # those still running are killed at once
         self._close_heartbeat()
         super()._shutdown(death_sig, timeout)
@@ -432,6 +434,7 @@ class TrainguardAgent(LocalElasticAgent):
             result: RunResult = super().run(role)
             return result
         finally:
+            self.signals.close()
             self.service.close()
             self.coord.close()
             self.events.close()

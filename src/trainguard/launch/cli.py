@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import sys
 import uuid
@@ -25,7 +26,15 @@ from trainguard.restart.preempt import EXIT_PREEMPTED, Preempted
 if TYPE_CHECKING:
     from trainguard.launch.agent import TrainguardAgent
 
-__all__ = ["build_agent", "build_parser", "launch_agent", "main", "normalize", "options_from_args"]
+__all__ = [
+    "build_agent",
+    "build_parser",
+    "launch_agent",
+    "main",
+    "missing_script",
+    "normalize",
+    "options_from_args",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +123,26 @@ def normalize(args: argparse.Namespace) -> None:
         args.rdzv_id = str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = DEFAULT_MASTER_PORT
+
+
+def missing_script(args: argparse.Namespace) -> str | None:
+    """Why the workers' script (or, with ``--no-python``, command) cannot start, or ``None``:
+    a start that would fail on every worker and every restart fails here, once."""
+    if args.module:  # found through the workers' sys.path: only they can tell
+        return None
+    script = str(args.training_script)
+    if args.no_python and os.sep not in script:
+        if shutil.which(script) is None:
+            return (
+                f"the command {script!r} does not exist on PATH: pass a command the workers can run"
+            )
+        return None
+    if os.path.isfile(script):
+        return None
+    return (
+        f"the training script {script!r} does not exist (looked in {os.getcwd()}): pass the "
+        "path of the script the workers run"
+    )
 
 
 def _static_master(backend: str, endpoint: str) -> tuple[str | None, int | None]:
@@ -235,6 +264,13 @@ def launch_agent(
             raise Preempted(None, True)
         if agent.partition.left is not None:
             raise NodeLeftError(agent.partition.left)
+        if agent.cannot_start is not None:  # the worker printed its error: not again
+            kind = agent.cannot_start.partition(":")[0]
+            raise ConfigError(
+                f"the job cannot start: a worker raised {kind} before its first round (its "
+                "traceback is in the workers' output, its message in the event log "
+                "launch_cannot_start); fix it and start the job again (no respawn, no restart)"
+            )
         if result.is_failed() and result.failures:
             raise ChildFailedError(
                 name=_entrypoint_name(entrypoint, args), failures=result.failures
@@ -291,6 +327,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ConfigError as exc:
         parser.error(str(exc))
+    missing = missing_script(args)
+    if missing is not None:
+        parser.error(missing)
     config, cmd, cmd_args = config_from_args(args)
     if not isinstance(cmd, str):  # pragma: no cover - only --run-path gives a function
         parser.error("trainguard launch runs a command per worker; drop --run-path")

@@ -157,3 +157,16 @@ def escalate(exc: BaseException) -> None:
         logger.error("the job ended (%s); asked the launcher to restart the whole job", exc)
     except Exception as failed:
         logger.error("could not ask the launcher for a whole-job restart: %s", failed)
+
+
+def cannot_start(exc: BaseException) -> None:
+    """Under ``trainguard launch``: ``exc`` was raised before the first round (the Wrapper's
+    configuration), so every respawn and every whole-job restart would raise it again: ask the
+    launcher to end the job at once (:mod:`trainguard.coord.escalation`). Elsewhere nothing;
+    the caller raises ``exc`` after it either way."""
+    if _env.settings().agent is None:
+        return
+    try:
+        ask_launcher(f"{type(exc).__name__}: {exc}"[:2000], timeout=5.0, fatal=True)
+    except Exception as failed:
+        logger.error("could not ask the launcher to end the job: %s", failed)

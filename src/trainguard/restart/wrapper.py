@@ -28,15 +28,17 @@ a :class:`~trainguard.restart.call.CallWrapper` (:mod:`.call`); the arguments ar
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from trainguard import _torchcompat
 from trainguard.errors import ConfigError
+from trainguard.restart._environment import cannot_start
 from trainguard.restart._run import WrappedCall
 from trainguard.restart.call import CallWrapper, call_param
 from trainguard.restart.config import WrapperConfig
@@ -78,7 +80,8 @@ class Wrapper:
     @_arguments_of(WrapperConfig)
     def __init__(self, **kwargs: Any) -> None:
         _torchcompat.check_torch()
-        self.config = WrapperConfig(**kwargs)
+        with _before_the_first_round():
+            self.config = WrapperConfig(**kwargs)
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Wrap ``fn``; the wrapped function takes ``fn``'s arguments but its CallWrapper."""
@@ -89,12 +92,15 @@ class Wrapper:
 
         @functools.wraps(fn)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            if param is not None and param in kwargs:
-                raise ConfigError(f"do not pass {param!r}: the Wrapper provides the CallWrapper")
-            if getattr(_active_calls, "on", False):
-                raise ConfigError("a wrapped function cannot call a wrapped function")
-            _check_arguments(fn, param, args, kwargs)
-            call = WrappedCall(config, fn, param, args, kwargs)  # may raise: nothing is set yet
+            with _before_the_first_round():
+                if param is not None and param in kwargs:
+                    raise ConfigError(
+                        f"do not pass {param!r}: the Wrapper provides the CallWrapper"
+                    )
+                if getattr(_active_calls, "on", False):
+                    raise ConfigError("a wrapped function cannot call a wrapped function")
+                _check_arguments(fn, param, args, kwargs)
+                call = WrappedCall(config, fn, param, args, kwargs)  # nothing is set yet
             _active_calls.on = True
             try:
                 value = call.run()
@@ -110,6 +116,17 @@ class Wrapper:
             return value
 
         return wrapped
+
+
+@contextlib.contextmanager
+def _before_the_first_round() -> Iterator[None]:
+    """A ``ConfigError`` raised here would be raised again by every new start of the process:
+    under ``trainguard launch`` the job ends at once (:func:`._environment.cannot_start`)."""
+    try:
+        yield
+    except ConfigError as exc:
+        cannot_start(exc)
+        raise
 
 
 def _check_arguments(
