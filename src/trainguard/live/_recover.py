@@ -42,6 +42,8 @@ class LiveState(Protocol):
 
     def _record(self) -> tuple[int | None, bool]: ...
 
+    def _writing(self) -> None: ...
+
     def _received(self, state: Any, step: int) -> None: ...
 
 
@@ -138,6 +140,7 @@ def _pass(
     if rank in pending:
         donor = agreed.donor(rank, attempt)
         assert donor is not None
+        live._writing()  # torn from the first byte received in place until the state loads
         into = _transfer.own_bytes(live.state_dict())  # its state is replaced anyway
         got = _transfer.receive(_global(donor, group), agreed.step, group=group, into=into)
         problem, nbytes = got.problem, got.nbytes

@@ -156,9 +156,13 @@ class LiveState:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Put a state from :meth:`state_dict` (of this rank or a replica) into the objects."""
+        """Put a state from :meth:`state_dict` (of this rank or a replica) into the objects.
+        The state is marked torn first, and stays torn (this rank is no donor) until
+        :meth:`restored` says which step it is at: a load that stops half way never leaves a
+        record that vouches for what it overwrote."""
         import torch
 
+        self._writing()
         objects = state["objects"]
         missing = sorted(set(self._objects) - set(objects))
         if missing:
@@ -197,13 +201,23 @@ class LiveState:
         got = _recover.run(self, group)
         if got.fallback is not None:
             self._pending_newest = got.newest
+            self._writing()  # the caller loads a checkpoint into it next: torn until restored()
         got = got.timed(time.monotonic() - t0)
         _recover.report(got)
         return got
 
-    # for _recover: the record and the outcome of a transfer
+    # for _recover: the record, the marks around what writes into the state, a transfer's end
     def _record(self) -> tuple[int | None, bool]:
         return self._step, self._torn
+
+    def _writing(self) -> None:
+        """Something is about to write into the state (a transfer received in place, a
+        fallback's checkpoint load, :meth:`load_state_dict`): from now on the record says torn,
+        so that this rank is never a donor of what it holds, until a complete, verified load
+        (:meth:`_received`) or :meth:`restored`. A rank without a step has no record to
+        protect (it is never a donor) and keeps none: a first start stays a first start."""
+        if self._step is not None:
+            self._torn = True
 
     def _received(self, state: Any, step: int) -> None:
         self.load_state_dict(state)
