@@ -1,0 +1,77 @@
+"""Sharded live state (issue 39, item 1): FSDP2 and HSDP models on CPU/gloo under the restart
+wrapper, real faults, every rank's local shards of the parameters and of the optimizer state
+compared bit for bit with a fault-free run on the same ranks (tests/live/_sharded_jobs.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tests._dist import run_ranks
+from tests.live._sharded_jobs import sharded_job
+
+STEPS = 8
+
+
+def _run(tmp: Path, world: int, active: int, mesh: tuple[int, ...], faults: list[Any]) -> Any:
+    tmp.mkdir()
+    results = run_ranks(
+        sharded_job, world, args=(STEPS, active, mesh, faults, str(tmp)), timeout=150
+    )
+    return results
+
+
+def _round(values: list[dict[str, Any]], round_: int) -> dict[int, dict[str, Any]]:
+    return {rec["rank"]: rec for v in values for rec in v["recoveries"] if rec["round"] == round_}
+
+
+def test_hsdp_2x2_an_exception_in_backward_then_a_torn_step_recompute_nothing(
+    tmp_path: Path,
+) -> None:
+    ref = [r.get() for r in _run(tmp_path / "ref", 4, 4, (2, 2), [])]
+    # rank 2 raises inside backward at step 2; rank 1 is torn inside optimizer.step() at 5
+    faults = [("backward", 2, 2), ("torn", 1, 5)]
+    values = [r.get() for r in _run(tmp_path / "job", 4, 4, (2, 2), faults)]
+    assert [v["digest"] for v in values] == [v["digest"] for v in ref]
+    assert all(v["step"] == STEPS for v in values)
+    first = int((tmp_path / "job" / "fault-0").read_text())
+    second = int((tmp_path / "job" / "fault-1").read_text())
+    # the backward fault: every rank kept its own shards (moved into the rebuilt model)
+    again = _round(values, first + 1)
+    assert sorted(again) == [0, 1, 2, 3]
+    assert all(
+        rec["live"] and rec["step"] == 2 and rec["recomputed"] == 0 for rec in again.values()
+    )
+    assert all(rec["receivers"] == [] for rec in again.values())
+    # the torn step: rank 1 (shard 1 of replica 0) receives its shards from rank 3 (shard 1
+    # of replica 1), the only rank that holds the same ones; the others keep theirs
+    again = _round(values, second + 1)
+    assert all(
+        rec["live"] and rec["step"] == 6 and rec["recomputed"] == 0 for rec in again.values()
+    )
+    assert again[1]["receivers"] == [1] and again[1]["received_from"] == 3
+    assert again[1]["nbytes"] > 0
+    assert all(again[r]["received_from"] is None for r in (0, 2, 3))
+
+
+def test_fsdp2_1d_an_exception_in_backward_keeps_every_shard(tmp_path: Path) -> None:
+    ref = [r.get() for r in _run(tmp_path / "ref", 2, 2, (2,), [])]
+    values = [r.get() for r in _run(tmp_path / "job", 2, 2, (2,), [("backward", 1, 3)])]
+    assert [v["digest"] for v in values] == [v["digest"] for v in ref]
+    after = int((tmp_path / "job" / "fault-0").read_text()) + 1
+    again = _round(values, after)
+    # no replica exists, and none is needed: nobody was torn
+    assert sorted(again) == [0, 1]
+    assert all(
+        rec["live"] and rec["step"] == 3 and rec["recomputed"] == 0 for rec in again.values()
+    )
+    assert all(rec["receivers"] == [] for rec in again.values())
+
+
+def test_fsdp2_1d_a_torn_step_falls_back_no_replica_holds_the_shard(tmp_path: Path) -> None:
+    values = [r.get() for r in _run(tmp_path / "job", 2, 2, (2,), [("torn", 0, 3)])]
+    after = int((tmp_path / "job" / "fault-0").read_text()) + 1
+    again = _round(values, after)
+    assert all(not rec["live"] and "no untorn replica" in rec["fallback"] for rec in again.values())
+    assert len({v["digest"] for v in values}) == 2  # each rank its own shards, at step 8
+    assert all(v["step"] == STEPS for v in values)
