@@ -82,6 +82,8 @@ def _step(
         hidden.register_hook(boom)
     loss = nn.functional.cross_entropy(net[4](net[3](net[2](hidden))), y)
     loss.backward()
+    if fault in ("kill", "others-kill"):
+        dist.barrier()  # every rank is through backward's collectives when the victim dies
     if fault == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
@@ -150,8 +152,8 @@ def sharded_job(
                     continue
                 if call.rank == victim and _claim(Path(out_dir, f"fault-{i}"), call.round):
                     fault = kind
-                elif kind == "torn":
-                    fault = "others-torn"
+                elif kind in ("torn", "kill"):
+                    fault = f"others-{kind}"
             _step(net, opt, live, step, call, fault)
             call.ping()
         out = digest(net, opt)
@@ -159,4 +161,9 @@ def sharded_job(
         return out
 
     result = train()
-    return {"digest": result, "recoveries": recoveries, "step": live.step}
+    return {
+        "digest": result,
+        "recoveries": recoveries,
+        "step": live.step,
+        "rank": recoveries[-1]["rank"],
+    }

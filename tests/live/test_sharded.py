@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests._dist import run_ranks
 from tests.live._sharded_jobs import sharded_job
 
@@ -25,14 +27,20 @@ def _round(values: list[dict[str, Any]], round_: int) -> dict[int, dict[str, Any
     return {rec["rank"]: rec for v in values for rec in v["recoveries"] if rec["round"] == round_}
 
 
+@pytest.fixture(scope="module")
+def hsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The fault-free HSDP 2x2 run's digest of each rank's shards, by rank."""
+    ref = [r.get() for r in _run(tmp_path_factory.mktemp("hsdp") / "ref", 4, 4, (2, 2), [])]
+    return [v["digest"] for v in sorted(ref, key=lambda v: v["rank"])]
+
+
 def test_hsdp_2x2_an_exception_in_backward_then_a_torn_step_recompute_nothing(
-    tmp_path: Path,
+    tmp_path: Path, hsdp_reference: list[str]
 ) -> None:
-    ref = [r.get() for r in _run(tmp_path / "ref", 4, 4, (2, 2), [])]
     # rank 2 raises inside backward at step 2; rank 1 is torn inside optimizer.step() at 5
     faults = [("backward", 2, 2), ("torn", 1, 5)]
     values = [r.get() for r in _run(tmp_path / "job", 4, 4, (2, 2), faults)]
-    assert [v["digest"] for v in values] == [v["digest"] for v in ref]
+    assert [v["digest"] for v in values] == hsdp_reference
     assert all(v["step"] == STEPS for v in values)
     first = int((tmp_path / "job" / "fault-0").read_text())
     second = int((tmp_path / "job" / "fault-1").read_text())
@@ -75,3 +83,21 @@ def test_fsdp2_1d_a_torn_step_falls_back_no_replica_holds_the_shard(tmp_path: Pa
     assert all(not rec["live"] and "no untorn replica" in rec["fallback"] for rec in again.values())
     assert len({v["digest"] for v in values}) == 2  # each rank its own shards, at step 8
     assert all(v["step"] == STEPS for v in values)
+
+
+def test_hsdp_2x2_sigkill_with_a_spare_the_spare_receives_the_lost_shards(
+    tmp_path: Path, hsdp_reference: list[str]
+) -> None:
+    # rank 3 (shard 1 of replica 1) is killed after backward of step 4; the others finish
+    # that update. The spare becomes rank 3 and gets shard 1 (and its Adam state) from rank 1
+    results = _run(tmp_path / "job", 5, 4, (2, 2), [("kill", 3, 4)])
+    assert results[3].exitcode == -9
+    values = sorted((r.get() for r in results if r.rank != 3), key=lambda v: v["rank"])
+    assert [v["digest"] for v in values] == hsdp_reference
+    again = _round(values, int((tmp_path / "job" / "fault-0").read_text()) + 1)
+    assert sorted(again) == [0, 1, 2, 3]
+    assert all(
+        rec["live"] and rec["step"] == 5 and rec["recomputed"] == 0 for rec in again.values()
+    )
+    assert again[3]["receivers"] == [3] and again[3]["received_from"] == 1
+    assert all(again[r]["received_from"] is None for r in (0, 1, 2))
