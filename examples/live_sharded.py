@@ -79,7 +79,7 @@ def run(mesh_shape: tuple[int, ...], fault: str) -> str:
         if got.live:
             first = got.step
         else:
-            first = 0  # no checkpoint in this example: a fresh build is step 0
+            first = 0  # the first start (a real job loads its checkpoint here)
             live.restored(first)
         if call.rank == 0:
             how = "live" if got.live else f"fallback: {got.fallback}"

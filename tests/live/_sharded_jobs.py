@@ -4,7 +4,7 @@ Every round initializes gloo, builds a CPU device mesh over the round's world, b
 from the same seed and shards it with ``fully_shard`` (uneven: 16 rows over the shard ranks),
 builds its AdamW (two parameter groups: a torn ``optimizer.step()`` updates one), and hands both
 to ``live.recover(model=..., optimizer=...)``. A fallback starts again from step 0 (no
-checkpoint here: a fresh build is step 0). Each rank's batch is its rows of one global batch,
+checkpoint here: a fresh build's state is loaded over whatever a refused transfer left). Each rank's batch is its rows of one global batch,
 a function of the step. The result is a digest of every local shard of the parameters and of
 the optimizer state, compared with a fault-free run's on the same rank.
 """
@@ -69,6 +69,12 @@ def digest(net: nn.Module, opt: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
+def _flip(name: str, data: torch.Tensor) -> torch.Tensor:
+    out = data.clone()
+    out[0] ^= 1
+    return out
+
+
 def _step(
     net: nn.Module, opt: torch.optim.Optimizer, live: Any, step: int, call: Any, fault: str
 ) -> None:
@@ -103,11 +109,13 @@ def sharded_job(
     mesh_shape: tuple[int, ...],
     faults: list[tuple[str, int, int]],
     out_dir: str,
+    tamper_rank: int | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` steps on ``active`` ranks (the others are spares) on a mesh of
     ``mesh_shape`` (``(n,)``: FSDP2; ``(r, s)``: HSDP, ``r`` replicas of ``s`` shards). Each
-    fault ``(kind, rank, step)`` strikes once (file ``fault-<i>`` holds its round). Returns the
-    digest, the final step and every round's recovery."""
+    fault ``(kind, rank, step)`` strikes once (file ``fault-<i>`` holds its round). In the
+    round after the first fault, rank ``tamper_rank`` flips a bit of everything it sends as
+    a donor. Returns the digest, the final step and every round's recovery."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import trainguard.restart as tr
@@ -124,9 +132,16 @@ def sharded_job(
         dist.init_process_group("gloo")
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
         net, opt = build(mesh)
+        marker = Path(out_dir, "fault-0")
+        if marker.exists() and call.round == int(marker.read_text()) + 1:
+            live._tamper = _flip if call.rank == tamper_rank else None
         got = live.recover(model=net, optimizer=opt)
+        live._tamper = None
         first = got.step
-        if first is None:  # a fresh build is step 0: nothing to load
+        if first is None:  # no checkpoint here: load a fresh build's state (step 0) over it
+            fresh, fresh_opt = build(mesh)
+            net.load_state_dict(fresh.state_dict())
+            opt.load_state_dict(fresh_opt.state_dict())
             first = 0
             live.restored(0)
         recoveries.append(

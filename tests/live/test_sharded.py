@@ -15,10 +15,12 @@ from tests.live._sharded_jobs import sharded_job
 STEPS = 8
 
 
-def _run(tmp: Path, world: int, active: int, mesh: tuple[int, ...], faults: list[Any]) -> Any:
+def _run(
+    tmp: Path, world: int, active: int, mesh: tuple[int, ...], faults: list[Any], **kw: Any
+) -> Any:
     tmp.mkdir()
     results = run_ranks(
-        sharded_job, world, args=(STEPS, active, mesh, faults, str(tmp)), timeout=150
+        sharded_job, world, args=(STEPS, active, mesh, faults, str(tmp)), kwargs=kw, timeout=150
     )
     return results
 
@@ -101,3 +103,20 @@ def test_hsdp_2x2_sigkill_with_a_spare_the_spare_receives_the_lost_shards(
     )
     assert again[3]["receivers"] == [3] and again[3]["received_from"] == 1
     assert all(again[r]["received_from"] is None for r in (0, 1, 2))
+
+
+def test_hsdp_2x2_a_corrupted_transfer_of_shards_falls_back(
+    tmp_path: Path, hsdp_reference: list[str]
+) -> None:
+    # rank 1 is torn; rank 3, the only other holder of its shards, flips a bit of what it
+    # sends: the checksum refuses it, and with no donor left every rank falls back (a fresh
+    # build here: step 0) and still ends identical
+    values = [
+        r.get() for r in _run(tmp_path / "job", 4, 4, (2, 2), [("torn", 1, 5)], tamper_rank=3)
+    ]
+    assert [v["digest"] for v in values] == hsdp_reference
+    again = _round(values, int((tmp_path / "job" / "fault-0").read_text()) + 1)
+    assert sorted(again) == [0, 1, 2, 3]
+    for rec in again.values():
+        assert not rec["live"] and "live transfer failed on every donor" in rec["fallback"]
+        assert "checksum" in rec["fallback"] or "refused" in rec["fallback"]
