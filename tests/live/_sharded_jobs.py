@@ -69,6 +69,20 @@ def digest(net: nn.Module, opt: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
+def _bytes(state: Any) -> int:
+    """The bytes of every tensor of ``state`` (of a DTensor: its global tensor's)."""
+    total, stack = 0, [state]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack += list(node.values())
+        elif isinstance(node, list | tuple):
+            stack += list(node)
+        elif isinstance(node, torch.Tensor):
+            total += node.numel() * node.element_size()
+    return total
+
+
 def _flip(name: str, data: torch.Tensor) -> torch.Tensor:
     out = data.clone()
     out[0] ^= 1
@@ -155,6 +169,8 @@ def sharded_job(
                 "receivers": list(got.receivers),
                 "recomputed": got.recomputed,
                 "nbytes": got.nbytes,
+                "local_bytes": _bytes(live._outgoing()),  # this rank's shards and the rest
+                "global_bytes": _bytes(live.state_dict()),
             }
         )
         # the faults still to strike, as every rank sees them when the round starts
