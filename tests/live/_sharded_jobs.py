@@ -137,14 +137,15 @@ def sharded_job(
 
     live = LiveState(model=None, optimizer=None)
     recoveries: list[dict[str, Any]] = []
-    names = ("replicate", "shard")[-len(mesh_shape) :] if len(mesh_shape) <= 2 else None
+    names = ("replicate", "shard")[-len(mesh_shape or (1,)) :]
 
     @tr.Wrapper(
         rank_assignment=tr.FillGaps(), rank_filter=tr.MaxActiveWorldSize(active), **TIMEOUTS
     )
     def train(call: tr.CallWrapper) -> str:
         dist.init_process_group("gloo")
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+        shape = mesh_shape or (call.world_size,)  # (): a 1-D mesh over the round's world
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         net, opt = build(mesh)
         marker = Path(out_dir, "fault-0")
         if marker.exists() and call.round == int(marker.read_text()) + 1:

@@ -122,3 +122,18 @@ def test_hsdp_2x2_a_corrupted_transfer_of_shards_falls_back(
     for rec in again.values():
         assert not rec["live"] and "live transfer failed on every donor" in rec["fallback"]
         assert "checksum" in rec["fallback"] or "refused" in rec["fallback"]
+
+
+def test_fsdp2_a_world_that_shrinks_reshards_so_every_rank_falls_back(tmp_path: Path) -> None:
+    # 3 ranks, rank 2 killed, no spare: the survivors' mesh has 2 ranks, their shards of the
+    # last round (7 or 6 of 16 rows) are not the new ones (8 rows): nobody holds this round's
+    # shards, and the round falls back instead of resuming from the wrong rows
+    results = _run(tmp_path / "job", 3, 3, (), [("kill", 2, 3)])
+    assert results[2].exitcode == -9
+    values = [results[0].get(), results[1].get()]
+    assert all(v["step"] == STEPS for v in values)
+    again = _round(values, int((tmp_path / "job" / "fault-0").read_text()) + 1)
+    assert sorted(again) == [0, 1]
+    for rec in again.values():
+        assert not rec["live"] and "no untorn replica" in rec["fallback"], rec
+        assert "a first start" not in rec["fallback"]
