@@ -3,8 +3,11 @@
 Every rank of the round runs :func:`run` once, in the same order, before any other collective
 on ``group``:
 
-1. all-gather of each rank's record (step, torn, replica group key) as three int64 values;
-2. every rank computes the same :class:`._plan.Plan`; a fallback ends here on every rank;
+1. all-gather of each rank's record (step, torn, replica group key) as three int64 values
+   (the key holds the layout of a rank's DTensor shards, :mod:`._sharded`);
+2. every rank computes the same :class:`._plan.Plan`; a rank at the agreed step moves its
+   state into the round's rebuilt objects, if any; every other rank is torn from here on (it
+   receives, or loads a checkpoint); a fallback ends here on every rank;
 3. pass ``a`` (0 first): each receiver still pending receives from its ``a``-th donor; each
    donor sends to the receivers that picked it (in parallel); every receiver checks what it
    got; an all-reduce of one flag per rank says which receivers are still pending; with no
