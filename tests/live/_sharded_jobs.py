@@ -27,14 +27,24 @@ from tests.live._jobs import TIMEOUTS, InjectedFault, _claim, _partial_step
 BATCH = 16
 
 
-def build(mesh: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(mesh: Any, tp: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model on ``mesh``: FSDP2 (HSDP on a 2-D mesh), or with ``tp`` tensor parallel
+    (layer 0 column-wise, layer 2 row-wise: Shard(0), Shard(1) and a replicated bias)."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     torch.manual_seed(7)
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 10), nn.Tanh(), nn.Linear(10, 4))
-    for layer in (net[0], net[2], net[4]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(net, mesh=mesh)
+    if tp:
+        parallelize_module(net, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    else:
+        for layer in (net[0], net[2], net[4]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
     groups = [{"params": list(net[0].parameters())}, {"params": list(net[2:].parameters())}]
     return net, torch.optim.AdamW(groups, lr=1e-2)
 
@@ -90,10 +100,20 @@ def _flip(name: str, data: torch.Tensor) -> torch.Tensor:
 
 
 def _step(
-    net: nn.Module, opt: torch.optim.Optimizer, live: Any, step: int, call: Any, fault: str
+    net: nn.Module,
+    opt: torch.optim.Optimizer,
+    live: Any,
+    step: int,
+    call: Any,
+    fault: str,
+    tp: bool = False,
 ) -> None:
-    x, y = _batch(step, call.rank, call.world_size)
+    x, y = _batch(step, 0, 1) if tp else _batch(step, call.rank, call.world_size)
+    if fault in ("forward", "others-forward"):
+        dist.barrier()  # every rank finished the last update when the victim fails
     hidden = net[1](net[0](x))
+    if fault == "forward":  # the others wait in the next layer's collective
+        raise InjectedFault("injected: an exception in forward")
     if fault == "backward":
 
         def boom(grad: torch.Tensor) -> torch.Tensor:
@@ -124,9 +144,11 @@ def sharded_job(
     faults: list[tuple[str, int, int]],
     out_dir: str,
     tamper_rank: int | None = None,
+    tp: bool = False,
 ) -> dict[str, Any]:
     """Train ``steps`` steps on ``active`` ranks (the others are spares) on a mesh of
-    ``mesh_shape`` (``(n,)``: FSDP2; ``(r, s)``: HSDP, ``r`` replicas of ``s`` shards). Each
+    ``mesh_shape`` (``(n,)``: FSDP2, or tensor parallel with ``tp``; ``(r, s)``: HSDP, ``r``
+    replicas of ``s`` shards; ``()``: FSDP2 over the round's world). Each
     fault ``(kind, rank, step)`` strikes once (file ``fault-<i>`` holds its round). In the
     round after the first fault, rank ``tamper_rank`` flips a bit of everything it sends as
     a donor. Returns the digest, the final step and every round's recovery."""
@@ -146,7 +168,7 @@ def sharded_job(
         dist.init_process_group("gloo")
         shape = mesh_shape or (call.world_size,)  # (): a 1-D mesh over the round's world
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        net, opt = build(mesh)
+        net, opt = build(mesh, tp)
         marker = Path(out_dir, "fault-0")
         if marker.exists() and call.round == int(marker.read_text()) + 1:
             live._tamper = _flip if call.rank == tamper_rank else None
@@ -154,7 +176,7 @@ def sharded_job(
         live._tamper = None
         first = got.step
         if first is None:  # no checkpoint here: load a fresh build's state (step 0) over it
-            fresh, fresh_opt = build(mesh)
+            fresh, fresh_opt = build(mesh, tp)
             net.load_state_dict(fresh.state_dict())
             opt.load_state_dict(fresh_opt.state_dict())
             first = 0
@@ -184,9 +206,9 @@ def sharded_job(
                     continue
                 if call.rank == victim and _claim(Path(out_dir, f"fault-{i}"), call.round):
                     fault = kind
-                elif kind in ("torn", "kill"):
+                elif kind in ("torn", "kill", "forward"):
                     fault = f"others-{kind}"
-            _step(net, opt, live, step, call, fault)
+            _step(net, opt, live, step, call, fault, tp)
             call.ping()
         out = digest(net, opt)
         dist.destroy_process_group()

@@ -137,3 +137,19 @@ def test_fsdp2_a_world_that_shrinks_reshards_so_every_rank_falls_back(tmp_path: 
     for rec in again.values():
         assert not rec["live"] and "no untorn replica" in rec["fallback"], rec
         assert "a first start" not in rec["fallback"]
+
+
+def test_tensor_parallel_an_exception_in_forward_keeps_every_shard(tmp_path: Path) -> None:
+    # tensor parallel on 2 ranks (Shard(0), Shard(1) and a replicated bias): no replica of a
+    # shard, none needed: the fault strikes in forward (once both ranks finished the last
+    # update), nobody updated, every rank keeps its own. (This model's backward and update
+    # have no collective: without that barrier a fault can find the other rank one update
+    # ahead or behind, and the round rightly falls back: no rank holds the other's shard.)
+    ref = [r.get() for r in _run(tmp_path / "ref", 2, 2, (2,), [], tp=True)]
+    values = [r.get() for r in _run(tmp_path / "job", 2, 2, (2,), [("forward", 0, 3)], tp=True)]
+    assert [v["digest"] for v in values] == [v["digest"] for v in ref]
+    again = _round(values, int((tmp_path / "job" / "fault-0").read_text()) + 1)
+    assert sorted(again) == [0, 1]
+    assert all(
+        rec["live"] and rec["step"] == 3 and rec["receivers"] == [] for rec in again.values()
+    )
