@@ -221,3 +221,25 @@ def sharded_job(
         "step": live.step,
         "rank": recoveries[-1]["rank"],
     }
+
+
+def partial_job() -> str:
+    """What a LiveState says of a DTensor with a Partial placement (one rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    from trainguard.errors import ConfigError
+    from trainguard.live import _sharded
+
+    dist.init_process_group("gloo")
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        holder = nn.Module()
+        holder.register_buffer("sum", DTensor.from_local(torch.ones(2), mesh, [Partial()]))
+        try:
+            _sharded.signature({"model": holder})
+        except ConfigError as exc:
+            return str(exc)
+        return "accepted"
+    finally:
+        dist.destroy_process_group()

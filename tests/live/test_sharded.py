@@ -153,3 +153,10 @@ def test_tensor_parallel_an_exception_in_forward_keeps_every_shard(tmp_path: Pat
     assert all(
         rec["live"] and rec["step"] == 3 and rec["receivers"] == [] for rec in again.values()
     )
+
+
+def test_a_partial_placement_is_refused_naming_it() -> None:
+    from tests.live._sharded_jobs import partial_job
+
+    message = run_ranks(partial_job, 1, timeout=60)[0].get()
+    assert "model.sum is a DTensor with a Partial placement" in message

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from trainguard.checkpoint.format.shards import dtensor_box, is_dtensor
+from trainguard.errors import ConfigError
 
 __all__ = ["Targets", "install", "local_form", "signature"]
 
@@ -57,6 +58,7 @@ def local_form(state: Any) -> tuple[Any, list[list[Any]]]:
     def local(t: torch.Tensor, path: Path) -> torch.Tensor:
         if not is_dtensor(t):
             return t
+        _refuse_partial(t, path)
         paths.append(list(path))
         out: torch.Tensor = t.to_local()  # type: ignore[attr-defined]
         return out.detach()
@@ -107,13 +109,29 @@ class Targets:
         for path, t in self.own.items():
             if path[1] in self.params and len(path) > 2 and path[2] == "state":
                 continue
-            rows.append([list(path), *_box(t)])
+            rows.append([list(path), *_box(t, path)])
         for name, params in self.params.items():
-            rows += [[["param", name, i], *_box(p)] for i, p in enumerate(params) if is_dtensor(p)]
+            rows += [
+                [["param", name, i], *_box(p, ("objects", name, "param", i))]
+                for i, p in enumerate(params)
+                if is_dtensor(p)
+            ]
         return json.dumps(rows, sort_keys=True, default=str) if rows else ""
 
 
-def _box(t: torch.Tensor) -> list[Any]:
+def _refuse_partial(t: torch.Tensor, path: Path) -> None:
+    spec: Any = t
+    if any(p.is_partial() for p in spec.placements):
+        where = ".".join(str(k) for k in path[1:])
+        raise ConfigError(
+            f"live state {where} is a DTensor with a Partial placement {tuple(spec.placements)}: "
+            "its local values are not the tensor's until they are reduced; keep only "
+            "Shard and Replicate placements in the state between updates"
+        )
+
+
+def _box(t: torch.Tensor, path: Path) -> list[Any]:
+    _refuse_partial(t, path)
     box = dtensor_box(t)
     return [list(t.shape), list(box.offsets), list(box.sizes), str(t.dtype)]
 
