@@ -105,6 +105,9 @@ def step_once(
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
+    if fault == "behind":  # fails before its update, once the others finished theirs
+        dist.barrier()
+        raise InjectedFault("injected: an exception before optimizer.step()")
     with live.update(step, call):
         if fault == "torn":
             _partial_step(opt, sync)
@@ -133,14 +136,21 @@ def live_job(
     out_dir: str,
     tamper_rank: int | None = None,
     own_groups: bool = False,
+    tamper: str = "flip",
+    interrupt_fallback: int | None = None,
+    pack: int | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` steps on ``active`` ranks (the others wait as spares); rank ``victim``
     suffers ``fault`` at step ``at``, once (the first round that gets there: a loaded machine
-    may add a round before it); the file ``fault`` records that round. In the rounds after
-    it, rank ``tamper_rank`` flips a bit of every tensor it sends as a donor.
-    ``own_groups``: every rank is a replica group of its own (sharded state without
-    replicas). A fallback starts again from step 0 (these tests keep no checkpoint). Returns
-    the digest and every round's recovery."""
+    may add a round before it); the file ``fault`` records that round. In the round after
+    it, rank ``tamper_rank`` as a donor flips a bit of every tensor it sends (``tamper``
+    "flip") or SIGKILLs itself before it sends its third large tensor ("kill": the donor
+    dies mid-transfer). ``own_groups``: every rank is a replica group of its own (sharded
+    state without replicas). A fallback starts again from step 0 (these tests keep no
+    checkpoint); rank ``interrupt_fallback``'s first fallback after the fault raises once it
+    has loaded the model, before the optimizer and ``restored()``. ``pack``: the transfer's
+    pack limit (small: every tensor travels in messages of its own, received in place).
+    Returns the digest and every round's recovery."""
     import trainguard.restart as tr
     from trainguard import events
     from trainguard.live import LiveState
@@ -153,10 +163,23 @@ def live_job(
     recoveries: list[dict[str, Any]] = []
     marker = Path(out_dir, "fault")
 
+    if pack is not None:
+        from trainguard.live import _transfer
+
+        _transfer.PACK = pack
+    sent: list[str] = []
+
     def flip(name: str, data: torch.Tensor) -> torch.Tensor:
         out = data.clone()
         out[0] ^= 1
         return out
+
+    def die(name: str, data: torch.Tensor) -> torch.Tensor:
+        sent.append(name)
+        if len(sent) == 3:
+            time.sleep(0.5)  # the first two are on the receiver (in place) by now
+            os.kill(os.getpid(), signal.SIGKILL)
+        return data
 
     @tr.Wrapper(
         rank_assignment=tr.FillGaps(),
@@ -165,13 +188,17 @@ def live_job(
     )
     def train(call: tr.CallWrapper) -> str:
         dist.init_process_group("gloo")
-        if marker.exists() and call.rank == tamper_rank:
-            live._tamper = flip
+        after = marker.exists() and call.round == int(marker.read_text()) + 1
+        if after and call.rank == tamper_rank:
+            live._tamper = flip if tamper == "flip" else die
         got = live.recover()
         live._tamper = None
         first = got.step
         if first is None:  # fall back: no checkpoint in these tests, start again
             net.load_state_dict(initial["model"])
+            interrupt = call.rank == interrupt_fallback and marker.exists()
+            if interrupt and _claim(Path(out_dir, "interrupted"), call.round):
+                raise InjectedFault("injected: the fallback's load failed half way")
             opt.load_state_dict(_clone(initial["optim"]))
             first = 0
             live.restored(0)
@@ -191,7 +218,8 @@ def live_job(
         )
         for step in range(first, steps):
             hit = call.rank == victim and step == at and _claim(marker, call.round)
-            sync = fault == "torn" and step == at and call.round == 0 and call.world_size > 1
+            sync = fault in ("torn", "behind") and step == at and call.round == 0
+            sync = sync and call.world_size > 1
             step_once(net, opt, live, step, call.world_size, fault if hit else "", call, sync)
             call.ping()
         dist.destroy_process_group()

@@ -81,3 +81,28 @@ def test_update_marks_the_step_and_a_failure_tears_it() -> None:
     assert live.step == 1 and live.torn
     live.restored(0)
     assert live.step == 0 and not live.torn
+
+
+def test_objects_given_every_round_are_checked_before_any_collective() -> None:
+    live = LiveState(model=None, optimizer=None)  # names only: the objects come each round
+    with pytest.raises(ConfigError, match=r"needs this round's \['model', 'optimizer'\]"):
+        live.recover()
+    net = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="give every registered object"):
+        live.recover(model=net)
+    with pytest.raises(ConfigError, match="no state_dict"):
+        live.recover(model=net, optimizer=3)
+    with pytest.raises(ConfigError, match="registered without objects"):
+        live.state_dict()
+
+
+def test_load_state_dict_leaves_the_state_torn_until_restored() -> None:
+    net = torch.nn.Linear(2, 2)
+    live = LiveState(model=net)
+    with live.update(0):
+        pass
+    state = live.state_dict()
+    live.load_state_dict(state)  # whatever it loads, no record vouches for it any more
+    assert live.step == 1 and live.torn
+    live.restored(1)
+    assert live.step == 1 and not live.torn

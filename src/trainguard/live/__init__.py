@@ -17,12 +17,20 @@ lives across rounds), mark each optimizer update with ``live.update(step)``, and
             with live.update(step, call):   # a restart waits for the update
                 opt.step()
 
+Sharded state (DTensor leaves: FSDP2, HSDP, tensor parallelism) works the same way: a DTensor
+travels as its local tensor, and the ranks that hold the same local shards form a replica group
+by themselves (:mod:`._sharded`). Its model is sharded again every round, so the round's
+objects go to ``live.recover(model=net, optimizer=opt)`` (names registered with
+``LiveState(model=None, optimizer=None)``).
+
 Protocol (:meth:`LiveState.recover`, a collective): every rank of the new round calls it once,
 in the same order, after ``init_process_group`` and before any other collective on that group.
 
 1. The ranks all-gather (step, torn, replica group key): the step a rank's state is at (the
    number of completed updates; none for a spare or a new process) and whether an update was
-   interrupted (torn).
+   interrupted (torn). A rank is torn from the moment anything writes into its state (a
+   transfer received in place, a fallback's checkpoint load) until a verified load or
+   ``live.restored(step)``: a record never outlives the state it describes.
 2. Every rank computes the same plan: per replica group, the newest step that an untorn member
    holds; all groups must agree on it. Ranks at it keep their state untouched (no copy, no
    file). The others (torn, behind, spares, respawned processes) are receivers; each receives

@@ -3,8 +3,11 @@
 Every rank of the round runs :func:`run` once, in the same order, before any other collective
 on ``group``:
 
-1. all-gather of each rank's record (step, torn, replica group key) as three int64 values;
-2. every rank computes the same :class:`._plan.Plan`; a fallback ends here on every rank;
+1. all-gather of each rank's record (step, torn, replica group key) as three int64 values
+   (the key holds the layout of a rank's DTensor shards, :mod:`._sharded`);
+2. every rank computes the same :class:`._plan.Plan`; a rank at the agreed step moves its
+   state into the round's rebuilt objects, if any; every other rank is torn from here on (it
+   receives, or loads a checkpoint); a fallback ends here on every rank;
 3. pass ``a`` (0 first): each receiver still pending receives from its ``a``-th donor; each
    donor sends to the receivers that picked it (in parallel); every receiver checks what it
    got; an all-reduce of one flag per rank says which receivers are still pending; with no
@@ -43,7 +46,17 @@ class LiveState(Protocol):
 
     def _record(self) -> tuple[int | None, bool]: ...
 
-    def _received(self, state: Any, step: int) -> None: ...
+    def _writing(self) -> None: ...
+
+    def _layout(self) -> str: ...
+
+    def _fits(self) -> bool: ...
+
+    def _begin(self, keep: bool) -> None: ...
+
+    def _outgoing(self) -> dict[str, Any]: ...
+
+    def _received(self, got: Any, step: int) -> str | None: ...
 
 
 def _key(key: GroupKey) -> int:
@@ -53,10 +66,22 @@ def _key(key: GroupKey) -> int:
 
 
 def _records(live: LiveState, group: Any) -> tuple[int, list[Record]]:
+    """Every rank's record. The group key joins the user's key and, for DTensor state, the
+    layout of the local shards (equal on the ranks that hold the same shards). A rank whose
+    state of the last round is sharded otherwise than this round's objects reports no step
+    (marked torn, so that a round where nobody fits is not taken for a first start)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     step, torn = live._record()
+    if step is not None and not live._fits():
+        step, torn = None, True
+    key: GroupKey = live.group_key(rank, world)
+    layout = live._layout()
     mine = torch.tensor(
-        [NO_STEP if step is None else step, int(torn), _key(live.group_key(rank, world))],
+        [
+            NO_STEP if step is None else step,
+            int(torn),
+            _key(f"{key!r}|{layout}") if layout else _key(key),
+        ],
         dtype=torch.int64,
     )
     gathered = [torch.empty_like(mine) for _ in range(world)]
@@ -75,6 +100,7 @@ def run(live: LiveState, group: Any) -> Recovery:
         )
     rank, records = _records(live, group)
     agreed = plan(records, round=events.get_log().round)  # the round the Wrapper runs now
+    live._begin(agreed.fallback is None and rank not in agreed.receivers)
     if agreed.fallback is not None:
         return Recovery(None, agreed.fallback, agreed.newest, None)
     pending = list(agreed.receivers)
@@ -86,6 +112,7 @@ def run(live: LiveState, group: Any) -> Recovery:
         if any(agreed.donor(r, attempt) is None for r in pending):
             why = "; ".join(problems) or "no donor left"
             reason = f"live transfer failed on every donor ({why})"
+            live._writing()  # every rank loads a checkpoint next
             return Recovery(
                 None,
                 reason,
@@ -131,7 +158,7 @@ def _pass(
     mine = [r for r in pending if agreed.donor(r, attempt) == rank]
     works: list[Any] = []
     if mine:
-        out = _transfer.prepare(live.state_dict(), agreed.step)
+        out = _transfer.prepare(live._outgoing(), agreed.step)
         for r in mine:
             works += _transfer.send(out, _global(r, group), group=group, tamper=live._tamper)
     problem: str | None = None
@@ -139,11 +166,12 @@ def _pass(
     if rank in pending:
         donor = agreed.donor(rank, attempt)
         assert donor is not None
-        into = _transfer.own_bytes(live.state_dict())  # its state is replaced anyway
+        # torn since the plan (live._begin): its own tensors take the bytes in place
+        into = _transfer.own_bytes(live._outgoing())
         got = _transfer.receive(_global(donor, group), agreed.step, group=group, into=into)
         problem, nbytes = got.problem, got.nbytes
         if problem is None:
-            live._received(got.state, agreed.step)
+            problem = live._received(got.state, agreed.step)
     for work in works:
         work.wait()
     return problem, nbytes

@@ -62,6 +62,11 @@ class LiveState:
             ``loader=``, any name): anything with ``state_dict()`` and ``load_state_dict()``.
             Everything registered must be the same on every rank of a replica group (state that
             differs per rank, such as a data position, must follow from the rank and the step).
+            Their state may hold DTensors (FSDP2, HSDP, tensor parallelism): then the ranks
+            that hold the same local shards are found from the placements and the mesh (and
+            ``replica_group`` only splits them further). Objects rebuilt every round on the
+            round's mesh are given to :meth:`recover` instead; register their names with None
+            here (``LiveState(model=None, optimizer=None)``).
 
     Raises :class:`~trainguard.errors.ConfigError` when nothing is registered, an object lacks
     ``state_dict``/``load_state_dict``, or ``replica_group`` is of another type.
@@ -72,16 +77,7 @@ class LiveState:
             raise ConfigError(
                 "LiveState() needs the objects to keep: LiveState(model=net, optimizer=opt)"
             )
-        for name, obj in objects.items():
-            if not (
-                callable(getattr(obj, "state_dict", None))
-                and callable(getattr(obj, "load_state_dict", None))
-            ):
-                raise ConfigError(
-                    f"LiveState({name}=...): a {type(obj).__name__} has no state_dict() and "
-                    f"load_state_dict(); register objects that have both (a module, an "
-                    f"optimizer, a scheduler, a stateful loader)"
-                )
+        _check_objects("LiveState", objects, placeholders=True)
         if not (
             replica_group is None
             or callable(replica_group)
@@ -91,7 +87,8 @@ class LiveState:
                 f"LiveState(replica_group={replica_group!r}): give None (every rank holds the "
                 f"same state), an int or str key, or a function (rank, world_size) -> key"
             )
-        self._objects = dict(objects)
+        self._objects: dict[str, Any] = dict(objects)  # what the record describes
+        self._incoming: dict[str, Any] | None = None  # this recover()'s rebuilt objects
         self._rng = rng
         self._replica_group = replica_group
         self._step: int | None = None
@@ -145,9 +142,18 @@ class LiveState:
 
     def state_dict(self) -> dict[str, Any]:
         """Every registered object's state (and the RNG's), as one nested dict."""
+        return self._state_of(self._objects)
+
+    def _state_of(self, objects: dict[str, Any]) -> dict[str, Any]:
         import torch
 
-        out: dict[str, Any] = {"objects": {n: o.state_dict() for n, o in self._objects.items()}}
+        missing = sorted(n for n, o in objects.items() if o is None)
+        if missing:
+            raise ConfigError(
+                f"live state {missing} registered without objects: give them to "
+                f"live.recover({missing[0]}=...) in every round"
+            )
+        out: dict[str, Any] = {"objects": {n: o.state_dict() for n, o in objects.items()}}
         if self._rng:
             rng: dict[str, Any] = {"cpu": torch.get_rng_state()}
             if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -156,16 +162,24 @@ class LiveState:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Put a state from :meth:`state_dict` (of this rank or a replica) into the objects."""
+        """Put a state from :meth:`state_dict` (of this rank or a replica) into the objects.
+        The state is marked torn first, and stays torn (this rank is no donor) until
+        :meth:`restored` says which step it is at: a load that stops half way never leaves a
+        record that vouches for what it overwrote."""
+
+        self._writing()
+        self._load_into(self._objects, state)
+
+    def _load_into(self, into: dict[str, Any], state: dict[str, Any]) -> None:
         import torch
 
         objects = state["objects"]
-        missing = sorted(set(self._objects) - set(objects))
+        missing = sorted(set(into) - set(objects))
         if missing:
             raise ConfigError(
                 f"live state lacks {missing}: every rank must register the same names"
             )
-        for name, obj in self._objects.items():
+        for name, obj in into.items():
             obj.load_state_dict(objects[name])
         rng = state.get("rng")
         if self._rng and rng is not None:
@@ -186,25 +200,139 @@ class LiveState:
             )
         return key
 
-    def recover(self, *, group: Any = None) -> Recovery:
+    def recover(self, *, group: Any = None, **objects: Any) -> Recovery:
         """Agree on the newest untorn step and bring every rank of the round to it (a
         collective over ``group``, default the default process group; see
         :mod:`trainguard.live`). Returns a :class:`Recovery`; when its ``fallback`` is set,
-        load a checkpoint and call :meth:`restored`."""
+        load a checkpoint and call :meth:`restored`.
+
+        ``**objects``: this round's objects, rebuilt on its process group and mesh (an FSDP2
+        model sharded again with ``fully_shard``, its new optimizer), by the registered
+        names, all of them. The state moves into them: a rank at the agreed step loads its
+        own state of the last round into them (locally, no transfer), a receiver takes a
+        donor's into them; on a fallback the checkpoint is loaded into them. From then on
+        they are the registered objects. A rank whose own state was sharded otherwise than
+        the new objects (another mesh, another rank's coordinates) holds nothing this round
+        and receives."""
         from trainguard.live import _recover
 
+        if objects:
+            _check_objects("live.recover", objects, placeholders=False)
+            if set(objects) != set(self._objects):
+                raise ConfigError(
+                    f"live.recover({', '.join(sorted(objects))}=...): give every registered "
+                    f"object ({', '.join(sorted(self._objects))}), rebuilt for this round"
+                )
+        elif any(o is None for o in self._objects.values()):
+            missing = sorted(n for n, o in self._objects.items() if o is None)
+            raise ConfigError(
+                f"live.recover() needs this round's {missing} (registered without objects): "
+                f"live.recover({missing[0]}=...)"
+            )
+        self._incoming = dict(objects) if objects else None
         t0 = time.monotonic()
-        got = _recover.run(self, group)
+        try:
+            got = _recover.run(self, group)
+        finally:
+            self._incoming = None
         if got.fallback is not None:
             self._pending_newest = got.newest
         got = got.timed(time.monotonic() - t0)
         _recover.report(got)
         return got
 
-    # for _recover: the record and the outcome of a transfer
+    # for _recover: the record, the marks around what writes into the state, a transfer's end
     def _record(self) -> tuple[int | None, bool]:
         return self._step, self._torn
 
-    def _received(self, state: Any, step: int) -> None:
+    def _writing(self) -> None:
+        """Something is about to write into the state (a transfer received in place, a
+        fallback's checkpoint load, :meth:`load_state_dict`): from now on the record says torn,
+        so that this rank is never a donor of what it holds, until a complete, verified load
+        (:meth:`_received`) or :meth:`restored`. A rank without a step has no record to
+        protect (it is never a donor) and keeps none: a first start stays a first start."""
+        if self._step is not None:
+            self._torn = True
+
+    def _target(self) -> dict[str, Any]:
+        """The objects this round's state goes into (rebuilt ones, else the registered)."""
+        return self._incoming if self._incoming is not None else self._objects
+
+    def _layout(self) -> str:
+        """The DTensor layout this rank holds in the round (see :mod:`._sharded`)."""
+        from trainguard.live import _sharded
+
+        return _sharded.signature(self._target())
+
+    def _fits(self) -> bool:
+        """Whether the state held fits this round's objects (the same local shards)."""
+        from trainguard.live import _sharded
+
+        if self._incoming is None:
+            return True
+        try:
+            fits = _sharded.signature(self._objects) == self._layout()
+        except Exception:  # the old objects cannot say: they hold nothing usable here
+            logger.warning("live state: the last round's objects gave no state", exc_info=True)
+            return False
+        if not fits:
+            logger.warning(
+                "live state: this rank's shards of the last round are not the ones it holds "
+                "in this round's objects (another mesh or coordinates): it receives or falls back"
+            )
+        return fits
+
+    def _begin(self, keep: bool) -> None:
+        """After the plan: a rank at the agreed step (``keep``) moves its state into this
+        round's rebuilt objects (nothing to do without them); any other rank is torn from
+        now on (it receives, or a checkpoint is loaded into it) and the record describes
+        the new objects."""
+        from trainguard.live import _sharded
+
+        if not keep:
+            self._writing()
+        elif self._incoming is not None and self._incoming is not self._objects:
+            local, paths = _sharded.local_form(self._state_of(self._objects))
+            state, problem = _sharded.install(local, paths, _sharded.Targets(self._incoming))
+            if problem is not None:
+                raise ConfigError(f"live state does not fit this round's objects: {problem}")
+            self._load_into(self._incoming, state)
+        self._objects = self._target()
+        self._incoming = None
+
+    def _outgoing(self) -> dict[str, Any]:
+        """What a donor sends (and a receiver receives into): the state's local form."""
+        from trainguard.live import _sharded
+
+        local, paths = _sharded.local_form(self.state_dict())
+        return {"state": local, "dtensors": paths}
+
+    def _received(self, got: Any, step: int) -> str | None:
+        """Load a verified transfer (:meth:`_outgoing` of a donor); why not, if it does not
+        fit this rank's objects."""
+        from trainguard.live import _sharded
+
+        if not isinstance(got, dict) or "state" not in got:
+            return "a transfer without a state"
+        targets = _sharded.Targets(self._objects)
+        state, problem = _sharded.install(got["state"], got.get("dtensors"), targets)
+        if problem is not None:
+            return problem
         self.load_state_dict(state)
         self._step, self._torn = step, False
+        return None
+
+
+def _check_objects(where: str, objects: dict[str, Any], *, placeholders: bool) -> None:
+    for name, obj in objects.items():
+        if obj is None and placeholders:
+            continue
+        if not (
+            callable(getattr(obj, "state_dict", None))
+            and callable(getattr(obj, "load_state_dict", None))
+        ):
+            raise ConfigError(
+                f"{where}({name}=...): a {type(obj).__name__} has no state_dict() and "
+                f"load_state_dict(); register objects that have both (a module, an "
+                f"optimizer, a scheduler, a stateful loader)"
+            )
