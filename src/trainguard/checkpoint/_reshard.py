@@ -200,11 +200,28 @@ class Index:
             problems += overlaps
             covered, total = sum(c.box.numel for c in t.chunks), Box((), t.shape).numel
             if not overlaps and covered != total:
+                gap = uncovered(Box((0,) * len(t.shape), t.shape), [c.box for c in t.chunks])
+                hole = (
+                    ""
+                    if gap is None
+                    else f": no chunk holds offsets {gap.offsets} sizes {gap.sizes}"
+                )
                 problems.append(
                     f"{key_repr(key)}: its chunks cover {covered} of its {total} elements "
-                    f"(global shape {list(t.shape)})"
+                    f"(global shape {list(t.shape)}){hole}"
                 )
         return problems
+
+    def refuse_bad_cover(self, label: str) -> None:
+        """:class:`CheckpointCorruptError` naming :meth:`coverage_problems` when there are any:
+        run before anything is read or copied, so a refusal leaves the target untouched."""
+        problems = self.coverage_problems()
+        if problems:
+            raise CheckpointCorruptError(
+                f"{label}: the saved chunks do not cover every sharded tensor exactly once: "
+                + "; ".join(problems[:4])
+                + "; the checkpoint is damaged, load an older one"
+            )
 
     def saved_leaf(self, key: Key, part: int) -> Any:
         """The skeleton node of ``key`` in ``part`` (:class:`CheckpointError` if none)."""
