@@ -97,12 +97,19 @@ def check_chunk(chunk: SavedChunk, data: Any, label: str) -> None:
     )
 
 
-def file_reader(paths: Mapping[int, str | os.PathLike[str]], *, verify: bool = True) -> ReadChunk:
-    """A :data:`ReadChunk` reading part ``p``'s chunks from ``paths[p]`` (one ``pread`` each)."""
+def file_reader(
+    paths: Mapping[int, str | os.PathLike[str]],
+    *,
+    verify: bool = True,
+    fds: Mapping[int, int] | None = None,
+) -> ReadChunk:
+    """A :data:`ReadChunk` reading part ``p``'s chunks from ``paths[p]`` (one ``pread`` each);
+    with ``fds``, from the descriptor ``fds[p]`` (the one its header was read from)."""
 
     def read(chunk: SavedChunk) -> bytearray:
         path = os.fspath(paths[chunk.part])
-        data = read_range(path, chunk.begin, chunk.end)
+        fd = None if fds is None else fds[chunk.part]
+        data = read_range(path, chunk.begin, chunk.end, fd=fd)
         if verify:
             check_chunk(chunk, data, path)
         return data
