@@ -5,12 +5,11 @@ Re-exported by :mod:`trainguard.checkpoint.async_save` and :mod:`trainguard.chec
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +87,11 @@ class _Opened:
     fd: int | None
     info: dict[str, Any] | None
 
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
 
@@ -101,8 +105,10 @@ class _Opened:
     def check_part(self, header: FileHeader, expected: str | None) -> str | None:
         """:class:`CheckpointCorruptError` unless the part's save id is ``expected`` (None:
         take this part's); returns the id. A marker without one (a checkpoint written before
-        save ids) checks nothing."""
-        if self.info is not None and not self.info.get("save_id"):
+        save ids) checks nothing, nor does a DCP checkpoint's (its parts carry none: the
+        metadata beside the marker names them)."""
+        info = self.info or {}
+        if self.info is not None and (not info.get("save_id") or info.get("format") == "dcp"):
             return None
         found = header.metadata.get("save_id")
         if expected is None:
@@ -116,15 +122,13 @@ class _Opened:
         return found
 
 
-@contextlib.contextmanager
-def _open(path: str, allow_uncommitted: bool) -> Iterator[_Opened]:
-    """The checkpoint at ``path``, opened once (see :class:`_Opened`); closed on exit."""
+def _open(path: str, allow_uncommitted: bool) -> _Opened:
+    """The checkpoint at ``path``, opened once (see :class:`_Opened`); the caller closes it."""
     _overwrite.settle(path)  # an overwrite a crash interrupted (or two renames under way)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except NotADirectoryError:
-        yield _Opened(path, None, None)
-        return
+        return _Opened(path, None, None)
     except FileNotFoundError:
         hint = (
             " (only a .tmp file exists: that save never completed)"
@@ -132,8 +136,8 @@ def _open(path: str, allow_uncommitted: bool) -> Iterator[_Opened]:
             else ""
         )
         raise CheckpointError(f"no checkpoint at {path}{hint}") from None
+    opened = _Opened(path, fd, None)
     try:
-        opened = _Opened(path, fd, None)
         if opened.has(_commit.MARKER):
             opened.info = _marker(opened.file(_commit.MARKER), fd)
         elif not allow_uncommitted:
@@ -141,14 +145,15 @@ def _open(path: str, allow_uncommitted: bool) -> Iterator[_Opened]:
                 f"{path} has no {_commit.MARKER} marker: not every rank's part became durable; "
                 "load an older checkpoint, or pass allow_uncommitted=True"
             )
-        yield opened
-    finally:
-        os.close(fd)
+    except BaseException:
+        opened.close()
+        raise
+    return opened
 
 
 def _replaced(path: str, opened: _Opened | None) -> bool:
     """Whether the directory at ``path`` is no longer the one ``opened`` read (a save swapped
-    another one in, or two renames are under way and there is none)."""
+    another one in, or two renames are under way and there is none); ``opened`` still open."""
     if opened is None or opened.fd is None:
         return opened is None
     try:
@@ -164,13 +169,20 @@ def _retrying(path: str, allow_uncommitted: bool, read: Callable[[_Opened], Any]
     one is removed right after the swap): a reader never reports a checkpoint missing or
     damaged because it raced an overwrite."""
     for attempt in range(_ATTEMPTS):
-        opened = None
+        last = attempt + 1 == _ATTEMPTS
         try:
-            with _open(path, allow_uncommitted) as opened:
-                return read(opened)
-        except (OSError, CheckpointError):
-            if attempt + 1 == _ATTEMPTS or not _replaced(path, opened):
+            opened = _open(path, allow_uncommitted)
+        except (OSError, CheckpointError):  # gone, or replaced while its marker was read
+            if last:
                 raise
+            continue
+        try:
+            return read(opened)
+        except (OSError, CheckpointError):
+            if last or not _replaced(path, opened):
+                raise
+        finally:
+            opened.close()
     raise AssertionError("unreachable")
 
 
