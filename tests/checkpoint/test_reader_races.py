@@ -12,7 +12,6 @@ the fix are in the tests' comments).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -36,8 +35,8 @@ _N = 4096  # elements of w: a few pages, so a save is quick and a mixed read is 
 
 _WRITER = """
 import os, sys, torch
-kind, path, stop, port = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-state = lambda i: {"step": i, "w": torch.full((%d,), float(i))}
+kind, path, stop, port, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+state = lambda i: {"step": i, "w": torch.full((n,), float(i))}
 if kind == "dcp":
     import torch.distributed.checkpoint as dcp
     from trainguard.checkpoint.dcp import StorageWriter
@@ -61,7 +60,7 @@ while not os.path.exists(stop):
     i += 1
     save(i)
 print(i, flush=True)
-""" % _N
+"""
 
 
 class _Writer:
@@ -70,7 +69,7 @@ class _Writer:
     def __init__(self, kind: str, path: Path, stop: Path, port: int = 0) -> None:
         self.stop = stop
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _WRITER, kind, str(path), str(stop), str(port)],
+            [sys.executable, "-c", _WRITER, kind, str(path), str(stop), str(port), str(_N)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

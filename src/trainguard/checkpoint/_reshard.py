@@ -9,6 +9,10 @@ bytes with their checksum verified) and copies the overlap in place. A plain (un
 tensor is one chunk covering the whole tensor, read from this rank's own part. Callers:
 ``load(path, into=)`` reads chunks from files (:func:`file_reader`); the local checkpoint
 manager reads them from its own files or receives them from peers.
+
+Over 400 lines: the index's checks of the saved chunks (their cover, each target's cover) and
+the fill read the same private tables of chunks per tensor; apart, those tables would become
+an interface of their own for two readers that change together.
 """
 
 from __future__ import annotations
@@ -208,11 +212,7 @@ class Index:
             covered, total = sum(c.box.numel for c in t.chunks), Box((), t.shape).numel
             if not overlaps and covered != total:
                 gap = uncovered(Box((0,) * len(t.shape), t.shape), [c.box for c in t.chunks])
-                hole = (
-                    ""
-                    if gap is None
-                    else f": no chunk holds offsets {gap.offsets} sizes {gap.sizes}"
-                )
+                hole = f": no chunk holds offsets {gap.offsets} sizes {gap.sizes}" if gap else ""
                 problems.append(
                     f"{key_repr(key)}: its chunks cover {covered} of its {total} elements "
                     f"(global shape {list(t.shape)}){hole}"
