@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -67,7 +68,9 @@ class _Marker:
     def __init__(self, directory: str, info: dict[str, Any]) -> None:
         self.path = os.path.join(directory, MARKER)
         self.tmp = ""
-        self.info = info
+        # the save id: the same in every part of this save (a reader checks it); random where
+        # the parts carry none (DCP's)
+        self.info = {**info, "save_id": info.get("save_id") or secrets.token_hex(8)}
 
     def prepare(self) -> None:
         """Write a temporary marker durably (everything that can fail, before the decision)."""
@@ -108,6 +111,8 @@ class Report:
     ``done`` receives the causes (rank -> why; empty when committed). ``directory`` is where
     the parts and the marker are when not at ``path`` (a safe overwrite's sibling); ``then``
     runs right after the marker is in place, before any rank learns the outcome (the swap).
+    ``save_id`` is the id every rank wrote into its part (:meth:`Committer.save_id`); the
+    marker holds it too.
     """
 
     key: str
@@ -118,6 +123,7 @@ class Report:
     done: Callable[[dict[int, str]], None] | None = None
     directory: str | None = None
     then: Callable[[], None] | None = None
+    save_id: str = ""
 
 
 class Committer:
@@ -135,6 +141,10 @@ class Committer:
         self.world_size = world_size
         self.timeout = timeout
         self._store = link.client()
+        # one random value all ranks of this checkpointer agree on (the first to ask sets it):
+        # with the key of a save it makes a save id no other save has, whatever the store
+        raw = self._store.compare_set(f"{link.prefix}/save-nonce", "", secrets.token_hex(8))
+        self._nonce = raw.decode() if isinstance(raw, bytes) else str(raw)
         self._occurrences: dict[str, int] = {}
         self._queue: queue.SimpleQueue[Report | None] = queue.SimpleQueue()
         self._thread = threading.Thread(
@@ -151,6 +161,12 @@ class Committer:
         self._occurrences[path] = n + 1
         digest = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:16]
         return f"{self.link.prefix}/{digest}/{n}"
+
+    def save_id(self, key: str) -> str:
+        """The id of the save at ``key`` (:meth:`key`), the same on every rank: written into
+        every part and the commit marker, so that a reader never takes parts of two saves for
+        one checkpoint."""
+        return hashlib.sha1(f"{self._nonce}/{key}".encode()).hexdigest()[:16]
 
     def put(self, report: Report) -> None:
         self._queue.put(report)
@@ -191,7 +207,7 @@ class Committer:
         round_ = CommitRound(self._store, report.key, rank=self.rank, world_size=self.world_size)
         marker = _Marker(
             report.directory or report.path,
-            {"world_size": self.world_size, "format": report.format},
+            {"world_size": self.world_size, "format": report.format, "save_id": report.save_id},
         )
         then = report.then
 

@@ -5,9 +5,11 @@ Re-exported by :mod:`trainguard.checkpoint.async_save` and :mod:`trainguard.chec
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +17,16 @@ import torch
 
 from trainguard import events
 from trainguard.checkpoint import _commit, _overwrite
-from trainguard.checkpoint._regular import regular_only
+from trainguard.checkpoint._regular import open_regular
 from trainguard.checkpoint.format import tmpfile
 from trainguard.checkpoint.format.kinds import FORMATS, is_torch_file
-from trainguard.checkpoint.format.read import FileHeader, load_file, read_header
+from trainguard.checkpoint.format.read import (
+    FileHeader,
+    header_of,
+    load_file,
+    open_file,
+    read_header,
+)
 from trainguard.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -32,17 +40,24 @@ def part_name(rank: int, format: str) -> str:
     return f"rank{rank:05d}" + (".pt" if format == "torch" else ".safetensors")
 
 
-def _marker(marker: str) -> dict[str, Any]:
+#: Attempts of a load whose directory was replaced while it was read (see :func:`_retrying`).
+_ATTEMPTS = 8
+
+
+def _marker(marker: str, dir_fd: int | None = None) -> dict[str, Any]:
     """The commit marker's fields; :class:`CheckpointCorruptError` if it is not what
-    :mod:`._commit` writes (a JSON object whose ``world_size``, if present, is a count)."""
-    with open(marker, "rb", opener=regular_only) as f:
+    :mod:`._commit` writes (a JSON object whose ``world_size``, if present, is a count, and
+    whose ``save_id``, if present, a string). ``dir_fd``: read ``MARKER`` in that directory."""
+    fd = open_regular(marker if dir_fd is None else _commit.MARKER, dir_fd=dir_fd)
+    with open(fd, "rb") as f:
         raw = f.read(1 << 20)
     try:
         info = json.loads(raw)
     except (ValueError, RecursionError):
         info = None
     size = info.get("world_size", 1) if isinstance(info, dict) else None
-    if type(size) is not int or size < 1:
+    save_id = info.get("save_id", "") if isinstance(info, dict) else None
+    if type(size) is not int or size < 1 or not isinstance(save_id, str):
         raise CheckpointCorruptError(
             f"{marker}: malformed commit marker; the checkpoint is damaged, load an older one"
         )
@@ -62,42 +77,128 @@ def _torch_load(file: str, allow_pickle: bool) -> Any:
         ) from exc
 
 
-def _resolve(path: str, rank: int | None, allow_uncommitted: bool) -> str:
-    _overwrite.settle(path)  # an overwrite a crash interrupted
-    if not os.path.isdir(path):
-        if not os.path.exists(path):
-            hint = (
-                " (only a .tmp file exists: that save never completed)"
-                if os.path.exists(path + ".tmp") or tmpfile.leftovers(path)
-                else ""
-            )
-            raise CheckpointError(f"no checkpoint at {path}{hint}")
-        return path
-    marker = os.path.join(path, _commit.MARKER)
-    info: dict[str, Any] = {}
-    if os.path.exists(marker):
-        info = _marker(marker)
-    elif not allow_uncommitted:
-        raise CheckpointUncommittedError(
-            f"{path} has no {_commit.MARKER} marker: not every rank's part became durable; "
-            "load an older checkpoint, or pass allow_uncommitted=True"
-        )
-    if rank is None:
-        import torch.distributed as dist
+@dataclasses.dataclass
+class _Opened:
+    """A checkpoint opened once: a file (``fd`` None), or a directory read only through its
+    descriptor ``fd``, so that its marker and parts come from one directory even while a
+    save swaps another one in under its name (``info``: its marker's fields, None without)."""
 
-        if dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank()
-        elif info.get("world_size", 1) == 1:
-            rank = 0
-        else:
-            raise CheckpointError(
-                f"{path} holds {info['world_size']} ranks' parts; pass rank= to choose one"
+    path: str
+    fd: int | None
+    info: dict[str, Any] | None
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def has(self, name: str) -> bool:
+        try:
+            os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def check_part(self, header: FileHeader, expected: str | None) -> str | None:
+        """:class:`CheckpointCorruptError` unless the part's save id is ``expected`` (None:
+        take this part's); returns the id. A marker without one (a checkpoint written before
+        save ids) checks nothing, nor does a DCP checkpoint's (its parts carry none: the
+        metadata beside the marker names them)."""
+        info = self.info or {}
+        if self.info is not None and (not info.get("save_id") or info.get("format") == "dcp"):
+            return None
+        found = header.metadata.get("save_id")
+        if expected is None:
+            return found
+        if found != expected:
+            raise CheckpointCorruptError(
+                f"{header.path}: written by save {found or '(none)'}, but the checkpoint is "
+                f"save {expected}: parts of two saves were put together; the checkpoint is "
+                "damaged, load an older one"
             )
-    for fmt in FORMATS:
-        file = os.path.join(path, part_name(rank, fmt))
-        if os.path.exists(file):
-            return file
-    raise CheckpointError(f"{path} has no part for rank {rank}")
+        return found
+
+
+def _open(path: str, allow_uncommitted: bool) -> _Opened:
+    """The checkpoint at ``path``, opened once (see :class:`_Opened`); the caller closes it."""
+    _overwrite.settle(path)  # an overwrite a crash interrupted (or two renames under way)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except NotADirectoryError:
+        return _Opened(path, None, None)
+    except FileNotFoundError:
+        hint = (
+            " (only a .tmp file exists: that save never completed)"
+            if os.path.exists(path + ".tmp") or tmpfile.leftovers(path)
+            else ""
+        )
+        raise CheckpointError(f"no checkpoint at {path}{hint}") from None
+    opened = _Opened(path, fd, None)
+    try:
+        if opened.has(_commit.MARKER):
+            opened.info = _marker(opened.file(_commit.MARKER), fd)
+        elif not allow_uncommitted:
+            raise CheckpointUncommittedError(
+                f"{path} has no {_commit.MARKER} marker: not every rank's part became durable; "
+                "load an older checkpoint, or pass allow_uncommitted=True"
+            )
+    except BaseException:
+        opened.close()
+        raise
+    return opened
+
+
+def _replaced(path: str, opened: _Opened | None) -> bool:
+    """Whether the directory at ``path`` is no longer the one ``opened`` read (a save swapped
+    another one in, or two renames are under way and there is none); ``opened`` still open."""
+    if opened is None or opened.fd is None:
+        return opened is None
+    try:
+        now, then = os.stat(path), os.fstat(opened.fd)
+    except OSError:
+        return True
+    return (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino)
+
+
+def _retrying(path: str, allow_uncommitted: bool, read: Callable[[_Opened], Any]) -> Any:
+    """``read`` of the checkpoint at ``path`` opened once; again (at most :data:`_ATTEMPTS`
+    times) when it failed because a save replaced the directory while it was read (the old
+    one is removed right after the swap): a reader never reports a checkpoint missing or
+    damaged because it raced an overwrite."""
+    for attempt in range(_ATTEMPTS):
+        last = attempt + 1 == _ATTEMPTS
+        try:
+            opened = _open(path, allow_uncommitted)
+        except (OSError, CheckpointError):  # gone, or replaced while its marker was read
+            if last:
+                raise
+            continue
+        try:
+            return read(opened)
+        except (OSError, CheckpointError):
+            if last or not _replaced(path, opened):
+                raise
+        finally:
+            opened.close()
+    raise AssertionError("unreachable")
+
+
+def _rank_of(opened: _Opened, rank: int | None) -> int:
+    if rank is not None:
+        return rank
+    import torch.distributed as dist
+
+    info = opened.info or {}
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    if info.get("world_size", 1) == 1:
+        return 0
+    raise CheckpointError(
+        f"{opened.path} holds {info['world_size']} ranks' parts; pass rank= to choose one"
+    )
 
 
 def _this_rank(rank: int | None) -> int:
@@ -108,70 +209,97 @@ def _this_rank(rank: int | None) -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _parts(path: str, allow_uncommitted: bool) -> dict[int, str]:
-    """Every part of the checkpoint at ``path``: ``{0: path}`` for a file."""
-    if not os.path.isdir(path):
-        return {0: _resolve(path, 0, allow_uncommitted)}
-    _resolve(path, 0, allow_uncommitted)  # the marker's checks
-    marker = os.path.join(path, _commit.MARKER)
-    world = _marker(marker)["world_size"] if os.path.exists(marker) else None
+def _parts(opened: _Opened) -> dict[int, str]:
+    """Every part of the opened checkpoint (names in its directory): ``{0: path}`` for a file."""
+    if opened.fd is None:
+        return {0: opened.path}
+    world = opened.info["world_size"] if opened.info is not None else None
     parts = {}
-    for name in sorted(os.listdir(path)):
+    for name in sorted(os.listdir(opened.fd)):
         if name.startswith("rank") and name.endswith(".pt"):
             raise CheckpointError(
-                f"{path} was saved with format='torch'; load(..., into=) reads only "
+                f"{opened.path} was saved with format='torch'; load(..., into=) reads only "
                 "format='trainguard' checkpoints (load it without into=)"
             )
         number = name.removeprefix("rank").removesuffix(".safetensors")
         if name != number and number.isdigit() and name == part_name(int(number), "trainguard"):
-            parts[int(number)] = os.path.join(path, name)
+            parts[int(number)] = opened.file(name)
     missing = [r for r in range(world or 0) if r not in parts]
     if missing:
-        raise CheckpointCorruptError(f"{path}: the parts of ranks {missing[:8]} are missing")
+        raise CheckpointCorruptError(f"{opened.path}: the parts of ranks {missing[:8]} are missing")
     return parts
 
 
 def _load_into(
-    path: str, into: Any, rank: int | None, verify: bool, allow_pickle: bool, uncommitted: bool
+    opened: _Opened, into: Any, rank: int | None, verify: bool, allow_pickle: bool
 ) -> Any:
     """``load(path, into=)``: every part's header, then only the chunks ``into`` overlaps."""
     from trainguard.checkpoint._reshard import Index, file_reader, fill
 
     started = time.monotonic()
-    parts = _parts(path, uncommitted)
+    parts = _parts(opened)
     headers = {}
-    for part, file in parts.items():
-        headers[part] = read_header(file)
-        if not headers[part].is_trainguard:
-            raise CheckpointCorruptError(f"{file}: not a trainguard file")
-    index = Index.from_headers(headers)
-    problems = index.coverage_problems()
-    if problems:
-        raise CheckpointCorruptError(
-            f"{path}: the saved chunks do not cover every sharded tensor exactly once: "
-            + "; ".join(problems[:4])
-            + "; the checkpoint is damaged, load an older one"
+    expected = (opened.info or {}).get("save_id") or None
+    fds: dict[int, int] = {}
+    try:
+        for part, file in parts.items():
+            fds[part] = open_file(file, dir_fd=opened.fd)
+            headers[part] = header_of(fds[part], file)
+            if not headers[part].is_trainguard:
+                raise CheckpointCorruptError(f"{file}: not a trainguard file")
+            expected = opened.check_part(headers[part], expected)
+        index = Index.from_headers(headers)
+        index.refuse_bad_cover(opened.path)
+        me = _this_rank(rank)
+        plain_part = me if me in parts else 0
+        stats = fill(
+            into,
+            index,
+            file_reader(parts, verify=verify, fds=fds),
+            plain_part=plain_part,
+            allow_pickle=allow_pickle,
         )
-    me = _this_rank(rank)
-    plain_part = me if me in parts else 0
-    stats = fill(
-        into,
-        index,
-        file_reader(parts, verify=verify),
-        plain_part=plain_part,
-        allow_pickle=allow_pickle,
-    )
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     events.emit(
         "ckpt_load",
         duration=time.monotonic() - started,
         bytes=stats.bytes_read,
         chunks=stats.chunks_read,
         parts=sorted(stats.parts_read),
-        path=path,
+        path=opened.path,
         verified=verify,
         source="file",
     )
     return into
+
+
+def _load_one(
+    opened: _Opened, rank: int | None, verify: bool, allow_pickle: bool
+) -> tuple[Any, str]:
+    """This rank's part of the opened checkpoint (the file itself for a file): its state and
+    its path."""
+    if opened.fd is None:
+        file = opened.path
+        if is_torch_file(file):
+            return _torch_load(file, allow_pickle), file
+        return load_file(file, verify=verify, allow_pickle=allow_pickle)[0], file
+    me = _rank_of(opened, rank)
+    for fmt in FORMATS:
+        file = opened.file(part_name(me, fmt))
+        if not opened.has(os.path.basename(file)):
+            continue
+        if fmt == "torch":  # torch.load maps a path: the one of this descriptor's entry
+            fd = open_file(file, dir_fd=opened.fd)
+            try:
+                return _torch_load(f"/proc/self/fd/{fd}", allow_pickle), file
+            finally:
+                os.close(fd)
+        state, header = load_file(file, verify=verify, allow_pickle=allow_pickle, dir_fd=opened.fd)
+        opened.check_part(header, (opened.info or {}).get("save_id") or None)
+        return state, file
+    raise CheckpointError(f"{opened.path} has no part for rank {me}")
 
 
 def load(
@@ -199,23 +327,31 @@ def load(
     values come from this rank's part (part 0 when this rank did not exist at save). A single
     process consolidates a sharded checkpoint with ``into={"w": torch.empty(global_shape)}``.
     """
+    path = os.fspath(path)
     if into is not None:
-        return _load_into(os.fspath(path), into, rank, verify, allow_pickle, allow_uncommitted)
+        return _retrying(
+            path, allow_uncommitted, lambda o: _load_into(o, into, rank, verify, allow_pickle)
+        )
     started = time.monotonic()
-    file = _resolve(os.fspath(path), rank, allow_uncommitted)
-    if is_torch_file(file):
-        state = _torch_load(file, allow_pickle)
-    else:
-        state, _ = load_file(file, verify=verify, allow_pickle=allow_pickle)
+    state, file = _retrying(
+        path, allow_uncommitted, lambda o: _load_one(o, rank, verify, allow_pickle)
+    )
     events.emit(
         "ckpt_load",
         duration=time.monotonic() - started,
-        bytes=os.path.getsize(file),
-        path=os.fspath(path),
+        bytes=_size(file),
+        path=path,
         verified=verify,
         source="file",
     )
     return state
+
+
+def _size(file: str) -> int:
+    try:
+        return os.path.getsize(file)
+    except OSError:  # replaced since (what was loaded is mapped)
+        return 0
 
 
 def _committed_time(entry: Path) -> float | None:
@@ -241,9 +377,24 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
     if not root.is_dir():
         return None
     _overwrite.settle_root(str(root))  # overwrites a crash interrupted
-    found = [
-        (t, p.name, p)
-        for p in root.iterdir()
-        if not _overwrite.is_leftover(p.name) and (t := _committed_time(p)) is not None
-    ]
-    return max(found)[2] if found else None
+    found: dict[str, float] = {}
+    swapped: set[str] = set()  # names with swap siblings: a save may be swapping them now
+    for p in root.iterdir():
+        if (name := _overwrite.leftover_of(p.name)) is not None:
+            swapped.add(name)
+        elif (t := _committed_time(p)) is not None:
+            found[p.name] = t
+    for name in swapped - set(found):  # listed or looked at in the middle of a swap
+        t = _swap_time(root / name)
+        if t is not None:
+            found[name] = t
+    return root / max((t, name) for name, t in found.items())[1] if found else None
+
+
+def _swap_time(path: Path) -> float | None:
+    """The commit time of the checkpoint a swap of ``path`` is putting in place: the one at
+    ``path`` by now, else the newest committed sibling (two renames between their steps)."""
+    t = _committed_time(path)
+    if t is None:
+        t = _overwrite.sibling_time(str(path))
+    return t if t is not None else _committed_time(path)

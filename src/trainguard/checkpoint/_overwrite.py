@@ -7,13 +7,24 @@ coordinator in ``finish``; the rank that commits an
 :class:`~trainguard.checkpoint.AsyncCheckpointer` save) swaps it in, before any rank learns that
 the save was committed:
 
-1. rename ``D`` to ``.D.tg-old-<token>``, fsync the parent directory;
-2. rename the sibling to ``D``, fsync the parent directory;
+1. exchange ``D`` and the sibling in one step (``renameat2(RENAME_EXCHANGE)``, see
+   :mod:`._exchange`), fsync the parent directory: ``D`` is the new checkpoint, the sibling's
+   name holds the old one;
+2. rename that to ``.D.tg-old-<token>``, fsync the parent directory;
 3. remove the old one.
+
+At no instant is there no ``D``: a reader that opens ``D`` gets one whole directory, old or
+new, and reads it through that descriptor (see :mod:`._load`). Where the file system refuses
+the exchange (``EINVAL``/``ENOSYS``: some network and FUSE file systems), two renames do it
+instead (``D`` to ``.D.tg-old-<token>``, the sibling to ``D``), and for that instant ``D`` is
+missing: a reader that finds no ``D`` then settles the swap itself (:func:`settle`; safe beside the
+swap's own process: whichever renames the new one in first wins, the other finds it done) and
+looks again.
 
 A crash (SIGKILL) at any instant leaves one of four states: (a) ``D`` old and committed, the
 sibling partial; (b) ``D`` old, the sibling committed; (c) no ``D``, the old and the new one
-committed beside it; (d) ``D`` new, the old one still beside it. :func:`settle`, run by every
+committed beside it (two renames only); (d) ``D`` new, the old one still beside it (under
+either name: which one is older is told by their markers' times). :func:`settle`, run by every
 reader (``load``, ``latest``, DCP's ``StorageReader``), turns (c) into (d) with one rename and
 never removes anything, so a reader always finds one complete checkpoint at ``D``, old or new.
 :func:`recover`, run by the one process that commits the next save to ``D``, also finishes (b)
@@ -33,6 +44,7 @@ import shutil
 import signal
 
 from trainguard import _env
+from trainguard.checkpoint import _exchange
 from trainguard.checkpoint._commit import MARKER, refuse_overwrite
 from trainguard.checkpoint.fileformat import fsync_dir
 
@@ -41,11 +53,13 @@ __all__ = [
     "finish",
     "is_leftover",
     "kill_point",
+    "leftover_of",
     "needs_sibling",
     "recover",
     "settle",
     "settle_root",
     "sibling",
+    "sibling_time",
     "swap",
     "token",
     "write_dir",
@@ -80,9 +94,29 @@ def is_leftover(name: str) -> bool:
     return _NAME.match(name) is not None
 
 
+def leftover_of(name: str) -> str | None:
+    """The name of the checkpoint a swap sibling named ``name`` belongs to; None when ``name``
+    is no sibling."""
+    match = _NAME.match(name)
+    return None if match is None else match["name"]
+
+
+def sibling_time(directory: str) -> float | None:
+    """The commit time of the newest committed sibling of ``directory`` (None: none is)."""
+    times = [t for _, path in _siblings(directory) if (t := _marker_time(path)) is not None]
+    return max(times, default=None)
+
+
 def committed(directory: str) -> bool:
     """Whether ``directory`` holds a commit marker."""
     return os.path.lexists(os.path.join(directory, MARKER))
+
+
+def _marker_time(directory: str) -> float | None:
+    try:
+        return os.lstat(os.path.join(directory, MARKER)).st_mtime
+    except OSError:
+        return None
 
 
 def _siblings(directory: str) -> list[tuple[str, str]]:
@@ -98,11 +132,8 @@ def _siblings(directory: str) -> list[tuple[str, str]]:
         if match is None or match["name"] != name:
             continue
         path = os.path.join(parent, entry)
-        try:
-            when = os.lstat(os.path.join(path, MARKER)).st_mtime
-        except OSError:
-            when = -1.0  # not committed
-        found.append((when, match["kind"], path))
+        when = _marker_time(path)
+        found.append((-1.0 if when is None else when, match["kind"], path))
     found.sort(reverse=True)
     return [(kind, path) for _, kind, path in found]
 
@@ -187,8 +218,10 @@ def recover(directory: str, *, keep: str | None = None) -> None:
     settle(directory)
     siblings = [(kind, path) for kind, path in _siblings(directory) if path != keep]
     newest = next((p for k, p in siblings if k == "new" and committed(p)), None)
-    if newest is not None and committed(directory):
-        swap(newest, directory, inject=False)  # it was committed after the one at directory
+    here = _marker_time(directory)
+    if newest is not None and here is not None and (_marker_time(newest) or 0.0) > here:
+        # committed after the one at directory (not the old one an exchange parked there)
+        swap(newest, directory, inject=False)
         siblings = [(k, p) for k, p in siblings if p != newest]
     for kind, path in siblings:
         if kind == "new" or committed(directory):
@@ -205,6 +238,8 @@ def swap(new: str, directory: str, *, inject: bool = True) -> None:
     parent = _split(directory)[0]
     match = _NAME.match(os.path.basename(new))
     old = sibling(directory, match["token"] if match else token(), "old")
+    if _exchanged(new, directory, old, inject):
+        return
     moved = False
     try:
         if os.path.lexists(directory):
@@ -232,3 +267,35 @@ def swap(new: str, directory: str, *, inject: bool = True) -> None:
     if moved:
         shutil.rmtree(old, ignore_errors=True)
     logger.info("overwrote %s with the checkpoint committed at %s", directory, new)
+
+
+def _exchanged(new: str, directory: str, old: str, inject: bool) -> bool:
+    """Steps 1 to 3 of the swap with one exchange; False (nothing changed) where the file
+    system refuses it, or ``directory`` is missing: then two renames must do."""
+    try:
+        _exchange.exchange(new, directory)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        if _exchange.refused(exc):
+            logger.debug("no atomic exchange of %s (%s): two renames instead", directory, exc)
+            return False
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(new, MARKER))
+        raise
+    parent = _split(directory)[0]
+    with contextlib.suppress(OSError):  # the swap is done; only its durability is in doubt
+        fsync_dir(parent)
+    if inject:
+        kill_point("old-moved")
+    try:
+        os.rename(new, old)  # what the exchange parked there is the old checkpoint
+        fsync_dir(parent)
+    except OSError as exc:  # the next save's recover() removes it (its marker is older)
+        logger.warning("could not move the replaced checkpoint aside to %s: %s", old, exc)
+        return True
+    if inject:
+        kill_point("new-moved")
+    shutil.rmtree(old, ignore_errors=True)
+    logger.info("overwrote %s with the checkpoint committed at %s", directory, new)
+    return True

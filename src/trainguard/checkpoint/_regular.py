@@ -15,13 +15,19 @@ import stat
 
 from trainguard.errors import CheckpointCorruptError
 
-__all__ = ["regular_only"]
+__all__ = ["open_regular", "regular_only"]
 
 
 def regular_only(path: str | bytes, flags: int) -> int:
     """A descriptor of ``path`` opened with ``flags`` plus ``O_NONBLOCK | O_CLOEXEC``, if it
     is a regular file; :class:`CheckpointCorruptError` naming it otherwise."""
-    fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)
+    return open_regular(path, flags)
+
+
+def open_regular(path: str | bytes, flags: int = os.O_RDONLY, *, dir_fd: int | None = None) -> int:
+    """:func:`regular_only`, ``path`` taken relative to the directory descriptor ``dir_fd``
+    when one is given (how a checkpoint directory opened once is read)."""
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):

@@ -9,6 +9,10 @@ bytes with their checksum verified) and copies the overlap in place. A plain (un
 tensor is one chunk covering the whole tensor, read from this rank's own part. Callers:
 ``load(path, into=)`` reads chunks from files (:func:`file_reader`); the local checkpoint
 manager reads them from its own files or receives them from peers.
+
+Over 400 lines: the index's checks of the saved chunks (their cover, each target's cover) and
+the fill read the same private tables of chunks per tensor; apart, those tables would become
+an interface of their own for two readers that change together.
 """
 
 from __future__ import annotations
@@ -97,12 +101,19 @@ def check_chunk(chunk: SavedChunk, data: Any, label: str) -> None:
     )
 
 
-def file_reader(paths: Mapping[int, str | os.PathLike[str]], *, verify: bool = True) -> ReadChunk:
-    """A :data:`ReadChunk` reading part ``p``'s chunks from ``paths[p]`` (one ``pread`` each)."""
+def file_reader(
+    paths: Mapping[int, str | os.PathLike[str]],
+    *,
+    verify: bool = True,
+    fds: Mapping[int, int] | None = None,
+) -> ReadChunk:
+    """A :data:`ReadChunk` reading part ``p``'s chunks from ``paths[p]`` (one ``pread`` each);
+    with ``fds``, from the descriptor ``fds[p]`` (the one its header was read from)."""
 
     def read(chunk: SavedChunk) -> bytearray:
         path = os.fspath(paths[chunk.part])
-        data = read_range(path, chunk.begin, chunk.end)
+        fd = None if fds is None else fds[chunk.part]
+        data = read_range(path, chunk.begin, chunk.end, fd=fd)
         if verify:
             check_chunk(chunk, data, path)
         return data
@@ -200,11 +211,24 @@ class Index:
             problems += overlaps
             covered, total = sum(c.box.numel for c in t.chunks), Box((), t.shape).numel
             if not overlaps and covered != total:
+                gap = uncovered(Box((0,) * len(t.shape), t.shape), [c.box for c in t.chunks])
+                hole = f": no chunk holds offsets {gap.offsets} sizes {gap.sizes}" if gap else ""
                 problems.append(
                     f"{key_repr(key)}: its chunks cover {covered} of its {total} elements "
-                    f"(global shape {list(t.shape)})"
+                    f"(global shape {list(t.shape)}){hole}"
                 )
         return problems
+
+    def refuse_bad_cover(self, label: str) -> None:
+        """:class:`CheckpointCorruptError` naming :meth:`coverage_problems` when there are any:
+        run before anything is read or copied, so a refusal leaves the target untouched."""
+        problems = self.coverage_problems()
+        if problems:
+            raise CheckpointCorruptError(
+                f"{label}: the saved chunks do not cover every sharded tensor exactly once: "
+                + "; ".join(problems[:4])
+                + "; the checkpoint is damaged, load an older one"
+            )
 
     def saved_leaf(self, key: Key, part: int) -> Any:
         """The skeleton node of ``key`` in ``part`` (:class:`CheckpointError` if none)."""

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -156,6 +157,9 @@ class SaveWorker:
         retired, job.retired = job.retired, None
         self._writer.prepare(job.buffer, retired=retired)
         meta = {"rank": str(self._slot.rank), "world_size": str(self._slot.world_size)}
+        committer = self._committer
+        job.save_id = committer.save_id(job.commit_key) if committer else secrets.token_hex(8)
+        meta["save_id"] = job.save_id
         meta["skeleton"] = json.dumps(job.flat.skeleton, separators=(",", ":"))
         self._writer.submit(
             WriteJob(
@@ -203,14 +207,30 @@ class SaveWorker:
 
         path = job.handle.path
         if not job.write_file:
-            return _commit.Report(job.commit_key, path, error, job.handle.file, job.format, done)
+            return _commit.Report(
+                job.commit_key,
+                path,
+                error,
+                job.handle.file,
+                job.format,
+                done,
+                save_id=job.save_id,
+            )
         beside = os.path.dirname(job.write_file)
 
         def swap() -> None:
             _overwrite.finish(beside, path)
 
         return _commit.Report(
-            job.commit_key, path, error, job.write_file, job.format, done, beside, swap
+            job.commit_key,
+            path,
+            error,
+            job.write_file,
+            job.format,
+            done,
+            beside,
+            swap,
+            save_id=job.save_id,
         )
 
     def _finish(self, job: Job, causes: dict[int, str]) -> None:

@@ -88,6 +88,7 @@ class Job:
     staged_at: float = 0.0
     nbytes: int = 0
     write_file: str = ""  # where the part is written, when not at handle.file (an overwrite)
+    save_id: str = ""  # written into the part (and the commit marker): see Committer.save_id
 
     def durable(self, result: WriteResult, *, rank: int, world_size: int) -> None:
         """This rank's file is durable: fill in :attr:`SaveHandle.info`, emit the event."""

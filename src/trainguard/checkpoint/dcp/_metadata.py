@@ -23,7 +23,7 @@ import torch
 import torch.distributed.checkpoint.metadata as _dcp_metadata
 from torch.distributed.checkpoint.metadata import Metadata
 
-from trainguard.checkpoint._regular import regular_only
+from trainguard.checkpoint._regular import open_regular
 from trainguard.checkpoint.fileformat import fsync_dir
 from trainguard.checkpoint.format import tmpfile as _tmpfile
 from trainguard.checkpoint.format.kinds import TORCH_DTYPE_NAMES
@@ -137,12 +137,13 @@ def write(directory: str, metadata: Metadata, *, fsync: bool = True) -> None:
         fsync_dir(directory)
 
 
-def read(directory: str) -> Metadata:
+def read(directory: str, *, dir_fd: int | None = None) -> Metadata:
     """The metadata of the checkpoint in ``directory``; :class:`CheckpointError` when there is
-    none, :class:`CheckpointCorruptError` when it is not DCP metadata."""
+    none, :class:`CheckpointCorruptError` when it is not DCP metadata. ``dir_fd``: read it in
+    that descriptor of the directory (``directory`` then only names it)."""
     path = os.path.join(directory, NAME)
     try:
-        with open(path, "rb", opener=regular_only) as f:
+        with open(open_regular(path if dir_fd is None else NAME, dir_fd=dir_fd), "rb") as f:
             raw = f.read()
     except FileNotFoundError:
         raise CheckpointError(

@@ -4,13 +4,25 @@ Each rank reads, for every item its load plan needs, exactly the byte range of t
 that holds it (``pread``; never whole files), verifies that entry's checksum, and copies the
 requested region into the target. DCP's planners decide which saved chunks each rank needs, so
 loading into a different world size or sharding works as with DCP's own storage.
+
+A save may overwrite the directory while ranks load it (it is swapped in whole, see
+:mod:`trainguard.checkpoint._overwrite`). Each rank's reader opens the directory once, in
+``read_metadata``, and reads the marker, the metadata and every part through that descriptor
+(the parts are opened there too, so the old directory's removal after a swap cannot take them
+away); a read that raced a swap there is tried again. The ranks' plans carry the save id of
+the marker each read, and the coordinator refuses a load whose ranks read different saves
+(:class:`CheckpointError`, "load again"), so no rank ever resumes from another save than the
+others.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import io
 import os
 import time
+import weakref
 from collections import defaultdict
 from typing import Any
 
@@ -21,11 +33,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from trainguard import events
-from trainguard.checkpoint import _commit, _overwrite
+from trainguard.checkpoint import _commit, _load, _overwrite
 from trainguard.checkpoint.dcp import _metadata
 from trainguard.checkpoint.dcp.storage_writer import checkpoint_path, local_path
-from trainguard.checkpoint.fileformat import FileHeader, checksum, read_header, read_range
+from trainguard.checkpoint.fileformat import FileHeader, checksum, read_range
 from trainguard.checkpoint.format import validate as _validate
+from trainguard.checkpoint.format.read import header_of, open_file
 from trainguard.checkpoint.layout import unflatten
 from trainguard.errors import (
     CheckpointCorruptError,
@@ -35,6 +48,15 @@ from trainguard.errors import (
 )
 
 __all__ = ["StorageReader"]
+
+#: Parts a reader opens in ``read_metadata`` (beyond this, each when it is first read).
+_EAGER_PARTS = 256
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 class StorageReader(storage.StorageReader):
@@ -77,33 +99,80 @@ class StorageReader(storage.StorageReader):
         self.storage_data: dict[MetadataIndex, Any] = {}
         self.bytes_read = 0  # bytes of entries read by the latest read_data()
         self._headers: dict[str, tuple[FileHeader, dict[str, Any]]] = {}
+        self._fds: list[int] = []  # the directory's, then its parts' (closed by _release)
+        self._parts: dict[str, int] = {}  # part file -> its descriptor
+        self._save_id = ""
+        self._closer = weakref.finalize(self, _close_all, self._fds)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.path = checkpoint_path(checkpoint_id, "checkpoint_id")
         self.storage_data = {}
         self._headers = {}
+        self._release()
+
+    def _release(self) -> None:
+        """Close the directory's and the parts' descriptors (the next load opens them anew)."""
+        _close_all(self._fds)
+        self._fds.clear()
+        self._parts = {}
 
     @property
     def checkpoint_id(self) -> str:
         return self.path
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Open the directory (once: see the module) and read its metadata."""
+        self._release()
+        for attempt in range(_load._ATTEMPTS):
+            try:
+                return self._open_and_read()
+            except (OSError, CheckpointError):
+                opened = _load._Opened(self.path, self._fds[0], None) if self._fds else None
+                replaced = _load._replaced(self.path, opened)  # before its descriptor closes
+                self._release()
+                if attempt + 1 == _load._ATTEMPTS or not replaced:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _open_and_read(self) -> Metadata:
         _overwrite.settle(self.path)  # an overwrite a crash interrupted
-        if not os.path.isdir(self.path):
-            raise CheckpointError(f"no checkpoint directory at {self.path}")
-        marker = os.path.join(self.path, _commit.MARKER)
-        _refuse_other_format(self.path)
-        if not self.allow_uncommitted and not os.path.exists(marker):
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            raise CheckpointError(f"no checkpoint directory at {self.path}") from None
+        self._fds.append(fd)
+        opened = _load._Opened(self.path, fd, None)
+        _refuse_other_format(self.path, fd)
+        if opened.has(_commit.MARKER):
+            info = _load._marker(opened.file(_commit.MARKER), fd)
+            self._save_id = str(info.get("save_id", ""))
+        elif not self.allow_uncommitted:
             raise CheckpointUncommittedError(
                 f"{self.path} has no {_commit.MARKER} marker: its save never completed on "
                 "every rank; load an older checkpoint (trainguard.checkpoint.latest), or pass "
                 "allow_uncommitted=True"
             )
-        metadata = _metadata.read(self.path)
+        else:
+            self._save_id = ""
+        metadata = _metadata.read(self.path, dir_fd=fd)
+        if isinstance(metadata.storage_data, dict):
+            files = sorted({w[0] for w in metadata.storage_data.values() if _valid_place(w)})
+            for name in files[:_EAGER_PARTS]:  # the old directory's removal cannot take them
+                self._part_fd(name)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta(checkpoint_id=self.path)
         return metadata
+
+    def _part_fd(self, file: str) -> int:
+        """The descriptor of the part ``file`` in the opened directory (opened on first use)."""
+        if file not in self._parts:
+            if not self._fds:
+                raise CheckpointError(f"{self.path}: read_metadata() was not called first")
+            fd = open_file(os.path.join(self.path, file), dir_fd=self._fds[0])
+            self._fds.append(fd)
+            self._parts[file] = fd
+        return self._parts[file]
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -111,9 +180,18 @@ class StorageReader(storage.StorageReader):
         self.storage_data = dict(metadata.storage_data)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        """The plan, carrying the save id this rank read (checked by the coordinator)."""
+        return dataclasses.replace(plan, storage_data=self._save_id)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Coordinator only: refuse a load whose ranks read different saves (one replaced the
+        directory between two ranks' ``read_metadata``)."""
+        seen = sorted({str(p.storage_data) for p in plans})
+        if len(seen) > 1:
+            raise CheckpointError(
+                f"the ranks read different saves of {self.path} (saves {seen}): a save replaced "
+                "it while they loaded; load again (every rank then reads the new one)"
+            )
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -122,6 +200,25 @@ class StorageReader(storage.StorageReader):
         by_entry: dict[tuple[str, str], list[ReadItem]] = defaultdict(list)
         for item in plan.items:
             by_entry[self._where(item.storage_index)].append(item)
+        try:
+            nbytes = self._read_items(by_entry, planner)
+        finally:
+            self._release()
+        self.bytes_read = nbytes
+        events.emit(
+            "ckpt_load",
+            duration=time.monotonic() - started,
+            bytes=nbytes,
+            path=self.path,
+            source="file",
+        )
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_items(
+        self, by_entry: dict[tuple[str, str], list[ReadItem]], planner: LoadPlanner
+    ) -> int:
         nbytes = 0
         for (file, entry), items in by_entry.items():
             raw, node = self._read_entry(file, entry)
@@ -141,17 +238,7 @@ class StorageReader(storage.StorageReader):
                     )
                 target.copy_(region)
                 planner.commit_tensor(item, target)
-        self.bytes_read = nbytes
-        events.emit(
-            "ckpt_load",
-            duration=time.monotonic() - started,
-            bytes=nbytes,
-            path=self.path,
-            source="file",
-        )
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
+        return nbytes
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -162,23 +249,18 @@ class StorageReader(storage.StorageReader):
 
     def _where(self, index: MetadataIndex) -> tuple[str, str]:
         where = self.storage_data.get(index)
-        if (
-            not isinstance(where, tuple)
-            or len(where) != 2
-            or not all(isinstance(x, str) for x in where)
-            or os.path.basename(where[0]) != where[0]
-        ):
+        if where is None or not _valid_place(where):
             raise CheckpointCorruptError(
                 f"{self.path}: the metadata has no valid place for {index.fqn!r} "
                 f"({where!r}); the checkpoint is damaged or was not written by trainguard"
             )
-        return where[0], where[1]
+        return str(where[0]), str(where[1])
 
     def _header(self, file: str) -> tuple[FileHeader, dict[str, Any]]:
         """``file``'s header and its skeleton's nodes by entry name (read once per load); the
         skeleton's checksum is checked, as ``load`` checks it."""
         if file not in self._headers:
-            header = read_header(os.path.join(self.path, file))
+            header = header_of(self._part_fd(file), os.path.join(self.path, file))
             if not header.is_trainguard:
                 raise CheckpointCorruptError(f"{header.path}: not a trainguard file")
             tree = _validate.check_skeleton(header.path, header.metadata, verify=True)
@@ -199,7 +281,9 @@ class StorageReader(storage.StorageReader):
         if entry not in header.entries or entry not in nodes:
             raise CheckpointCorruptError(f"{header.path}: tensor {entry!r} is missing")
         _, _, begin, end = header.entries[entry]
-        raw = read_range(header.path, header.data_start + begin, header.data_start + end)
+        raw = read_range(
+            header.path, header.data_start + begin, header.data_start + end, fd=self._part_fd(file)
+        )
         if checksum(raw) != header.checksums().get(entry):
             raise CheckpointCorruptError(
                 f"{header.path}: checksum mismatch in tensor {entry!r}; the file is corrupt, "
@@ -251,11 +335,23 @@ def _as_tensor(raw: bytearray, entry: str, node: Any, where: str) -> torch.Tenso
     return tensor
 
 
-def _refuse_other_format(directory: str) -> None:
-    """:class:`CheckpointError` naming the reader to use when ``directory`` holds a checkpoint
-    of DCP's own file system layout (``.metadata`` and ``__<rank>_<n>.distcp`` files)."""
+def _valid_place(where: object) -> bool:
+    """Whether a metadata's storage data is a place this reader wrote: (file name, entry)."""
+    return (
+        isinstance(where, tuple)
+        and len(where) == 2
+        and all(isinstance(x, str) for x in where)
+        and os.path.basename(where[0]) == where[0]
+        and where[0] not in ("", ".", "..")
+    )
+
+
+def _refuse_other_format(directory: str, dir_fd: int) -> None:
+    """:class:`CheckpointError` naming the reader to use when ``directory`` (open as
+    ``dir_fd``) holds a checkpoint of DCP's own file system layout (``.metadata`` and
+    ``__<rank>_<n>.distcp`` files)."""
     try:
-        names = os.listdir(directory)
+        names = os.listdir(dir_fd)
     except OSError:
         return
     if any(n.endswith(".distcp") for n in names) and not any(

@@ -45,8 +45,10 @@ __all__ = [
     "FileHeader",
     "check_file",
     "header_bytes",
+    "header_of",
     "load_buffer",
     "load_file",
+    "open_file",
     "parse_header",
     "parse_header_bytes",
     "read_header",
@@ -99,16 +101,45 @@ def _decode_header(label: str, n: int, raw: bytes, size: int) -> FileHeader:
     return header
 
 
-def read_header(path: str | os.PathLike[str]) -> FileHeader:
-    """Parse and check a file's header; :class:`CheckpointCorruptError` names what is wrong."""
+def open_file(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> int:
+    """A read-only descriptor of the regular file ``path``; with ``dir_fd`` (a checkpoint
+    directory opened once), of the entry named ``path``'s last component in that directory.
+    The caller closes it."""
     path = os.fspath(path)
-    with open(path, "rb", opener=_regular.regular_only) as f:
-        size = os.fstat(f.fileno()).st_size
-        n = validate.header_length(path, f.read(8), size)
-        raw = f.read(n)
+    return _regular.open_regular(path if dir_fd is None else os.path.basename(path), dir_fd=dir_fd)
+
+
+def _pread_all(fd: int, n: int, offset: int) -> bytes:
+    chunks, done = [], 0
+    while done < n:
+        chunk = os.pread(fd, n - done, offset + done)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        done += len(chunk)
+    return b"".join(chunks)
+
+
+def header_of(fd: int, label: str) -> FileHeader:
+    """:func:`read_header` of the file open as ``fd`` (``label`` names it): read from that very
+    descriptor, so that a file replaced under its name meanwhile cannot pair one file's header
+    with another's bytes."""
+    size = os.fstat(fd).st_size
+    n = validate.header_length(label, _pread_all(fd, 8, 0), size)
+    raw = _pread_all(fd, n, 8)
     if len(raw) != n:  # the file shrank while we read it
-        raise CheckpointCorruptError(f"{path}: truncated: the header is cut short")
-    return _decode_header(path, n, raw, size)
+        raise CheckpointCorruptError(f"{label}: truncated: the header is cut short")
+    return _decode_header(label, n, raw, size)
+
+
+def read_header(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> FileHeader:
+    """Parse and check a file's header; :class:`CheckpointCorruptError` names what is wrong.
+    ``dir_fd``: as for :func:`open_file`."""
+    fd = open_file(path, dir_fd=dir_fd)
+    try:
+        return header_of(fd, os.fspath(path))
+    finally:
+        os.close(fd)
 
 
 def header_bytes(path: str | os.PathLike[str]) -> bytes:
@@ -132,16 +163,25 @@ def parse_header_bytes(raw: bytes, label: str, file_size: int) -> FileHeader:
     return _decode_header(label, n, raw[8 : 8 + n], file_size)
 
 
-def read_range(path: str | os.PathLike[str], begin: int, end: int) -> bytearray:
+def read_range(
+    path: str | os.PathLike[str], begin: int, end: int, *, fd: int | None = None
+) -> bytearray:
     """Bytes ``[begin, end)`` of a file (absolute offsets); a file too short for them is
-    :class:`CheckpointCorruptError`."""
+    :class:`CheckpointCorruptError`. ``fd``: read from that descriptor of the file (the one its
+    header was read from); ``path`` then only names it."""
+    if fd is None:
+        own = open_file(path)
+        try:
+            return read_range(path, begin, end, fd=own)
+        finally:
+            os.close(own)
     out, done = bytearray(end - begin), 0
-    with open(path, "rb", buffering=0, opener=_regular.regular_only) as f, memoryview(out) as view:
+    with memoryview(out) as view:
         while done < len(out):
-            n = os.preadv(f.fileno(), [view[done:]], begin + done)
+            n = os.preadv(fd, [view[done:]], begin + done)
             if n <= 0:
                 raise CheckpointCorruptError(
-                    f"{f.name}: truncated: bytes {begin}..{end} past its end"
+                    f"{os.fspath(path)}: truncated: bytes {begin}..{end} past its end"
                 )
             done += n
     return out
@@ -186,32 +226,50 @@ def verify_data(header: FileHeader, data: FileBytes) -> None:
         verify_entries(header, lambda b, e: whole[start + b : start + e])
 
 
-def _map(header: FileHeader, access: int) -> mmap.mmap:
-    """Map the whole file ``header`` describes; a file that shrank since is corrupt."""
-    with open(header.path, "rb", opener=_regular.regular_only) as f:
-        if os.fstat(f.fileno()).st_size < header.file_size:
-            raise CheckpointCorruptError(f"{header.path}: truncated while it was being read")
-        return mmap.mmap(f.fileno(), header.file_size, access=access)
+def _map(fd: int, header: FileHeader, access: int) -> mmap.mmap:
+    """Map the whole file ``header`` describes, open as ``fd`` (the descriptor its header was
+    read from); a file that shrank since is corrupt."""
+    if os.fstat(fd).st_size < header.file_size:
+        raise CheckpointCorruptError(f"{header.path}: truncated while it was being read")
+    return mmap.mmap(fd, header.file_size, access=access)
 
 
-def verify_file(header: FileHeader) -> None:
-    """Map the trainguard file ``header`` describes read-only and check every checksum."""
+def _verify_mapped(fd: int, header: FileHeader) -> None:
     if not header.is_trainguard:
         raise CheckpointCorruptError(f"{header.path}: not a trainguard file")
-    mm = _map(header, mmap.ACCESS_READ)
+    mm = _map(fd, header, mmap.ACCESS_READ)
     try:
         verify_data(header, mm)
     finally:
         mm.close()
 
 
-def verify_path(path: str | os.PathLike[str]) -> None:
-    """Read ``path``'s header and check every tensor's checksum (:func:`verify_file`)."""
-    verify_file(read_header(path))
+def verify_file(header: FileHeader) -> None:
+    """Map the trainguard file ``header`` describes read-only and check every checksum.
+
+    It opens ``header.path`` again: a file replaced there since ``header`` was read is reported
+    corrupt. To check a file whose name another process may replace, use :func:`verify_path`,
+    which reads the header and the data through one descriptor."""
+    fd = open_file(header.path)
+    try:
+        _verify_mapped(fd, header)
+    finally:
+        os.close(fd)
 
 
-def _trainguard_header(path: str | os.PathLike[str]) -> FileHeader:
-    header = read_header(path)
+def verify_path(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> None:
+    """Read ``path``'s header and check every tensor's checksum, both through one descriptor
+    (a file replaced under its name meanwhile is checked whole, old or new). ``dir_fd``: as for
+    :func:`open_file`."""
+    fd = open_file(path, dir_fd=dir_fd)
+    try:
+        _verify_mapped(fd, header_of(fd, os.fspath(path)))
+    finally:
+        os.close(fd)
+
+
+def _trainguard_header(fd: int, path: str | os.PathLike[str]) -> FileHeader:
+    header = header_of(fd, os.fspath(path))
     if not header.is_trainguard:
         raise CheckpointCorruptError(
             f"{header.path}: a safetensors file without trainguard metadata; open it with the "
@@ -225,8 +283,12 @@ def check_file(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> F
     every checksum, and the skeleton against the entries (a missing tensor, a shape that does
     not fit its bytes, a pickled leaf without ``allow_pickle``). Pickled leaves are never
     unpickled here. Returns the header; raises :class:`CheckpointError` naming the problem."""
-    header = _trainguard_header(path)
-    mm = _map(header, mmap.ACCESS_COPY)  # writable to torch (no page is ever written)
+    fd = open_file(path)
+    try:
+        header = _trainguard_header(fd, path)
+        mm = _map(fd, header, mmap.ACCESS_COPY)  # writable to torch (no page is ever written)
+    finally:
+        os.close(fd)  # the mapping holds the file
     try:
         _rebuild(header, mm, verify=True, allow_pickle=allow_pickle, unpickle=False, sharded=True)
     finally:
@@ -236,7 +298,11 @@ def check_file(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> F
 
 
 def load_file(
-    path: str | os.PathLike[str], *, verify: bool = True, allow_pickle: bool = False
+    path: str | os.PathLike[str],
+    *,
+    verify: bool = True,
+    allow_pickle: bool = False,
+    dir_fd: int | None = None,
 ) -> tuple[Any, FileHeader]:
     """Map a checkpoint file and rebuild its state; returns ``(state, header)``.
 
@@ -247,10 +313,16 @@ def load_file(
     skeleton's first (a mismatch raises :class:`CheckpointCorruptError` naming the tensor). The
     header and skeleton are checked either way: a malformed file raises
     :class:`CheckpointCorruptError` saying what is wrong. The mapping is released when the last
-    tensor is.
+    tensor is. The header and the data are read through one descriptor, so a file replaced
+    under ``path`` meanwhile (an atomic save over it) is loaded whole, old or new, never mixed.
+    ``dir_fd``: as for :func:`open_file`.
     """
-    header = _trainguard_header(path)
-    mm = _map(header, mmap.ACCESS_COPY)
+    fd = open_file(path, dir_fd=dir_fd)
+    try:
+        header = _trainguard_header(fd, path)
+        mm = _map(fd, header, mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)  # the mapping holds the file
     return _rebuild(header, mm, verify=verify, allow_pickle=allow_pickle), header
 
 

@@ -19,8 +19,10 @@ parts. Every rank calls :func:`load_into` together; each attempt runs these step
                    them again and every rank starts over (a bad copy drops out of the holders,
                    so another holder, or an older complete iteration, is used next)
 
-Only then is the target filled in place (:func:`trainguard.checkpoint._reshard.fill`): a failed
-attempt leaves it untouched.
+The index's cover is checked right after step 2 (overlapping chunks or a region no chunk
+holds, in any sharded tensor: :class:`CheckpointCorruptError` on every rank, before anything is
+read). Only then is the target filled in place (:func:`trainguard.checkpoint._reshard.fill`):
+a failed attempt leaves it untouched.
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ def load_into(
         chosen = _pick(loader, merged, iteration)
         mine = {p.owner: p for p in parts if p.iteration == chosen.iteration}
         index = Index.from_headers(_headers(loader, chosen, mine))
+        # every rank built the same index, so every rank refuses alike, before anything is read
+        index.refuse_bad_cover(f"{loader.root}: iteration {chosen.iteration}")
         plain = loader.rank if loader.rank < chosen.saved_world else 0
         needed = _ranges(index.needed(into, plain_part=plain))
         fetched = _fetch(loader, chosen, needed, mine)
