@@ -78,7 +78,6 @@ class _Job(JobBase):
             replication=CliqueReplication(2, jump=1),
             timeout=60,
             live=os.environ.get("TG_TEST_LIVE", "1") == "1",
-            call=call,
         )
         job = self
 

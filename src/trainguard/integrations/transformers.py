@@ -129,9 +129,11 @@ class TrainguardCallback(LocalSchedule, TrainerCallback):
 
     - ``live``: recover from live state first (default True; False: local checkpoints only).
       The live state of ``root`` lives in this process across restart rounds (build the
-      callback anew every round with the same ``root``).
-    - ``call``: the round's :class:`~trainguard.restart.CallWrapper`; a restart then waits for
-      this rank's update to finish instead of tearing it.
+      callback anew every round with the same ``root``). The update is marked without the
+      round's ``call.atomic()``: the window spans two hooks, and a fault raised inside it on
+      this rank would leave the section open and the restart's abort waiting for it. A fault
+      on another rank that lands inside this rank's update tears it; it then receives the
+      state from an untorn replica (with every rank torn, the local checkpoint is used).
 
     Every rank must train the same replicated model (DDP): a spare receives a replica's state.
     """
@@ -142,12 +144,10 @@ class TrainguardCallback(LocalSchedule, TrainerCallback):
         every_n_steps: int,
         *,
         live: bool = True,
-        call: Any = None,
         **options: Any,
     ) -> None:
         super().__init__(root, every_n_steps, **options)
         self.live = bool(live)
-        self.call = call
         #: where :meth:`resume` found the state: "live", "local" or None (a fresh start)
         self.resumed_source: str | None = None
         self._update: Any = None
@@ -199,7 +199,7 @@ class TrainguardCallback(LocalSchedule, TrainerCallback):
         **kwargs: Any,
     ) -> None:
         if self.live:  # the update of step global_step: torn until on_step_end
-            self._update = live_for(self.root)[0].update(state.global_step, self.call)
+            self._update = live_for(self.root)[0].update(state.global_step)
             self._update.__enter__()
 
     def on_step_end(
