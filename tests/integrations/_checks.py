@@ -60,20 +60,26 @@ def run_both(make_job: Callable[[Path, bool], Any], out: str, ports: tuple[int, 
     return results
 
 
-def check_fault_run(results: list[RankResult], out: Path, steps: int) -> dict[str, Any]:
+def check_fault_run(
+    results: list[RankResult], out: Path, steps: int, resumed: tuple[int, int] = (4, 8)
+) -> dict[str, Any]:
     """The run with faults went as planned, and ended with the reference's weights.
 
-    Process 0 raised at step 6 of round 0 (round 1 resumed from step 4), process 1 was
-    SIGKILLed at step 10 of round 1, and the spare (process 2) took rank 1 in round 2, which
-    resumed from step 8 and ended at ``steps``. Returns process 0's values."""
+    Process 0 raised at step 6 of round 0 (round 1 resumed from ``resumed[0]``: step 4 from a
+    local checkpoint, 6 from live state), process 1 was SIGKILLed at step 10 of round 1, and
+    the spare (process 2) took rank 1 in round 2, which resumed from ``resumed[1]`` (8, or 10
+    from live state) and ended at ``steps``. Returns process 0's values."""
+    after_raise, after_kill = resumed
     assert (out / "faulty" / "killed").exists(), "the victim was not killed"
     assert results[1].exitcode == -9, results[1]
     values = {r.rank: r.get() for r in results if r.rank != 1}
     first, spare = values[0], values[2]
     rounds = [(r["round"], r["rank"], r["resumed"]) for r in first["faulty"]["rounds"]]
-    assert rounds == [(0, 0, None), (1, 0, 4), (2, 0, 8)], first["faulty"]["rounds"]
+    want = [(0, 0, None), (1, 0, after_raise), (2, 0, after_kill)]
+    assert rounds == want, first["faulty"]["rounds"]
     assert first["faulty"]["rounds"][-1]["step"] == steps
-    assert [(r["round"], r["rank"], r["resumed"]) for r in spare["faulty"]["rounds"]] == [(2, 1, 8)]
+    spare_rounds = [(r["round"], r["rank"], r["resumed"]) for r in spare["faulty"]["rounds"]]
+    assert spare_rounds == [(2, 1, after_kill)], spare["faulty"]["rounds"]
     assert spare["reference"]["rounds"] == []  # a spare that never trained
     assert [r["step"] for r in first["reference"]["rounds"]] == [steps]
     for final in (first["faulty"]["final"], spare["faulty"]["final"]):

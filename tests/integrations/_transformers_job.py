@@ -77,6 +77,7 @@ class _Job(JobBase):
             every_n_steps=EVERY,
             replication=CliqueReplication(2, jump=1),
             timeout=60,
+            live=os.environ.get("TG_TEST_LIVE", "1") == "1",
         )
         job = self
 
@@ -100,6 +101,7 @@ class _Job(JobBase):
         self.rounds.append({"round": call.round, "rank": call.rank})
         resume = callback.resume()
         self.rounds[-1]["resumed"] = callback.resumed_from
+        self.rounds[-1]["source"] = callback.resumed_source
         trainer.train(resume_from_checkpoint=resume)
         self.rounds[-1]["step"] = trainer.state.global_step
         return {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}

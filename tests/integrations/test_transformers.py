@@ -33,11 +33,25 @@ pytestmark = [
 
 
 @pytest.mark.timeout(300)
-def test_train_under_the_wrapper_survives_an_exception_and_a_sigkill(tmp_path: Path) -> None:
+@pytest.mark.parametrize("live", [True, False], ids=["live", "local_only"])
+def test_train_under_the_wrapper_survives_an_exception_and_a_sigkill(
+    tmp_path: Path, live: bool
+) -> None:
+    """By default the rounds resume from live state where the fault struck (steps 6 and 10:
+    nothing recomputed; the spare receives rank 1's state from rank 0); with ``live=False``
+    from the local checkpoints of steps 4 and 8. Both end bit-identical to the reference."""
     results = run_ranks(
-        job.transformers_job, 3, args=(str(tmp_path), (free_port(), free_port())), timeout=280
+        job.transformers_job,
+        3,
+        args=(str(tmp_path), (free_port(), free_port())),
+        timeout=280,
+        env={"TG_TEST_LIVE": "1" if live else "0"},
     )
-    check_fault_run(results, tmp_path, job.STEPS)
+    first = check_fault_run(results, tmp_path, job.STEPS, resumed=(6, 10) if live else (4, 8))
+    sources = [r["source"] for r in first["faulty"]["rounds"]]
+    assert sources == ([None, "live", "live"] if live else [None, "local", "local"]), sources
+    spare = results[2].get()["faulty"]["rounds"]
+    assert [r["source"] for r in spare] == ["live" if live else "local"], spare
 
 
 @pytest.mark.timeout(120)

@@ -56,7 +56,8 @@ def refuse_overwrite(directory: str, *, busy: bool = False) -> None:
         )
     if os.path.lexists(os.path.join(directory, MARKER)):
         raise CheckpointError(
-            f"{directory} is already a committed checkpoint and this save has overwrite=False: "
+            f"Checkpoint already exists: {directory} is already a committed checkpoint and this "
+            "save has overwrite=False: "
             "save to a new path, pass overwrite=True (the new checkpoint then replaces it only "
             f"once committed), or remove {directory} first"
         )

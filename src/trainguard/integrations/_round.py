@@ -20,6 +20,42 @@ if TYPE_CHECKING:
 
 _lock = threading.Lock()
 _open: list[Any] = []  # this process's checkpointers opened by an integration, oldest first
+_lives: dict[str, tuple[Any, Captured]] = {}  # root -> (LiveState, what it keeps), across rounds
+
+
+class Captured:
+    """What a framework callback's :class:`~trainguard.live.LiveState` keeps: the state of the
+    newest completed step as the framework resumes from it (the same dict a local checkpoint
+    of that step holds). Its tensors are the live ones (no copy): they stay at that step until
+    the next optimizer update, which runs inside ``live.update`` (torn until it ends)."""
+
+    def __init__(self) -> None:
+        self.part: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.part if self.part is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.part = state  # received from a replica (a spare, a torn or a lagging rank)
+
+
+def live_for(root: str) -> tuple[Any, Captured]:
+    """This process's live state of the callback writing under ``root``: made on first use and
+    kept across restart rounds (the callbacks are built anew every round), until
+    :func:`forget_live`."""
+    from trainguard.live import LiveState
+
+    with _lock:
+        if root not in _lives:
+            captured = Captured()
+            _lives[root] = (LiveState(trainer=captured, rng=False), captured)
+        return _lives[root]
+
+
+def forget_live(root: str) -> None:
+    """Drop the live state of ``root`` (the training ended: nothing left to recover)."""
+    with _lock:
+        _lives.pop(root, None)
 
 
 def track(resource: Any) -> Any:

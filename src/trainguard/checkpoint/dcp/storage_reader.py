@@ -59,6 +59,12 @@ def _close_all(fds: list[int]) -> None:
             os.close(fd)
 
 
+#: Classes a non-tensor value may hold beyond what ``weights_only`` allows by itself: a
+#: ``BytesIO`` (DCP's way to save raw bytes, e.g. a data loader's state) restores only its bytes,
+#: position and an attribute dict that the same restricted unpickler reads.
+_SAFE: list[Any] = [io.BytesIO]
+
+
 class StorageReader(storage.StorageReader):
     """A DCP storage reader for directories written by
     :class:`~trainguard.checkpoint.dcp.StorageWriter`.
@@ -74,7 +80,7 @@ class StorageReader(storage.StorageReader):
     Values that are not tensors (DCP saves each with ``torch.save``; its planner loads them
     with ``torch.load(weights_only=False)``, which runs whatever the pickle says) are first
     read here with ``torch.load(weights_only=True)``: numbers, strings, lists, dicts, tuples,
-    tensors and the classes given to ``torch.serialization.add_safe_globals``. The planner is
+    tensors, ``io.BytesIO`` and the classes given to ``torch.serialization.add_safe_globals``. The planner is
     then handed that value saved again, never the file's bytes; any other value raises
     :class:`CheckpointPickleError` naming it, unless ``allow_pickle`` (only for checkpoints
     you trust: unpickling runs code).
@@ -297,7 +303,8 @@ def _safe_bytes(raw: bytearray, file: str, entry: str) -> bytes:
     that ``torch.load(weights_only=True)`` reads from ``raw``: what the planner unpickles then
     holds only globals that reader allows. :class:`CheckpointPickleError` when it refuses."""
     try:
-        value = torch.load(io.BytesIO(raw), weights_only=True)
+        with torch.serialization.safe_globals(_SAFE):
+            value = torch.load(io.BytesIO(raw), weights_only=True)
     except Exception as exc:  # an unpickling error, a global weights_only refuses
         raise CheckpointPickleError(
             f"{file}: entry {entry!r} holds a value that torch.load(weights_only=True) refuses "

@@ -1,0 +1,78 @@
+"""The Hugging Face Trainer under ``trainguard launch``: no step lost to a SIGKILL with a spare.
+
+Three workers (2 active ranks and a spare) run the Trainer job of ``_transformers_job`` under
+the in-process restart Wrapper (``_launched_trainer.py``). Process 0 raises at step 6 of round
+0, process 1 SIGKILLs itself at step 10 of round 1; the launcher respawns it, the spare takes
+its rank. Both rounds resume from live state where the fault struck (6 and 10: nothing
+recomputed; the spare receives the state from rank 0), and the job ends with the weights of
+the same job launched without faults, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy
+import pytest
+
+from tests.launch._agents import ROOT, kill_all, leftovers
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+WORKER = str(Path(__file__).resolve().parent / "_launched_trainer.py")
+
+
+def _launch(out: Path, faults: bool) -> dict[int, list[dict[str, Any]]]:
+    """Run the job under ``trainguard launch``; every process's records, by process."""
+    out.mkdir()
+    run_id = f"tgtest-{uuid.uuid4().hex[:12]}"
+    env = dict(os.environ, TG_TEST_RUN=run_id, TRAINGUARD_EVENTS_DIR=str(out / "events"))
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "trainguard.launch", "--standalone", "--nproc-per-node=3"]
+    cmd += ["--max-restarts=1", "--monitor-interval=0.05", WORKER, str(out), str(int(faults))]
+    try:
+        done = subprocess.run(
+            cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=200, check=False
+        )
+    finally:
+        killed = kill_all(run_id)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
+    assert not killed and leftovers(run_id) == []
+    records: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted(out.glob("result-*.json")):
+        record = json.loads(path.read_text())
+        records.setdefault(record["process"], []).append(record)
+    return records
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_sigkill_with_a_spare_under_the_launcher_recomputes_no_step(tmp_path: Path) -> None:
+    reference = _launch(tmp_path / "reference", faults=False)
+    faulty = _launch(tmp_path / "faulty", faults=True)
+    assert (tmp_path / "faulty" / "killed").exists(), "the victim was not killed"
+
+    (first,) = faulty[0]
+    rounds = [(r["round"], r["rank"], r["resumed"], r["source"]) for r in first["rounds"]]
+    assert rounds == [(0, 0, None, None), (1, 0, 6, "live"), (2, 0, 10, "live")], rounds
+    assert first["rounds"][-1]["step"] == 16
+    (spare,) = faulty[2]
+    assert [(r["round"], r["rank"], r["resumed"], r["source"]) for r in spare["rounds"]] == [
+        (2, 1, 10, "live")
+    ], spare["rounds"]
+    respawned = [r for r in faulty[1] if r["incarnation"] == "1"]
+    assert len(respawned) == 1 and respawned[0]["final"] is None  # it waited as the spare
+
+    want = reference[0][0]["final"]
+    assert reference[0][0]["rounds"][-1]["step"] == 16
+    for final in (first["final"], spare["final"]):
+        assert sorted(final) == sorted(want)
+        for key, value in want.items():
+            assert numpy.array_equal(numpy.asarray(final[key]), numpy.asarray(value)), key
