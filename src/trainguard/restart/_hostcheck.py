@@ -1,7 +1,7 @@
 """A rank's side of attribution and quarantine (see :mod:`.quarantine`), for :mod:`._run`.
 
-Each round, on entering it, a rank reads the round's ``health`` (:mod:`._health`): the active
-rank 0 emits the attribution of the fault that ended the round before (``fault_attributed``)
+Each round, on entering it, a rank reads the round's ``health`` (:mod:`._health`): the first
+rank of the round (its active rank 0; the first spare in a round that ends the job) emits the attribution of the fault that ended the round before (``fault_attributed``)
 and the hosts taken out or let back, and rewrites the quarantine file; a rank whose host is
 out runs the probes before its next barrier and puts the result in its record. After the
 round, the cause of the exception the rank raised, first or not, goes in its next record.
@@ -60,7 +60,8 @@ class HostCheck:
         """Round ``ready`` was published and this rank entered it (``state``)."""
         health = Health.decode(ready.health)
         self.out = self.host in health.out
-        if not (state.active and state.rank == 0):
+        lead = ready.active or ready.spare  # its first rank reports (spares: a job that ends)
+        if not lead or lead[0] != state.initial_rank:
             return
         blame = health.blame
         if blame is not None:

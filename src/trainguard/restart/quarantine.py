@@ -23,7 +23,7 @@ The protocol, round by round:
    before each later barrier and puts the result in its barrier record; after ``readmit``
    consecutive rounds in which all its ranks passed, the host is back as a spare
    (``readmit=None`` or ``"never"``: it stays out for the rest of the job).
-4. The active rank 0 of each round writes the quarantined hosts to ``file`` (one a line, the
+4. The first rank of each round (active rank 0) writes the quarantined hosts to ``file`` (one a line, the
    scheduler's exclude list), and emits ``fault_attributed``, ``host_quarantined`` and
    ``host_readmitted`` events.
 
@@ -83,7 +83,12 @@ class Quarantine:
         self.window = seconds("Quarantine(window)", window)
         if readmit == "never":
             readmit = None
-        self.readmit = None if readmit is None else _count("readmit", readmit)
+        if readmit is not None and (type(readmit) is not int or readmit < 1):
+            raise ConfigError(
+                f"Quarantine(readmit={readmit!r}): pass an int >= 1 (passing probe rounds), or "
+                "None / 'never' to keep a quarantined host out"
+            )
+        self.readmit = readmit
         self.probe_timeout = seconds("Quarantine(probe_timeout)", probe_timeout)
         default: Sequence[Probe] = (MatmulProbe(), FreeSpaceProbe("/dev/shm", 64 << 20))
         users: Sequence[Probe]
