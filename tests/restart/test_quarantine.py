@@ -10,7 +10,7 @@ import pytest
 
 from tests._dist import run_ranks
 from tests.restart import _quarantine_jobs as jobs
-from trainguard import events
+from trainguard import events, report
 
 
 def _hosts(r: int) -> dict[str, str]:
@@ -52,6 +52,10 @@ def test_a_flaky_host_is_quarantined_after_two_faults_and_the_job_finishes_full(
     assert all("_quarantine_jobs.py:" in e["cause"] for e in blamed), blamed  # the place
     (taken,) = _events(tmp_path, "host_quarantined")
     assert taken["quarantined_host"] == "h1" and "2 faults within 3600 s" in taken["why"]
+    table = report.format_table(report.load(tmp_path))  # trainguard report's text
+    assert "faults by host: 1 host" in table, table
+    assert f"h1: 2 faults (2 counted): 2 x {kind} @ " in table, table
+    assert "; quarantined: 2 faults within 3600 s" in table, table
 
 
 def test_the_same_error_at_the_same_place_on_every_host_is_blamed_on_none(
@@ -76,6 +80,8 @@ def test_the_same_error_at_the_same_place_on_every_host_is_blamed_on_none(
     blamed = _events(tmp_path, "fault_attributed")
     assert len(blamed) == 3  # rounds 0, 1 and 2 (reported on entering the next)
     assert not any(e["counted"] for e in blamed[1:]), blamed  # seen on another host by then
+    table = report.format_table(report.load(tmp_path))
+    assert "counted against no host (the same cause on several hosts)" in table, table
 
 
 def test_a_host_is_kept_out_while_its_probe_fails_and_readmitted_as_a_spare(
