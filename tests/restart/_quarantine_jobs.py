@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,8 @@ def _sum_of_ones() -> int:
 
 
 def flaky_host(qfile: str, how: str) -> dict[str, Any]:
-    """4 ranks, 3 active: initial rank 1 faults (``how``: raises, or a NaN loss through
-    ``call.check_finite``) whenever it is active."""
+    """4 ranks, 3 active: initial rank 1 faults (``how``: raises, a NaN loss through
+    ``call.check_finite``, or hangs in a sleep past ``soft_timeout``) whenever it is active."""
 
     @tr.Wrapper(
         rank_assignment=tr.FillGaps(),
@@ -34,6 +35,9 @@ def flaky_host(qfile: str, how: str) -> dict[str, Any]:
         sidecar=False,
         barrier_timeout=60,
         completion_timeout=60,
+        soft_timeout=2,
+        heartbeat_interval=0.5,
+        heartbeat_timeout=5,
     )
     def train(call: tr.CallWrapper) -> dict[str, Any]:
         _rounds.append(call.round)
@@ -42,6 +46,8 @@ def flaky_host(qfile: str, how: str) -> dict[str, Any]:
         loss = torch.tensor(float("nan") if call.initial_rank == 1 else 0.5)
         if call.initial_rank == 1 and how == "raise":
             raise OSError("the GPU fell off the bus")
+        if call.initial_rank == 1 and how == "hang":
+            time.sleep(30)  # the watchdog ends it after soft_timeout
         call.check_finite(loss)
         return {"round": call.round, "rank": call.rank, "sum": total}
 
