@@ -142,3 +142,22 @@ def too_few_left(qfile: str) -> dict[str, Any]:
     except RetryLimitError as exc:
         return {"error": str(exc), "type": type(exc).__name__}
     return {"error": None}
+
+
+def dies(qfile: str) -> dict[str, Any]:
+    """3 ranks, 2 active: initial rank 1's process ends (``os._exit``) in round 0."""
+
+    @tr.Wrapper(
+        rank_assignment=tr.FillGaps(),
+        rank_filter=tr.MaxActiveWorldSize(2),
+        quarantine=tr.Quarantine(after=2, probes=[], file=qfile),
+        barrier_timeout=60,
+        completion_timeout=60,
+    )
+    def train(call: tr.CallWrapper) -> dict[str, Any]:
+        total = _sum_of_ones()
+        if call.initial_rank == 1:
+            os._exit(3)
+        return {"round": call.round, "rank": call.rank, "sum": total}
+
+    return {"value": train()}

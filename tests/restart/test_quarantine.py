@@ -119,3 +119,22 @@ def test_the_job_ends_naming_the_host_when_too_few_ranks_are_left(tmp_path: Path
         assert "h1: 2 faults within 3600 s" in res["error"], res
         assert "min_active_world_size=2" in res["error"], res
     assert qfile.read_text() == "h1\n"
+
+
+def test_a_death_is_blamed_on_the_host_the_rank_was_seen_on(tmp_path: Path) -> None:
+    results = run_ranks(
+        jobs.dies,
+        3,
+        args=(str(tmp_path / "exclude"),),
+        timeout=120,
+        env={"TRAINGUARD_EVENTS_DIR": str(tmp_path)},
+        rank_env=_hosts,
+    )
+    assert results[1].exitcode == 3, results[1]
+    assert results[0].get()["value"] == {"round": 1, "rank": 0, "sum": 2}
+    assert results[2].get()["value"] == {"round": 1, "rank": 1, "sum": 2}  # the spare
+    blamed = _events(tmp_path, "fault_attributed")
+    # the dead rank wrote no record of round 1: its host is the one it was seen on before
+    assert [(e["fault_host"], e["fault_rank"], e["fault_kind"]) for e in blamed] == [
+        ("h1", 1, "RankGone")
+    ], blamed
