@@ -81,10 +81,10 @@ class Health:
         """The state after one round: ``blame`` (its fault, attributed), ``raised`` (host ->
         causes its ranks raised), ``probes`` (quarantined host -> its present ranks' probe
         results: "ok", a failure, None when none ran), ``info`` (present rank -> host)."""
-        hosts = {h: set(rs) for h, rs in self.hosts.items()}
-        for r, host in info.items():
-            for rs in hosts.values():
-                rs.discard(r)
+        owner = {r: h for h, rs in self.hosts.items() for r in rs}
+        owner.update(info)  # where each rank is now (a respawned rank may have moved)
+        hosts: dict[str, set[int]] = {}
+        for r, host in owner.items():
             hosts.setdefault(host, set()).add(r)
         seen = [s for s in self.seen if s[2] >= now - window]
         for host, causes in raised.items():
