@@ -357,6 +357,7 @@ class WrappedCall:
         desc = describe(exc)
         if self.monitor.aborted_round == n:
             logger.debug("rank %d: %s after the round was aborted", self.launch.rank, desc)
+            self.raised = None  # the abort's consequence, not a cause to attribute
             return None
         kind = type(exc).__qualname__
         ended = self.preemption.failed(desc)  # after the stop was agreed: no restart
@@ -423,7 +424,6 @@ class WrappedCall:
         events.emit("outcome_wait", duration=time.monotonic() - start, what=what)
         return outcome
 
-    # the watchdog's side ------------------------------------------------------------------
     def _progress_state(self) -> tuple[int, bool, CallWrapper | None]:
         return self.state.round, bool(self.monitor and self.monitor.in_function), self.call
 
