@@ -139,3 +139,63 @@ def test_the_wrapper_takes_a_quarantine_only() -> None:
         tr.Wrapper(quarantine=2)  # type: ignore[arg-type]
     q = tr.Quarantine(after=3, window=60, readmit="never", health_check=lambda s: None)
     assert q.readmit is None and len(q.probes) == 3
+
+
+def test_a_death_notice_that_lays_out_the_round_keeps_the_quarantine() -> None:
+    """The sidecar's pickled Quarantine (without probes) and the record it follows: a host out
+    in round 1 stays out in round 2 when a death notice completes round 2's barrier, and the
+    death is blamed on the dead rank's host."""
+    import torch.distributed as dist
+
+    from tests.restart import _faults
+    from tests.restart.test_rejoin import TIMEOUTS
+    from trainguard.coord.keys import Keyspace
+    from trainguard.restart import _records
+    from trainguard.restart._book import RoundBook
+    from trainguard.restart._records import BarrierRecord
+    from trainguard.restart.sidecar import SidecarConfig
+    from trainguard.restart.sidecar._notice import write_notice
+    from trainguard.restart.state import RoundOutcome
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False)
+    keys = Keyspace("unit", 0, "s3cret")
+    wcfg = tr.WrapperConfig(
+        **{**_faults.TIMEOUTS, **TIMEOUTS},
+        rank_assignment=tr.FillGaps(),
+        rank_filter=tr.MaxActiveWorldSize(3),
+        quarantine=tr.Quarantine(after=1, probes=[lambda s: None]),
+    )
+    cfg = SidecarConfig.build(
+        wcfg, rank=3, world=4, keys=keys, addr=("127.0.0.1", store.port), log_dir=None
+    )
+    books = {
+        r: RoundBook(store, keys, 4, wcfg.policies, store_timeout=5.0, writer=r) for r in range(4)
+    }
+    for n in range(3):
+        store.set(keys.pg_addr(n), "127.0.0.1:1")
+
+    def barrier(n: int, ranks: tuple[int, ...]) -> _records.RoundLayout | None:
+        raw = None
+        for r in ranks:
+            books[r].record(n, r, BarrierRecord(r, f"h{r}", 0))
+            raw = books[r].arrive(n) or raw
+        return _records.layout(raw) if raw is not None else None
+
+    zero = barrier(0, (0, 1, 2, 3))
+    assert zero is not None and list(zero.active) == [0, 1, 2] and list(zero.spare) == [3]
+    for book in books.values():
+        book.enter(zero)
+    books[1].propose(0, RoundOutcome.fault(1, "OSError: ECC (/job/t.py:9 in f)", "OSError"))
+    one = barrier(1, (0, 1, 2, 3))
+    assert one is not None and list(one.active) == [0, 3, 2] and list(one.spare) == [1]
+    assert list((one.health or {})["out"]) == ["h1"]
+    for book in books.values():
+        book.enter(one)
+    # round 1: rank 2's process dies; the others arrive first, the notice completes the barrier
+    assert barrier(2, (0, 1, 3)) is None
+    write_notice(store, cfg, 2, 1, tuple(one.roster), "killed")
+    two = _records.layout(store.get(keys.ready(2)))
+    assert two.end is None and 1 not in two.active, two  # h1 is still out
+    blame = Health.decode(two.health).blame
+    assert blame is not None and (blame.host, blame.kind) == ("h2", "RankGone")
+    assert sorted(Health.decode(two.health).out) == ["h1", "h2"]  # h1 kept, h2 after=1
