@@ -199,3 +199,18 @@ def test_a_death_notice_that_lays_out_the_round_keeps_the_quarantine() -> None:
     blame = Health.decode(two.health).blame
     assert blame is not None and (blame.host, blame.kind) == ("h2", "RankGone")
     assert sorted(Health.decode(two.health).out) == ["h1", "h2"]  # h1 kept, h2 after=1
+
+
+def test_check_finite_sees_numbers_tensors_and_gradients() -> None:
+    import torch
+
+    from trainguard.restart.call import _non_finite
+
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    assert _non_finite((0.5, torch.ones(3), model.parameters(), torch.arange(3))) == ""
+    assert "value 0 is nan" in _non_finite((float("nan"),))
+    assert "1 non-finite entries" in _non_finite((torch.tensor([1.0, float("inf")]),))
+    assert model.weight.grad is not None
+    model.weight.grad[0, 1] = float("nan")
+    assert "parameter 0" in _non_finite((1.0, model.parameters()))
