@@ -42,7 +42,8 @@ VARIABLES: dict[str, str] = {
     "node (two requests per node per heartbeat interval, not two per rank); the same on every "
     "node; default '0'",
     "TRAINGUARD_HOST_NAME": "the host name a rank reports for the placement of local checkpoint "
-    "copies (CliqueReplication by host); default socket.gethostname()",
+    "copies (CliqueReplication by host) and to in-process restart (fault attribution, "
+    "Quarantine); default socket.gethostname()",
     "TRAINGUARD_OVERWRITE_KILL_AT": "tests only: SIGKILL this process when a checkpoint "
     "overwrite reaches this step (uncommitted, committed, old-moved, new-moved)",
     "TRAINGUARD_PREEMPTION_GRACE": "seconds from a SIGTERM (preemption) to the end of the job, "

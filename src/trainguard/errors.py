@@ -11,10 +11,14 @@ Every error the library raises on purpose derives from :class:`TrainguardError`:
     │   └── NodeLeftError        this node left a launched job: it was declared lost and
     │                            does not rejoin, or it stayed cut off from the store
     ├── RestartError             in-process restart could not continue (too few ranks, ...)
+    │   ├── NonFiniteError       call.check_finite found a non-finite loss or gradient on
+    │   │                        this rank (a fault of the round, attributed to its host)
     │   ├── JobEndedError        another rank ended the job (KeyboardInterrupt, SystemExit)
     │   ├── RetryLimitError      the job must stop: max_rounds or min_active_world_size of
     │   │                        RetryController hit, max_repeated_faults alike faults in a
     │   │                        row, or no active rank left
+    │   │   └── HostQuarantinedError  too few ranks left once the quarantined hosts
+    │   │                            were taken out (the error names them and why)
     │   ├── SidecarLostError     this rank's sidecar process died; the rank left the job
     │   └── StragglerError       this rank stayed much slower than the others; the
     │                            straggler policy took it out of the job
@@ -59,8 +63,10 @@ __all__ = [
     "CheckpointWriteError",
     "ConfigError",
     "CoordinationError",
+    "HostQuarantinedError",
     "JobEndedError",
     "NodeLeftError",
+    "NonFiniteError",
     "RestartError",
     "RetryLimitError",
     "SidecarLostError",
@@ -157,6 +163,15 @@ class JobEndedError(RestartError):
 
 class RetryLimitError(RestartError):
     """The retry controller stopped the job: too many rounds, or too few active ranks left."""
+
+
+class HostQuarantinedError(RetryLimitError):
+    """The job cannot go on without the quarantined hosts (too few ranks are left); the message
+    names each host and the faults that took it out."""
+
+
+class NonFiniteError(RestartError):
+    """``call.check_finite`` found a NaN or infinity on this rank: a fault of the round."""
 
 
 class SidecarLostError(RestartError):

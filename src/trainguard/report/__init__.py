@@ -51,6 +51,8 @@ from typing import Any
 
 from trainguard._subproc import exit_text
 from trainguard.report import _reinit
+from trainguard.report._hosts import lines as host_lines
+from trainguard.report._hosts import summary as host_summary
 from trainguard.report._launch import (
     is_rank,
     plural,
@@ -141,6 +143,8 @@ class Report:
     # saves whose tensors equal the previous save's (``ckpt_unchanged``), one per rank each
     failed_saves: int = 0
     unchanged_saves: int = 0
+    # faults per host, quarantined hosts (see trainguard.report._hosts.summary)
+    hosts: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -304,6 +308,7 @@ def analyze(events: list[dict[str, Any]]) -> Report:
         stragglers=straggler_summary(tl.events, t0),
         failed_saves=sum(1 for e in tl.events if e.get("kind") == "ckpt_failure"),
         unchanged_saves=sum(1 for e in tl.events if e.get("kind") == "ckpt_unchanged"),
+        hosts=host_summary(tl.events),
     )
 
 
@@ -374,5 +379,6 @@ def format_table(report: Report) -> str:
         )
     lines += section(report.launcher)
     lines += straggler_lines(report.stragglers)
+    lines += host_lines(report.hosts)
     lines += [f"note: {note}" for note in report.notes]
     return "\n".join(lines)

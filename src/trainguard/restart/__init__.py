@@ -27,6 +27,8 @@ from trainguard.restart.policy import (
     ShiftRanks,
 )
 from trainguard.restart.preempt import Preempted
+from trainguard.restart.probes import FreeSpaceProbe, FsyncProbe, MatmulProbe
+from trainguard.restart.quarantine import Quarantine
 from trainguard.restart.state import RestartInterrupt, RoundState
 from trainguard.restart.wrapper import CallWrapper, Wrapper
 
@@ -35,10 +37,14 @@ __all__ = [
     "CallWrapper",
     "Compose",
     "FillGaps",
+    "FreeSpaceProbe",
+    "FsyncProbe",
     "GroupedByKey",
     "Layout",
+    "MatmulProbe",
     "MaxActiveWorldSize",
     "Preempted",
+    "Quarantine",
     "RestartInterrupt",
     "RetryController",
     "RoundState",

@@ -55,13 +55,14 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from trainguard.coord import barrier
 from trainguard.coord.keys import Keyspace, encode
 from trainguard.coord.store import StoreLike, parse_addr, probe
 from trainguard.errors import ConfigError, CoordinationError, RetryLimitError
-from trainguard.restart import _records
+from trainguard.restart import _health, _records
 from trainguard.restart._records import BarrierRecord, RoundLayout
 from trainguard.restart._repeat import Repeats
 from trainguard.restart.policy._round import RoundPolicies
@@ -106,6 +107,7 @@ class RoundBook:
         previous_roster: the roster of the round before (whose keys are deleted).
         gone: initial ranks that left the job -> why, as of the last published round.
         repeats: the run of rounds that failed the same way, as of the last published round.
+        health: the hosts' record (:mod:`._health`), as of the last published round.
         pooled: the records are pooled in one value per round (see the module docstring).
     """
 
@@ -121,6 +123,7 @@ class RoundBook:
     gone: dict[int, str] = dataclasses.field(init=False, default_factory=dict)
     repeats: Repeats = dataclasses.field(init=False, default_factory=Repeats)
     stale: str | None = dataclasses.field(init=False, default=None)
+    health: Mapping[str, Any] | None = dataclasses.field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.roster = self.roster or _records.Ranks(((0, self.world - 1),))  # O(1), not O(N)
@@ -185,6 +188,7 @@ class RoundBook:
         self.roster = ready.roster
         self.gone = dict(ready.gone)
         self.repeats = ready.repeats
+        self.health = ready.health
         if self.writer >= 0 and ready.round > 0 and not self.pooled:  # pooled: one key
             self.stale = self.keys.member(ready.round - 1, self.writer)
 
@@ -238,18 +242,26 @@ class RoundBook:
                 present.add(r)
                 info[r] = {"host": rec.host, "local_rank": str(rec.local_rank)}
         admitted = self._admit(n, gone, present, info, found) if gone else []
+        outcome = (
+            RoundOutcome.decode(raw)
+            if n > 0 and (raw := peek(self.store, self.keys.stop(n - 1)))
+            else None
+        )
+        health, excluded = _health.judge_round(
+            self.health, self.policies.quarantine, outcome, found, info, time.time()
+        )
         layout = Layout.start(
             round=n,
             initial_world_size=self.world,
             previous=self.roster,
             present=present,
             info=info,
-        )
+        ).replace(excluded=excluded)
         end = None
         try:
             layout = self.policies.apply(layout)
         except RetryLimitError as exc:
-            end = str(exc)
+            end = _health.ended(str(exc), health)
         except Exception as exc:
             end = f"a rank assignment or filter policy raised {type(exc).__name__}: {exc}"
         repeats = self.repeats.after(faults, progress)
@@ -264,6 +276,7 @@ class RoundBook:
             pg=pg.decode(),
             end=end,
             repeats=repeats,
+            health=health or None,
         )
         return published.encode(), admitted
 

@@ -15,6 +15,9 @@ store's traffic. :func:`layout` returns them as :class:`Ranks`: sequences read f
 without expanding them, so that reading a layout costs a rank O(runs), not O(ranks) (a rank
 looks up its own place, the round's size, a few members; only code that walks every rank, as
 the layout writer does, pays for every rank).
+
+Over 400 lines: the two record types and their readers stay together, so that each field's
+encoding and its check on reading are side by side.
 """
 
 from __future__ import annotations
@@ -201,6 +204,10 @@ def _optional_str(value: object) -> bool:
     return value is None or isinstance(value, str)
 
 
+def _str_or_none(value: object) -> str | None:
+    return value[:2000] if isinstance(value, str) else None
+
+
 def _is_rank(value: object) -> bool:
     return _is_int(value) and isinstance(value, int) and value >= 0
 
@@ -229,6 +236,7 @@ class RoundLayout:
         pg: the round store's ``host:port`` ("" when no rank is present).
         end: why the job ends at this round (a retry limit, a repeated fault), or None.
         repeats: the run of rounds that failed the same way (:mod:`._repeat`).
+        health: the hosts' record with a quarantine (:mod:`._health`'s JSON), else None.
     """
 
     round: int
@@ -239,6 +247,7 @@ class RoundLayout:
     pg: str = ""
     end: str | None = None
     repeats: Repeats = dataclasses.field(default_factory=Repeats)
+    health: Mapping[str, Any] | None = None
 
     @property
     def roster(self) -> Sequence[int]:
@@ -251,8 +260,10 @@ class RoundLayout:
 
     def encode(self) -> bytes:
         """The JSON that the store holds (rank lists as runs, :func:`runs`)."""
+        doc: dict[str, Any] = {"health": self.health} if self.health is not None else {}
         return encode(
             {
+                **doc,
                 "round": self.round,
                 "active": runs(list(self.active)),
                 "spare": runs(list(self.spare)),
@@ -281,6 +292,9 @@ class BarrierRecord:
         leave: why it leaves the job, or None when it stays.
         fault: its fault that ended the round before, if it was the first.
         progress: whether it made progress in the round before (None: not said).
+        raised: the cause of its own exception in the round before, first or not
+            (:func:`~trainguard.restart._attribution.cause_of`), for attribution.
+        probe: its health probes' result while its host is quarantined ("ok" or the failure).
     """
 
     rank: int
@@ -289,6 +303,8 @@ class BarrierRecord:
     leave: str | None = None
     fault: str | None = None
     progress: bool | None = None
+    raised: str | None = None
+    probe: str | None = None
 
     @classmethod
     def departure(cls, rank: int, cause: str) -> BarrierRecord:
@@ -306,6 +322,9 @@ class BarrierRecord:
         }
         if self.progress is not None:
             doc["progress"] = self.progress
+        for name in ("raised", "probe"):  # left out when not set
+            if getattr(self, name) is not None:
+                doc[name] = getattr(self, name)
         return encode(doc)
 
     @classmethod
@@ -334,6 +353,7 @@ def layout(raw: bytes | str) -> RoundLayout:
                 pg=doc["pg"],
                 end=doc.get("end"),
                 repeats=Repeats.decode(doc.get("repeats")),
+                health=health if isinstance(health := doc.get("health"), dict) else None,
             )
         problem = "bad " + ", ".join(bad)
     else:
@@ -381,5 +401,7 @@ def _checked(doc: object) -> BarrierRecord | None:
             leave=doc.get("leave"),
             fault=doc.get("fault"),
             progress=progress if isinstance(progress, bool) else None,
+            raised=_str_or_none(doc.get("raised")),
+            probe=_str_or_none(doc.get("probe")),
         )
     return None

@@ -34,6 +34,7 @@ from trainguard import _progress, events
 from trainguard.errors import BarrierTimeoutError, JobEndedError, RetryLimitError
 from trainguard.restart import _diagnose
 from trainguard.restart import _environment as _launch
+from trainguard.restart._hostcheck import HostCheck, end_error, raised_cause
 from trainguard.restart._interrupt import Kick
 from trainguard.restart._preconnect import Preconnect
 from trainguard.restart._records import RoundLayout
@@ -77,6 +78,7 @@ class WrappedCall:
         self.entered = False  # this process entered a round (a newcomer may never)
         self.round_store: str | None = None  # the round store's "host:port" (ready.pg)
         self.raised: Exception | None = None  # what the function raised in this round
+        self.hosts = HostCheck(cfg.quarantine, self.session.host)  # attribution, quarantine
         self.state = RoundState(
             round=0, initial_rank=self.launch.rank, initial_world_size=self.launch.world_size
         )
@@ -190,8 +192,7 @@ class WrappedCall:
         if kick is not None:
             kick.restore()
         self.preemption.uninstall()
-        barrier_timeout = self.cfg.barrier_timeout
-        timeout = barrier_timeout if finished else min(10.0, barrier_timeout)
+        timeout = self.cfg.barrier_timeout if finished else min(10.0, self.cfg.barrier_timeout)
         self.session.close(early=self.left_early, timeout=timeout)
         self.monitor = None
 
@@ -214,6 +215,7 @@ class WrappedCall:
                     leaving=describe(leaving) if leaving else None,
                     fault=fault,
                     progress=progress,
+                    **self.hosts.record(self.state),
                 )
             if ready is None:
                 assert leaving is not None
@@ -223,6 +225,7 @@ class WrappedCall:
             outcome, value, fault = self._round(n, ready)
             raised, self.raised = self.raised, None
             _diagnose.check_raised(self.launch.rank, n, raised, outcome)
+            self.hosts.raised = raised_cause(raised)  # first or not, for the attribution
             del raised  # its traceback holds the round's frames (and its process group)
             if self.preconnect is not None:
                 self.preconnect.forget(n)
@@ -274,10 +277,11 @@ class WrappedCall:
         if self.sidecar is not None:
             self.sidecar.send({"round": n, "roster": list(self.session.roster)})
         events.set_context(round=n)
+        self.hosts.enter(ready, self.state)
         if ready.end:
             causes = {**self.state.gone, **self.state.faults}
             lost = "; ".join(f"rank {r}: {why}" for r, why in sorted(self.state.gone.items()))
-            raise RetryLimitError(
+            raise end_error(ready.end)(
                 ready.end + (f"; ranks lost: {lost}" if lost else ""), causes=causes
             )
         events.emit(
@@ -354,6 +358,7 @@ class WrappedCall:
         desc = describe(exc)
         if self.monitor.aborted_round == n:
             logger.debug("rank %d: %s after the round was aborted", self.launch.rank, desc)
+            self.raised = None  # the abort's consequence, not a cause to attribute
             return None
         kind = type(exc).__qualname__
         ended = self.preemption.failed(desc)  # after the stop was agreed: no restart
@@ -420,10 +425,8 @@ class WrappedCall:
         events.emit("outcome_wait", duration=time.monotonic() - start, what=what)
         return outcome
 
-    # the watchdog's side ------------------------------------------------------------------
     def _progress_state(self) -> tuple[int, bool, CallWrapper | None]:
-        monitor = self.monitor
-        return self.state.round, bool(monitor is not None and monitor.in_function), self.call
+        return self.state.round, bool(self.monitor and self.monitor.in_function), self.call
 
     def _take_out(self) -> BaseException | None:
         take_out = self.cfg.stragglers.take_out if self.cfg.stragglers else None
@@ -433,7 +436,6 @@ class WrappedCall:
         lost = self.watchdog.loss() if self.watchdog is not None else None
         return _diagnose.sidecar_lost(self.launch.rank, lost) if lost is not None else None
 
-    # helpers ------------------------------------------------------------------------------
     def _hook(self, name: str, state: RoundState, hook: Any = None) -> BaseException | None:
         return _diagnose.run_hook(name, hook or getattr(self.cfg, name), state)
 

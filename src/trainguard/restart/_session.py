@@ -57,7 +57,7 @@ class Session:
         self.keys = Keyspace(launch.job, call)
         self.irank = launch.rank
         self.world = launch.world_size
-        self.host = socket.gethostname()
+        self.host = _env.settings().host_name or socket.gethostname()
         self.book: RoundBook | None = None
         self.watch_store: StoreLike | None = None
         self.relay: RelayReader | None = None
@@ -223,19 +223,36 @@ class Session:
 
     # barrier ------------------------------------------------------------------------------
     def barrier(
-        self, n: int, *, leaving: str | None, fault: str | None, progress: bool = False
+        self,
+        n: int,
+        *,
+        leaving: str | None,
+        fault: str | None,
+        progress: bool = False,
+        raised: str | None = None,
+        probe: str | None = None,
     ) -> RoundLayout | None:
         """Round ``n``'s barrier (see :mod:`._book`); returns the published round (None for a
         leaving rank). ``fault``: this rank's fault that ended round ``n-1``, if it was the
-        first; ``progress``: this rank made progress in round ``n-1``."""
+        first; ``progress``: this rank made progress in round ``n-1``; ``raised``, ``probe``:
+        see :class:`~._records.BarrierRecord`."""
         start = time.monotonic()
-        raw = self.arrive(n, leaving=leaving, fault=fault, progress=progress)
+        raw = self.arrive(
+            n, leaving=leaving, fault=fault, progress=progress, raised=raised, probe=probe
+        )
         if leaving is not None:
             return None
         return self.take(n, raw, start)
 
     def arrive(
-        self, n: int, *, leaving: str | None, fault: str | None, progress: bool = False
+        self,
+        n: int,
+        *,
+        leaving: str | None,
+        fault: str | None,
+        progress: bool = False,
+        raised: str | None = None,
+        probe: str | None = None,
     ) -> bytes | None:
         """The first half of :meth:`barrier`: this rank's record and its count (or its record
         handed to its node watcher, which arrives for it). Returns the published round when
@@ -243,7 +260,7 @@ class Session:
         for it)."""
         book = self.book
         assert book is not None
-        record = self._record(leaving, fault, progress)
+        record = self._record(leaving, fault, progress, raised, probe)
         if self._through_node(n, record, leaving):
             return None
         found = book.record(n, self.irank, record)
@@ -342,7 +359,14 @@ class Session:
         book.enter(ready)
         return joined
 
-    def _record(self, leaving: str | None, fault: str | None, progress: bool) -> BarrierRecord:
+    def _record(
+        self,
+        leaving: str | None,
+        fault: str | None,
+        progress: bool,
+        raised: str | None = None,
+        probe: str | None = None,
+    ) -> BarrierRecord:
         return BarrierRecord(
             rank=self.irank,
             host=self.host,
@@ -350,6 +374,8 @@ class Session:
             leave=leaving,
             fault=fault,
             progress=progress,
+            raised=raised,
+            probe=probe,
         )
 
     def _declared_gone(self, n: int, why: str | None) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import time
 import typing
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from trainguard import _progress
 from trainguard.coord.store import StoreLike, connect, parse_addr
+from trainguard.errors import NonFiniteError
 from trainguard.restart._preconnect import claim
 from trainguard.restart.monitor import Monitor
 from trainguard.restart.preempt import Preemption
@@ -136,8 +138,45 @@ class CallWrapper:
         """
         return self._monitor.atomic()
 
+    def check_finite(self, *values: Any, what: str = "loss") -> None:
+        """Raise :class:`~trainguard.errors.NonFiniteError` if any of ``values`` (tensors,
+        numbers, or iterables of parameters, whose ``.grad`` is checked) holds a NaN or an
+        infinity on this rank: call it on every active rank, e.g. on the local loss before
+        ``backward()``, or on ``model.parameters()`` before the gradients' all-reduce.
+
+        Local only (no collective): the fault is this rank's, attributed to its host like any
+        other and recovered by a restart, before the numbers spread to every rank. When every
+        host raises it at the same place, it is the model's numbers, not a bad node: the
+        quarantine counts it against no host (:mod:`trainguard.restart.quarantine`).
+        """
+        bad = _non_finite(values)
+        if bad:
+            raise NonFiniteError(
+                f"rank {self.rank} (initial {self.initial_rank}): non-finite {what} in "
+                f"round {self.round}: {bad}"
+            )
+
     def _close(self) -> None:
         self._store = None
+
+
+def _non_finite(values: tuple[Any, ...]) -> str:
+    """A description of the first non-finite value among ``values``, "" when all are finite."""
+    import torch
+
+    for i, value in enumerate(values):
+        if isinstance(value, (int, float)):
+            if not math.isfinite(value):
+                return f"value {i} is {value}"
+        elif isinstance(value, torch.Tensor):
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                return f"value {i}: {int((~torch.isfinite(value)).sum())} non-finite entries"
+        else:
+            for j, p in enumerate(value):
+                grad = getattr(p, "grad", None)
+                if grad is not None and not bool(torch.isfinite(grad).all()):
+                    return f"value {i}: the gradient of parameter {j} is not finite"
+    return ""
 
 
 def call_param(fn: Callable[..., Any]) -> str | None:

@@ -20,6 +20,7 @@ from trainguard.errors import ConfigError
 from trainguard.restart.policy._round import Policy, RoundPolicies
 from trainguard.restart.policy.assignment import ShiftRanks
 from trainguard.restart.policy.retry import RetryController
+from trainguard.restart.quarantine import Quarantine
 from trainguard.restart.state import RoundState
 from trainguard.stragglers.config import Stragglers
 
@@ -109,6 +110,9 @@ class WrapperConfig:
         preemption_grace: the budget from a SIGTERM to the end of the call, for stopping at an
             agreed step and saving it (:mod:`trainguard.restart.preempt`; None: the
             ``TRAINGUARD_PREEMPTION_GRACE`` variable, else 60 s). Read back as float seconds.
+        quarantine: a :class:`~trainguard.restart.Quarantine`: take a host that keeps
+            faulting out of the job and probe it before it comes back (None: faults are
+            attributed to hosts in the events, nobody is taken out).
 
     Once built, ``rank_assignment`` is never None (:class:`ShiftRanks` by default), ``retry``
     holds the controller that ``max_rounds`` stands for, and :attr:`policies` bundles the
@@ -137,6 +141,7 @@ class WrapperConfig:
     sidecar: bool = True
     stragglers: Stragglers | None = None
     preemption_grace: Timeout | None = None
+    quarantine: Quarantine | None = None
     #: rank assignment, rank filter and retry controller, as the round layout applies them.
     policies: RoundPolicies = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -176,7 +181,12 @@ class WrapperConfig:
 
             grace = _env.settings().preemption_grace
         object.__setattr__(self, "preemption_grace", seconds("preemption_grace", grace))
-        policies = RoundPolicies(assignment, self.rank_filter, retry, repeats)
+        if self.quarantine is not None and not isinstance(self.quarantine, Quarantine):
+            raise ConfigError(
+                f"quarantine={self.quarantine!r}: pass trainguard.restart.Quarantine(after=..., "
+                "window=...)"
+            )
+        policies = RoundPolicies(assignment, self.rank_filter, retry, repeats, self.quarantine)
         object.__setattr__(self, "policies", policies)
 
     def _check_order(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 from trainguard.errors import RetryLimitError
 from trainguard.restart.policy.assignment import ShiftRanks
@@ -28,6 +29,9 @@ class RoundPolicies:
     rank_filter: Policy | None = None
     retry: RetryController | None = None
     max_repeated_faults: int | None = 3
+    #: a :class:`~trainguard.restart.quarantine.Quarantine` (typed loosely: this package
+    #: does not import the restart package above it), or None.
+    quarantine: Any = None
 
     def apply(self, layout: Layout) -> Layout:
         """Assignment, then filter, then the retry controller.

@@ -251,3 +251,4 @@ class NodeArrival:
         ready = _records.layout(raw)
         book.gone = dict(ready.gone)
         book.repeats = ready.repeats
+        book.health = ready.health

@@ -122,6 +122,7 @@ def follow(book: RoundBook, n: int) -> None:
         ready = _records.layout(raw)
         book.gone = dict(ready.gone)
         book.repeats = ready.repeats
+        book.health = ready.health
 
 
 def _awaits_return(store: StoreLike, cfg: SidecarConfig, r: int, n: int, cause: str) -> bool:

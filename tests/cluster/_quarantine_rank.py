@@ -1,0 +1,54 @@
+"""One rank of a wrapped job on an emulated host, for the quarantine test: 3 ranks, 2 active,
+the rank on the second host raises whenever it is active.
+
+Run as ``python tests/cluster/_quarantine_rank.py OUT_DIR`` with RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT set; writes ``OUT_DIR/result-<rank>.json`` (the rounds its function
+ran in, its last value). The host name is the host's own (``socket.gethostname()``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
+
+
+def main(out_dir: str) -> None:
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    import trainguard.restart as tr
+
+    rank = int(os.environ["RANK"])
+    out = Path(out_dir)
+    rounds: list[int] = []
+
+    @tr.Wrapper(
+        rank_assignment=tr.FillGaps(),
+        rank_filter=tr.MaxActiveWorldSize(2),
+        quarantine=tr.Quarantine(after=2, probes=[], file=out / "exclude"),
+        barrier_timeout=60,
+        store_timeout=20,
+    )
+    def train(call: tr.CallWrapper) -> dict[str, Any]:
+        rounds.append(call.round)
+        call.ping()
+        dist.init_process_group("gloo")
+        ones = torch.ones(1)
+        dist.all_reduce(ones)
+        if socket.gethostname() == "h2":
+            raise OSError("the NIC dropped the link")
+        return {"round": call.round, "rank": call.rank, "sum": int(ones.item())}
+
+    value = train()
+    out.joinpath(f"result-{rank}.json").write_text(json.dumps({"rounds": rounds, "value": value}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
