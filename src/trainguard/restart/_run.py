@@ -362,8 +362,7 @@ class WrappedCall:
             return None
         if self.session.stop(n, RoundOutcome.fault(self.launch.rank, desc, kind)):
             logger.warning("rank %d: fault in round %d: %s", self.launch.rank, n, brief(desc))
-            if brief(desc) != desc:
-                logger.debug("rank %d: fault in round %d, in full: %s", self.launch.rank, n, desc)
+            logger.debug("rank %d: the fault in full: %s", self.launch.rank, desc)
             events.emit("fault", error=desc, type=kind)
             return desc
         logger.debug("rank %d: %s after another rank's fault", self.launch.rank, desc)
