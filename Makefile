@@ -26,9 +26,9 @@ $(VENV)/.demo-installed: pyproject.toml
 	@echo "make demo: setting up $(VENV) with what the demo needs: $(TORCH_PIN) (CPU build), trainguard (editable) with xxhash and matplotlib"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "make demo: installing $(TORCH_PIN)..."
-	$(PY) -m pip install -q --progress-bar off --no-compile $(TORCH_PIN)
+	$(PY) -m pip install -q --progress-bar off $(TORCH_PIN)
 	@echo "make demo: installing trainguard with its [demo] extra (xxhash, matplotlib)..."
-	$(PY) -m pip install -q --progress-bar off --no-compile -e '.[demo]'
+	$(PY) -m pip install -q --progress-bar off -e '.[demo]'
 	@echo "make demo: installed; starting the demo"
 	touch $@
 
