@@ -21,14 +21,18 @@ $(VENV)/.installed: pyproject.toml
 	touch $(VENV)/.demo-installed $@
 
 # the demo's environment: torch (CPU), xxhash, matplotlib for the timeline and the package itself,
-# nothing else (`make test` adds the dev tools to the same .venv later)
+# nothing else (`make test` adds the dev tools to the same .venv later). Byte-compiled by one
+# import of what the demo uses, not all of torch at install (3x the time here); without the
+# import each demo process would compile torch on every run where PYTHONDONTWRITEBYTECODE is set.
 $(VENV)/.demo-installed: pyproject.toml
 	@echo "make demo: setting up $(VENV) with what the demo needs: $(TORCH_PIN) (CPU build), trainguard (editable) with xxhash and matplotlib"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "make demo: installing $(TORCH_PIN)..."
-	$(PY) -m pip install -q --progress-bar off $(TORCH_PIN)
+	$(PY) -m pip install -q --progress-bar off --no-compile $(TORCH_PIN)
 	@echo "make demo: installing trainguard with its [demo] extra (xxhash, matplotlib)..."
-	$(PY) -m pip install -q --progress-bar off -e '.[demo]'
+	$(PY) -m pip install -q --progress-bar off --no-compile -e '.[demo]'
+	@echo "make demo: compiling the modules the demo imports..."
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -c 'import matplotlib.pyplot, torch.distributed, trainguard.demo.worker, trainguard.demo.runner'
 	@echo "make demo: installed; starting the demo"
 	touch $@
 
