@@ -21,9 +21,9 @@ $(VENV)/.installed: pyproject.toml
 	touch $(VENV)/.demo-installed $@
 
 # the demo's environment: torch (CPU), xxhash, matplotlib for the timeline and the package itself,
-# nothing else (`make test` adds the dev tools to the same .venv later). Byte-compiled by one
-# import of what the demo uses, not all of torch at install (3x the time here); without the
-# import each demo process would compile torch on every run where PYTHONDONTWRITEBYTECODE is set.
+# nothing else (`make test` adds the dev tools to the same .venv later). Byte-compiled after the
+# installs on every core (pip compiles on one); never compiled, each demo process would compile
+# torch on every run where PYTHONDONTWRITEBYTECODE is set (as here).
 $(VENV)/.demo-installed: pyproject.toml
 	@echo "make demo: setting up $(VENV) with what the demo needs: $(TORCH_PIN) (CPU build), trainguard (editable) with xxhash and matplotlib"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,8 +31,8 @@ $(VENV)/.demo-installed: pyproject.toml
 	$(PY) -m pip install -q --progress-bar off --no-compile $(TORCH_PIN)
 	@echo "make demo: installing trainguard with its [demo] extra (xxhash, matplotlib)..."
 	$(PY) -m pip install -q --progress-bar off --no-compile -e '.[demo]'
-	@echo "make demo: compiling the modules the demo imports..."
-	env -u PYTHONDONTWRITEBYTECODE $(PY) -c 'import matplotlib.pyplot, torch.distributed, trainguard.demo.worker, trainguard.demo.runner'
+	@echo "make demo: byte-compiling them on every core..."
+	$(PY) -m compileall -q -j 0 src "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null
 	@echo "make demo: installed; starting the demo"
 	touch $@
 
