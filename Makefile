@@ -12,10 +12,28 @@ PYTEST_ARGS ?= -n 2 --dist loadgroup
 
 .PHONY: test lint format bench demo clean soak-test compat gpu-check
 
+# the tests' and tools' environment: the package with every dev tool and framework (pytest, ruff,
+# mypy, Lightning, transformers; about 3-4 min the first time). It also satisfies the demo's.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -e '.[dev]'
+	touch $(VENV)/.demo-installed $@
+
+# the demo's environment: torch (CPU), xxhash, matplotlib for the timeline and the package itself,
+# nothing else (`make test` adds the dev tools to the same .venv later). Byte-compiled after the
+# installs on every core (pip compiles on one); never compiled, each demo process would compile
+# torch on every run where PYTHONDONTWRITEBYTECODE is set (as here).
+$(VENV)/.demo-installed: pyproject.toml
+	@echo "make demo: setting up $(VENV) with what the demo needs: $(TORCH_PIN) (CPU build), trainguard (editable) with xxhash and matplotlib"
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "make demo: installing $(TORCH_PIN)..."
+	$(PY) -m pip install -q --progress-bar off --no-compile $(TORCH_PIN)
+	@echo "make demo: installing trainguard with its [demo] extra (xxhash, matplotlib)..."
+	$(PY) -m pip install -q --progress-bar off --no-compile -e '.[demo]'
+	@echo "make demo: byte-compiling them on every core..."
+	$(PY) -m compileall -q -j 0 src "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true
+	@echo "make demo: installed; starting the demo"
 	touch $@
 
 test: $(VENV)/.installed
@@ -31,9 +49,10 @@ format: $(VENV)/.installed
 	$(VENV)/bin/ruff check --fix src tests bench examples
 	$(VENV)/bin/ruff format src tests bench examples
 
-# the demo: 4 ranks + 1 spare train through injected faults; DEMO_ARGS="--help" lists the flags
+# the demo: 4 ranks + 1 spare train through injected faults; DEMO_ARGS="--help" lists the flags.
+# It needs only its own install (about a minute from nothing), not the dev tools.
 DEMO_ARGS ?=
-demo: $(VENV)/.installed
+demo: $(VENV)/.demo-installed
 	$(VENV)/bin/trainguard demo $(DEMO_ARGS)
 
 bench: $(VENV)/.installed

@@ -135,9 +135,10 @@ def test_missing_paths_fail_clearly(tmp_path: Path) -> None:
 def test_verify_a_whole_root_reports_every_problem(root: Path) -> None:
     out = _cli("verify", str(root))
     assert out.returncode == 1
-    assert out.stdout.count("FAIL") == 2 and out.stdout.rstrip().endswith(
-        "2 problem(s) in 15 file(s)"
+    assert out.stdout.count("FAIL") == 1 and out.stdout.rstrip().endswith(
+        "1 problem(s) in 15 file(s); 1 uncommitted save(s) ignored"
     )
+    assert f"UNCOMMITTED {root / 'uncommitted'}: no COMMITTED marker" in out.stdout
 
 
 def test_local_root_lists_iterations_and_checks_every_replica(root: Path, tmp_path: Path) -> None:
@@ -157,3 +158,63 @@ def test_local_root_lists_iterations_and_checks_every_replica(root: Path, tmp_pa
         f.write(bytes([last[0] ^ 0x01]))
     out = _cli("verify", str(node))
     assert out.returncode == 1 and f"FAIL {replica}" in out.stdout
+
+
+def test_an_uncommitted_save_under_a_root_is_named_and_not_a_problem(
+    root: Path, tmp_path: Path
+) -> None:
+    """A root with committed checkpoints and one save a crash cut short (no marker): verify
+    says which save is uncommitted and why, exits 0 when everything committed is sound, and 1
+    when the uncommitted save is the checkpoint asked about."""
+    ckpts = tmp_path / "ckpt"
+    ckpts.mkdir()
+    shutil.copytree(root / "multi", ckpts / "step_000050")
+    shutil.copytree(root / "uncommitted", ckpts / "step_000100")
+    out = _cli("verify", str(ckpts))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "FAIL" not in out.stdout
+    assert (
+        f"UNCOMMITTED {ckpts / 'step_000100'}: no COMMITTED marker: a save that did not finish"
+        in out.stdout
+    )
+    assert out.stdout.rstrip().endswith("4 file(s) verified; 1 uncommitted save(s) ignored")
+    out = _cli("verify", str(ckpts / "step_000100"))
+    assert out.returncode == 1
+    assert f"FAIL {ckpts / 'step_000100'}: uncommitted, no COMMITTED marker" in out.stdout
+    # a damaged part of the uncommitted save is still a problem
+    part = next((ckpts / "step_000100").glob("rank00001.*"))
+    part.write_bytes(part.read_bytes()[:-100])
+    out = _cli("verify", str(ckpts))
+    assert out.returncode == 1 and f"FAIL {part}" in out.stdout
+
+
+@pytest.mark.parametrize("which", ["rank00000", "rank00001"])
+def test_show_fails_on_a_truncated_part(root: Path, tmp_path: Path, which: str) -> None:
+    """Any part of a multi-rank checkpoint cut short (the first, which show prints, or another)
+    makes show fail and name the file and the truncation."""
+    copy = tmp_path / "multi"
+    shutil.copytree(root / "multi", copy)
+    part = next(copy.glob(f"{which}.*"))
+    part.write_bytes(part.read_bytes()[:-100])
+    out = _cli("show", str(copy))
+    assert out.returncode == 1, out.stdout
+    assert out.stderr.startswith(f"cannot read {part}: "), out.stderr
+    assert "truncated: entry " in out.stderr and "the file was cut short" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_show_fails_cleanly_on_a_truncated_torch_file(root: Path, tmp_path: Path) -> None:
+    cut = tmp_path / "legacy.pt"
+    cut.write_bytes((root / "legacy.pt").read_bytes()[:3000])
+    out = _cli("show", str(cut))
+    assert out.returncode == 1 and f"cannot read {cut}: " in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_ls_of_a_root_of_node_roots_lists_their_iterations(root: Path) -> None:
+    """`ckpt ls RUN/local` of the demo: one local root per node under it."""
+    out = _cli("ls", str(root / "local"))
+    assert out.returncode == 0, out.stderr
+    names = [line.split()[0] for line in out.stdout.splitlines()[1:]]
+    assert names == [f"node{n}/iter_0000000000{i}" for n in (0, 1) for i in (10, 20)]
+    assert all("local" in line for line in out.stdout.splitlines()[1:])

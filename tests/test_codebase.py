@@ -183,8 +183,10 @@ def test_no_import_circle(every: bool) -> None:
 _FLOOR_1 = {"errors"}
 #: the ground floor: small helpers on the exception tree, then what reads the environment
 _GROUND = _FLOOR_1 | {
+    "_aborts",
     "_addr",
     "_env",
+    "_errtext",
     "_hostlist",
     "_private",
     "_procfs",
@@ -199,7 +201,9 @@ _GROUND = _FLOOR_1 | {
 _WINGS = _GROUND | {"coord", "checkpoint", "restart", "stragglers", "report", "_teardown", "live"}
 MAY_IMPORT: dict[str, set[str]] = {
     "errors": set(),
+    "_aborts": set(),
     "_addr": _FLOOR_1,
+    "_errtext": set(),
     "_hostlist": _FLOOR_1,
     "_private": _FLOOR_1,
     "_procfs": set(),

@@ -342,3 +342,23 @@ def test_failed_and_unchanged_saves_are_counted_and_shown() -> None:
     assert "checkpoint saves: 2 failed and reported" in table and "1 identical" in table
     quiet = report.format_table(report.analyze([e for e in events if "ckpt_" not in e["kind"]]))
     assert "checkpoint saves:" not in quiet
+
+
+def test_cli_takes_the_directory_above_the_event_log(run_dir: Path, tmp_path: Path) -> None:
+    """`trainguard report RUN` and `trainguard events RUN`, where the logs are in RUN/events
+    (what `trainguard demo` prints), read RUN/events; a directory without any names where
+    they are expected."""
+    assert run_dir.name == "events"
+    direct, above = _cli(str(run_dir)), _cli(str(run_dir.parent))
+    assert above.returncode == 0, above.stderr
+    assert above.stdout == direct.stdout and above.stdout.startswith("trainguard report:")
+    listed = subprocess.run(
+        [sys.executable, "-m", "trainguard", "events", str(run_dir.parent), "--kind", "fault"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.count(" fault ") == 1, listed.stdout
+    empty = _cli(str(tmp_path))
+    assert empty.returncode == 1 and "RUN/events" in empty.stderr, empty.stderr

@@ -16,17 +16,50 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from trainguard import __version__, events
 from trainguard.checkpoint import _cli as ckpt_cli
 
 
-def _cmd_events(args: argparse.Namespace) -> int:
-    merged = events.read_events(args.run_dir)
-    if args.kind:
-        merged = [e for e in merged if e.get("kind") in args.kind]
+def _events_dir(run_dir: str) -> Path | None:
+    """Where ``run_dir``'s event logs are: ``run_dir`` itself when it holds ``events-*.jsonl``
+    files, else its one subdirectory that does (``trainguard demo`` writes ``RUN/events``);
+    with several, the first in name order, after a line naming the others. None: none."""
+    root = Path(run_dir)
+    if any(root.glob("events-*.jsonl")):
+        return root
+    found = sorted(d for d in root.glob("*/") if d.is_dir() and any(d.glob("events-*.jsonl")))
+    if not found:
+        return None
+    if len(found) > 1:
+        others = ", ".join(str(d) for d in found[1:])
+        print(f"reading {found[0]}; other event logs: {others}", file=sys.stderr)
+    return found[0]
+
+
+def _read(run_dir: str) -> list[dict[str, Any]] | None:
+    """The merged events of ``run_dir`` (see :func:`_events_dir`); None after an error line."""
+    directory = _events_dir(run_dir)
+    merged = events.read_events(directory) if directory is not None else []
     if not merged:
-        print(f"no events under {args.run_dir}", file=sys.stderr)
+        print(
+            f"no events under {run_dir} (expected events-*.jsonl files there or in one of its "
+            "subdirectories, e.g. RUN/events; give the directory set as TRAINGUARD_EVENTS_DIR)",
+            file=sys.stderr,
+        )
+        return None
+    return merged
+
+
+def _cmd_events(args: argparse.Namespace) -> int:
+    found = _read(args.run_dir)
+    if found is None:
+        return 1
+    merged = [e for e in found if e.get("kind") in args.kind] if args.kind else found
+    if not merged:
+        print(f"no events of kind {', '.join(args.kind)} under {args.run_dir}", file=sys.stderr)
         return 1
     for event in merged:
         if args.json:
@@ -50,9 +83,8 @@ def _cmd_events(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from trainguard import report
 
-    merged = events.read_events(args.run_dir)
-    if not merged:
-        print(f"no events under {args.run_dir} (expected events-*.jsonl files)", file=sys.stderr)
+    merged = _read(args.run_dir)
+    if merged is None:
         return 1
     result = report.analyze(merged)
     if args.plot:
@@ -89,7 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="print a run's event logs merged in time order",
         description="Merge every events-*.jsonl file under RUN_DIR and print them in time order.",
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="directory given as TRAINGUARD_EVENTS_DIR")
+    p.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="directory given as TRAINGUARD_EVENTS_DIR, or the directory above it "
+        "(a `trainguard demo` run directory: its events/)",
+    )
     p.add_argument("--kind", action="append", help="only events of this kind (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object per line")
     p.set_defaults(func=_cmd_events)
@@ -103,7 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
             "restart barrier, re-initialization) and the rest; the rows add up to the wall time."
         ),
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="directory given as TRAINGUARD_EVENTS_DIR")
+    p.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="directory given as TRAINGUARD_EVENTS_DIR, or the directory above it "
+        "(a `trainguard demo` run directory: its events/)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument(
         "--plot",

@@ -197,3 +197,46 @@ def test_each_fault_is_claimed_once(tmp_path: Path) -> None:
     assert not faults.claim(tmp_path, fault)
     with pytest.raises(faults.InjectedFault):
         faults.inject(fault)
+
+
+def test_demo_lines_have_the_shapes_the_docs_quote(demo_run) -> None:
+    """Every fault and recovery line a real run prints has the shape (numbers masked) of a
+    line that the README and docs/demo.md quote, and the other way round: a change to what
+    the demo prints fails here until the quotes are written again (bench/demo_transcript.py)."""
+    from tests.demo.test_demo_docs import QUOTES, quoted, shape
+
+    _, proc = demo_run
+    kinds = ("  > round", "guarded run finished:", "bit-identical:")
+    ran = {shape(line) for line in proc.stdout.splitlines() if line.startswith(kinds)}
+    for name in QUOTES:
+        docs = {shape(line) for line in quoted(name) if line.startswith(kinds)}
+        assert ran == docs, (
+            f"{name} quotes {sorted(docs - ran)}; the demo prints {sorted(ran - docs)}"
+        )
+
+
+def _tg(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trainguard", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_the_commands_the_output_suggests_work(demo_run) -> None:
+    """The last line says `trainguard report RUN`; docs/demo.md lists the rest."""
+    out, proc = demo_run
+    assert proc.stdout.rstrip().endswith(f"(trainguard report {out})"), proc.stdout[-300:]
+    rep = _tg("report", str(out))
+    assert rep.returncode == 0, rep.stderr
+    assert rep.stdout == (out / "report.txt").read_text()
+    listed = _tg("events", str(out), "--kind", "fault")
+    assert listed.returncode == 0 and " fault " in listed.stdout, listed.stdout + listed.stderr
+    assert listed.stdout == _tg("events", str(out / "events"), "--kind", "fault").stdout
+    local = _tg("ckpt", "ls", str(out / "local"))
+    assert local.returncode == 0, local.stderr
+    rows = [line.split() for line in local.stdout.splitlines()[1:]]
+    assert rows and all(
+        r[0].startswith("node") and "/iter_" in r[0] and r[1] == "local" for r in rows
+    )
+    assert _tg("ckpt", "verify", str(out / "local")).returncode == 0
+    disk = _tg("ckpt", "verify", str(out / "ckpt"))
+    assert disk.returncode == 0, disk.stdout  # an uncommitted save the kill cut is no problem

@@ -149,11 +149,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 1
     entries = [root] if root.is_file() or _ITER.match(root.name) else sorted(root.iterdir())
     rows = []
-    for entry in entries:
+    for entry, name in _entries(root, entries):
         described = _describe(entry)
         if described is not None:
             kind, status, parts = described
-            rows.append((_escape(entry.name), kind, status, str(parts), _human(_size(entry))))
+            rows.append((_escape(name), kind, status, str(parts), _human(_size(entry))))
     if not rows:
         _out(f"no checkpoints under {root}", err=True)
         return 1
@@ -162,6 +162,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for row in (headers, *rows):
         _out("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     return 0
+
+
+def _entries(root: Path, entries: list[Path]) -> list[tuple[Path, str]]:
+    """``entries`` with the names ``ls`` shows; a subdirectory that is itself a local-checkpoint
+    root (``iter_*`` directories in it: one node's root, as ``RUN/local/node0`` of the demo) is
+    replaced by its iterations, named ``node0/iter_...``."""
+    found: list[tuple[Path, str]] = []
+    for entry in entries:
+        inner = []
+        if entry != root and entry.is_dir() and not entry.is_symlink():
+            inner = sorted(d for d in entry.iterdir() if d.is_dir() and _ITER.match(d.name))
+        if inner:
+            found.extend((d, f"{entry.name}/{d.name}") for d in inner)
+        else:
+            found.append((entry, entry.name))
+    return found
 
 
 def _is_rank_dir(directory: Path) -> bool:
@@ -186,14 +202,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
         _out(
             f"{'OK  ' if problem is None else 'FAIL'} {part}" + (f": {problem}" if problem else "")
         )
+    uncommitted = 0
     for directory in sorted({p.parent for p in parts if _PART.match(p.name)}):
         if _is_rank_dir(directory) and not (directory / _MARKER).exists():
-            _out(f"FAIL {directory}: no {_MARKER} marker (not every rank's part became durable)")
-            bad += 1
+            why = (
+                f"no {_MARKER} marker: a save that did not finish (cut by a crash or a kill, or "
+                "still being written); load refuses it unless allow_uncommitted=True"
+            )
+            if directory.resolve() == path.resolve():  # the checkpoint asked about
+                _out(f"FAIL {directory}: uncommitted, {why}")
+                bad += 1
+            else:  # one save among several under a root: the committed ones are what counts
+                _out(f"UNCOMMITTED {directory}: {why}; not counted as a problem")
+                uncommitted += 1
         for problem in _cli_shards.problems(directory, parts, lambda p: p not in failed):
             _out(f"FAIL {directory}: {problem}")
             bad += 1
-    _out(f"{bad} problem(s) in {len(parts)} file(s)" if bad else f"{len(parts)} file(s) verified")
+    summary = (
+        f"{bad} problem(s) in {len(parts)} file(s)" if bad else f"{len(parts)} file(s) verified"
+    )
+    if uncommitted:
+        summary += f"; {uncommitted} uncommitted save(s) ignored"
+    _out(summary)
     return 1 if bad else 0
 
 
@@ -215,8 +245,14 @@ def cmd_show(args: argparse.Namespace) -> int:
                 _out(f"  {key:<40} {value}")
             return 0
         header = read_header(part)
+        for other in parts[1:]:  # a part cut short or damaged fails here, not in a later load
+            if not is_torch_file(other):
+                read_header(other)
     except CheckpointError as exc:
-        _out(f"cannot read {part}: {exc}", err=True)
+        _out(f"cannot read {exc}; `trainguard ckpt verify {args.path}` checks every file", err=True)
+        return 1
+    except Exception as exc:  # torch.load of a damaged or truncated zip
+        _out(f"cannot read {part}: {type(exc).__name__}: {str(exc).splitlines()[0]}", err=True)
         return 1
     meta = {k: v for k, v in header.metadata.items() if k not in ("skeleton", "checksums")}
     if meta:
@@ -253,7 +289,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "verify",
         help="check every part and replica at PATH, that a multi-rank checkpoint has all its "
         "parts and that the chunks of every sharded tensor cover it exactly once; exit status "
-        "1 on any problem",
+        "1 on any problem: a damaged or unreadable file, a missing part, PATH itself an "
+        "uncommitted save. Under a ROOT of several checkpoints an uncommitted one (a save a "
+        "crash cut short, which load refuses) is listed as UNCOMMITTED and is no problem",
     )
     verify.add_argument("path", metavar="PATH")
     verify.add_argument(

@@ -21,6 +21,28 @@ from trainguard.demo.worker import DemoConfig
 from trainguard.restart.preempt import EXIT_PREEMPTED
 
 
+def injected_line(kind: str, rank: int, step: int, rnd: int) -> str:
+    """The line of an injected fault. This and the next two are the lines the README and
+    docs/demo.md quote (tests/demo/test_demo_docs.py checks the quotes against them)."""
+    return f"  ! injected {kind} on rank {rank} before step {step} (round {rnd})"
+
+
+def recovery_line(rnd: int, world: int, took: float, first: int, source: str, lost: int) -> str:
+    """The line of a recovery: round ``rnd`` trains again ``took`` s after the fault."""
+    return (
+        f"  > round {rnd}: {world} ranks training again {took:.2f} s after the fault, resumed "
+        f"at step {first} from {source}, {lost} steps recomputed"
+    )
+
+
+def finished_line(steps: int, faults: int, recoveries: int, recomputed: int, wall: float) -> str:
+    """The line at the end of the guarded run."""
+    return (
+        f"guarded run finished: {steps} steps, {faults} faults, {recoveries} recoveries, "
+        f"{recomputed} steps recomputed, {wall:.1f} s"
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -121,7 +143,7 @@ class _Run:
             fault = {"kind": fkind, "step": step, "rank": rank, "round": rnd, "time": t}
             self.injected.append(fault)
             self.pending_fault = fault
-            self.show.line(f"  ! injected {fkind} on rank {rank} before step {step} (round {rnd})")
+            self.show.line(injected_line(fkind, rank, step, rnd))
         elif kind == "resumed":
             self.resumed(msg)
         elif kind == "preempted":
@@ -167,10 +189,7 @@ class _Run:
             self.recoveries.append(
                 {**fault, "resumed_round": rnd, "recovery_s": took, "recomputed": lost}
             )
-            self.show.line(
-                f"  > round {rnd}: {world} ranks training again {took:.2f} s after the "
-                f"fault, resumed at step {first} from {source}, {lost} steps recomputed"
-            )
+            self.show.line(recovery_line(rnd, world, took, first, source, lost))
 
     def hello(self, process: int, pid: int, incarnation: int, node: int, parent: int) -> None:
         """Process ``process`` started (pid ``pid``, its launcher's ``incarnation``, on
@@ -249,10 +268,9 @@ class _Run:
             show.line(f"run directory: {cfg.out}")
             return 2
         wall = (self.guard_end or time.time()) - (self.guard_start or self.started)
+        recomputed = sum(r["recomputed"] for r in self.recoveries)
         show.line(
-            f"guarded run finished: {cfg.steps} steps, {len(self.injected)} faults, "
-            f"{len(self.recoveries)} recoveries, "
-            f"{sum(r['recomputed'] for r in self.recoveries)} steps recomputed, {wall:.1f} s"
+            finished_line(cfg.steps, len(self.injected), len(self.recoveries), recomputed, wall)
         )
         _write_report(cfg.out, show, cfg.events_dir)
         ref = next(iter(self.reference.values()))

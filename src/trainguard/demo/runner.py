@@ -33,6 +33,8 @@ _KINDS_HELP = (
     "  kill       the rank's process is SIGKILLed (a spare takes its rank number)\n"
     "  lostdir    the rank's local checkpoint directory is deleted and the rank raises\n"
     "             (its part is recovered from a replica on a peer)\n"
+    f"  slow       the rank sleeps {_faults.SLOW_S:g} s more in every step from then on (a\n"
+    "             straggler: reported; --take-out-stragglers replaces it with a spare)\n"
     "  preempt    SIGTERM to every process of the job: each rank stops at one agreed\n"
     "             step and saves it; exit status 75; continue with --resume DIR\n"
     f"default: {_faults.DEFAULT_SCHEDULE}"

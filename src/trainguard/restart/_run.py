@@ -30,7 +30,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from trainguard import _progress, events
+from trainguard import _aborts, _progress, events
+from trainguard._errtext import brief
 from trainguard.errors import BarrierTimeoutError, JobEndedError, RetryLimitError
 from trainguard.restart import _diagnose
 from trainguard.restart import _environment as _launch
@@ -366,7 +367,8 @@ class WrappedCall:
             self.session.stop(n, ended)
             return None
         if self.session.stop(n, RoundOutcome.fault(self.launch.rank, desc, kind)):
-            logger.warning("rank %d: fault in round %d: %s", self.launch.rank, n, desc)
+            logger.warning("rank %d: fault in round %d: %s", self.launch.rank, n, brief(desc))
+            logger.debug("rank %d: the fault in full: %s", self.launch.rank, desc)
             events.emit("fault", error=desc, type=kind)
             return desc
         logger.debug("rank %d: %s after another rank's fault", self.launch.rank, desc)
@@ -383,6 +385,7 @@ class WrappedCall:
         """Monitor thread, after torch.distributed was aborted: this process's connections to
         the round's store are shut down (a wait on it returns at once: the round is over),
         then the user's ``abort`` hook runs."""
+        _aborts.note()  # first: threads bound to the round stop using its connections
         if self.round_store:
             host, _, port = self.round_store.rpartition(":")
             shutdown_connections_to(host, int(port))

@@ -87,6 +87,18 @@ def _entry(label: str, name: str, info: object, data_size: int) -> tuple[str, li
     if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
         raise _corrupt(label, f"entry {name!r} has shape {shape!r}, not non-negative integers")
     if (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_int(x) for x in offsets)
+        and 0 <= offsets[0] <= offsets[1]
+        and offsets[1] > data_size
+    ):
+        raise _corrupt(
+            label,
+            f"truncated: entry {name!r} has data_offsets {offsets!r}, past the end of the data "
+            f"section ({data_size} bytes): the file was cut short",
+        )
+    if (
         not isinstance(offsets, list)
         or len(offsets) != 2
         or not all(_is_int(x) for x in offsets)

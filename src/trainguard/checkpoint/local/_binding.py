@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from trainguard.checkpoint._link import RoundWatch, StoreLink
 from trainguard.checkpoint.local.replication import CliqueReplication, this_host
 from trainguard.coord import decode, encode, gather
+from trainguard.errors import ConfigError
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -57,19 +58,36 @@ def clique_of(
     """``rank``'s clique in a world of ``world_size`` (``hosts``: each rank's, when placing by
     host); warns when it is short of members (unless not bound yet: built before
     torch.distributed, it binds to the real world later)."""
-    clique = replication.clique_of(rank, world_size, hosts)
-    if len(clique) < replication.factor and not watch.unbound:
+    cliques = replication.cliques(world_size, hosts)
+    clique = next((c for c in cliques if rank in c), None)
+    if clique is None:
+        raise ConfigError(f"rank {rank} is not in range(world_size={world_size})")
+    short = sorted(r for c in cliques if len(c) < replication.factor for r in c)
+    # said once for the whole world (by the lowest rank concerned) and once per process, not
+    # by every rank in every round
+    key = (replication.factor, world_size, tuple(short), hosts is not None)
+    if short and rank == short[0] and not watch.unbound and key not in _WARNED:
+        _WARNED.add(key)
         logger.warning(
-            "rank %d's clique %s has %d member(s) for factor %d (world size %d, %s): its parts "
-            "have fewer copies",
-            rank,
-            clique,
-            len(clique),
-            replication.factor,
+            "local checkpoints: %d of %d rank(s) %s are in replication cliques smaller than "
+            "factor %d (%s): their parts have fewer copies",
+            len(short),
             world_size,
-            "by rank arithmetic" if hosts is None else f"{len(set(hosts))} host(s)",
+            _ranks(short),
+            replication.factor,
+            "placed by rank arithmetic"
+            if hosts is None
+            else f"{len(set(hosts))} host(s); copies go only to other hosts",
         )
     return clique
+
+
+def _ranks(ranks: list[int]) -> str:
+    return str(ranks) if len(ranks) <= 8 else f"[{ranks[0]}, ..., {ranks[-1]}]"
+
+
+#: the short cliques warned about in this process: (factor, world size, ranks, by host)
+_WARNED: set[tuple[int, int, tuple[int, ...], bool]] = set()
 
 
 def dist_ranks() -> tuple[int, int]:

@@ -15,8 +15,8 @@ for by :meth:`SavePipeline.wait`), so that every rank counts the same iterations
 
 Over 400 lines: one class whose methods follow one save through the thread in the order it
 happens (write, exchange, report, settle, retain) with the calls the manager makes between
-saves; the exchange's message protocol is in :mod:`._replicate` already, and what is left
-would split only into functions reading this class's private members.
+saves; the exchange's protocol is in :mod:`._replicate`, what is left would split only into
+functions reading this class's private members.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from trainguard import events
+from trainguard import _aborts, events
+from trainguard._errtext import brief
 from trainguard._threads import serve
 from trainguard.checkpoint._link import StoreLink
 from trainguard.checkpoint.format import tmpfile
@@ -48,6 +49,9 @@ if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
 
 logger = logging.getLogger(__name__)
+
+#: how long a failed save waits to see whether its round is being aborted (a fault elsewhere)
+_ABORT_WAIT_S = 2.0
 
 
 @dataclasses.dataclass
@@ -105,6 +109,7 @@ class SavePipeline:
         self._inventory = inventory
         self._channel = channel
         self._link = link
+        self._aborts = _aborts.count()  # another count: the round was aborted
         # the background thread's client, connected here: a thread connecting for itself could
         # wait out the whole connect timeout on a store whose round ended meanwhile, and
         # close() (the next round's re-bind) waits for that thread
@@ -236,17 +241,33 @@ class SavePipeline:
             self._stopped.set()
 
     def _one(self, job: StagedSave) -> None:
+        ended = False
         try:
             self._process(job)
         except Exception as exc:
-            logger.warning("local checkpoint of iteration %d failed: %s", job.iteration, exc)
+            # cut by a fault's abort: the next round tells of it; not reported (see _report)
+            ended = self._bg_store is not None and self._ends_within(_ABORT_WAIT_S)
+            log = logger.debug if ended else logger.warning
+            log("local checkpoint of iteration %d failed: %s", job.iteration, brief(str(exc)))
             job.error = f"{type(exc).__name__}: {exc}"
             with self._lock:
                 self._errors.append(job.error)
                 self._failed.add(job.seq)
         finally:
-            self._report(job)
+            self._report(job, ended)
             job.done.set()
+
+    def _round_over(self) -> bool:
+        return _aborts.count() != self._aborts
+
+    def _ends_within(self, limit: float) -> bool:
+        """Whether the round is over within ``limit`` s (a fault's abort arrives late here)."""
+        deadline = time.monotonic() + limit
+        while not self._round_over():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def _process(self, job: StagedSave) -> None:
         retired, job.retired = job.retired, None
@@ -360,15 +381,22 @@ class SavePipeline:
         key = f"{self._link.prefix}/save/{seq}"
         return CommitRound(store, key, rank=self.rank, world_size=self.world_size)
 
-    def _report(self, job: StagedSave) -> None:
+    def _report(self, job: StagedSave, ended: bool) -> None:
         with self._lock:
             self._unconfirmed.append((job.seq, job.iteration))
         store = self._bg_store
+        if store is not None and (ended or self._round_over()):
+            # never committed, as after a failed report (torch prints a trace per failed call)
+            logger.debug("iteration %d: its round was aborted; not reported", job.iteration)
+            return
         if store is not None:
             try:
                 self._round(store, job.seq).report(job.error)
             except Exception as exc:
-                logger.warning("reporting iteration %d to the store failed: %s", job.iteration, exc)
+                log = logger.debug if self._round_over() else logger.warning
+                log(
+                    "reporting iteration %d to the store failed: %s", job.iteration, brief(str(exc))
+                )
         try:
             self._confirm(store)
             self._prune()

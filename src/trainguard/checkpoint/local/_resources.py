@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from trainguard._errtext import brief
 from trainguard.checkpoint.local._pipeline import SavePipeline
 from trainguard.checkpoint.local._remembered import RestoreBuffer
 from trainguard.checkpoint.local._spare import SparePrefetch
@@ -71,7 +72,9 @@ class Resources:
             try:
                 pipeline.raise_errors()
             except CheckpointWriteError as exc:
-                logger.warning("a save of the previous round did not complete: %s", exc)
+                # a save the fault cut (warned as it failed if its round was still on)
+                logger.info("a save of the previous round did not complete: %s", brief(str(exc)))
+                logger.debug("in full: %s", exc)
             pipeline.release(buffers=False)
         channel = self.channel
         if channel is not None:
