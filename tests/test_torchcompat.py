@@ -101,3 +101,31 @@ def test_first_use_checks_the_torch_in_use(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.warns(UntestedTorchWarning, match=r"torch 99\.0\.0 is newer"):
         tr.Wrapper()
     tr.Wrapper()  # checked once per process
+
+
+def test_set_group_timeout_gives_a_gloo_group_its_collective_timeout_back() -> None:
+    # restart._setup builds gloo groups with a short timeout and then sets the one asked for:
+    # an all-reduce that waits 3 s for a late peer passes on the group set to 30 s and times
+    # out on the one left at 1 s (so the test sees the timeout at all)
+    from tests._dist import run_ranks
+    from tests.restart._stall_jobs import restored_timeout_job
+
+    out = run_ranks(restored_timeout_job, 2, args=(3.0,), timeout=60)[0].get()
+    assert out["restored"] is None and out["restored_s"] > 2.0, out
+    assert out["short"] is not None and out["short_s"] < 2.9, out
+
+
+def test_gloo_waits_for_a_peer_to_connect_at_most_the_factor_times_its_timeout() -> None:
+    # a peer that published its address and never connects: the waiting rank's constructor
+    # raises within GLOO_CONNECT_FACTOR times its timeout (the monitor of restart waits that
+    # long for it before it takes the rank for stuck: restart._setup)
+    from tests._dist import run_ranks
+    from tests.restart._stall_jobs import connect_wait_job
+    from trainguard.restart._setup import GLOO_CONNECT_FACTOR
+
+    timeout = 0.5
+    results = run_ranks(connect_wait_job, 2, args=(timeout, 2 * GLOO_CONNECT_FACTOR * timeout + 2))
+    out = results[0].get()
+    assert out["raised"] is not None, out
+    assert "Connect timeout" in out["raised"], out
+    assert timeout <= out["waited"] <= GLOO_CONNECT_FACTOR * timeout + 1.5, out

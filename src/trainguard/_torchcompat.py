@@ -16,6 +16,9 @@ version needed, a newer one warns once (:class:`~trainguard.errors.UntestedTorch
 - :func:`clone_store`: a new client of a store's server (``Store.clone()``, which torch 2.6's
   ``TCPStore`` lacks: there a client is made anew from its host, port and timeout).
 - :func:`has_cuda_backend`: whether a process group runs a CUDA backend (NCCL).
+- :func:`connects_in_constructor`: whether a backend connects its ranks in the group's
+  constructor (gloo, unless ``TORCH_GLOO_LAZY_INIT``), and :func:`set_group_timeout`, which
+  sets a built group's collective timeout (gloo and NCCL).
 
 **Private torch APIs** that trainguard uses; each entry of :data:`PRIVATE_APIS` names the
 attribute, where trainguard uses it and what for, and ``tests/test_torchcompat.py`` fails
@@ -46,9 +49,13 @@ __all__ = [
     "PrivateApi",
     "check_torch",
     "clone_store",
+    "connects_in_constructor",
     "has_cuda_backend",
     "host_store",
+    "is_group",
+    "is_member",
     "resolve",
+    "set_group_timeout",
 ]
 
 logger = logging.getLogger(__name__)
@@ -112,6 +119,11 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "torch.distributed.rendezvous:_torchelastic_use_agent_store",
         "restart._preconnect",
         "whether the rendezvous connects as a client only",
+    ),
+    PrivateApi(
+        "torch.distributed.distributed_c10d:_set_pg_timeout",
+        "_torchcompat.set_group_timeout (restart._setup)",
+        "give a group built with a bounded connect phase its collective timeout back",
     ),
     PrivateApi(
         "torch:_foreach_copy_",
@@ -273,3 +285,41 @@ def has_cuda_backend(group: Any) -> bool:
         return True
     except Exception:
         return False
+
+
+def connects_in_constructor(backend: Any) -> bool:
+    """Whether a group of ``backend`` (as ``init_process_group`` or ``new_group`` name it:
+    ``"gloo"``, ``"cpu:gloo,cuda:nccl"``, ``"undefined"``...) connects its ranks in its
+    constructor: one with a gloo part, unless gloo's lazy mode is on (``TORCH_GLOO_LAZY_INIT``,
+    torch's own variable). NCCL connects at the first collective."""
+    import torch.distributed.distributed_c10d as c10d
+
+    if os.environ.get("TORCH_GLOO_LAZY_INIT", "").strip() not in ("", "0"):
+        return False
+    try:
+        backends = c10d.BackendConfig(backend).get_device_backend_map().values()
+    except Exception:  # a backend torch does not know: it raises in the constructor itself
+        return False
+    return any(str(b) == "gloo" for b in backends)
+
+
+def is_member(ranks: Any) -> bool:
+    """Whether this process (its default group's rank) is one of ``ranks``."""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_rank() in ranks
+
+
+def is_group(group: Any) -> bool:
+    """Whether ``group`` is a process group (not ``GroupMember.NON_GROUP_MEMBER`` or None)."""
+    import torch.distributed as dist
+
+    return isinstance(group, dist.ProcessGroup)
+
+
+def set_group_timeout(group: Any, timeout: timedelta) -> None:
+    """Set ``group``'s default collective timeout (its gloo and NCCL backends), as if it had
+    been built with ``timeout`` (``torch.distributed.distributed_c10d._set_pg_timeout``)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d._set_pg_timeout(timeout, group)

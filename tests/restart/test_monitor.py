@@ -124,3 +124,49 @@ def test_the_interrupt_never_lands_inside_an_import(monkeypatch, tmp_path) -> No
         assert sys.modules[name].DONE is True
     finally:
         sys.modules.pop(name, None)
+
+
+def _stuck_after(monkeypatch: pytest.MonkeyPatch, phase_s: float | None, cap: float) -> float:
+    """Seconds from the abort to the stuck report of a main thread blocked in C code for 3 s;
+    ``phase_s``: it is in a bounded constructor's connect phase ending that much later."""
+    from trainguard.restart import _setup
+
+    keys, store = Keyspace("job"), _Store()
+    stuck: list[float] = []
+    monitor = Monitor(
+        store,
+        keys,
+        threading.get_ident(),
+        hooks=monitor_module.MonitorHooks(stuck=lambda n: stuck.append(time.monotonic())),
+        abort_timeout=0.3,
+        setup_cap=cap,
+    )
+    monkeypatch.setattr(monitor_module, "abort_distributed", lambda: {})
+    tid = threading.get_ident()
+    monitor.watch(0)
+    monitor.enter_fn(0)
+    start = time.monotonic()
+    if phase_s is not None:
+        monkeypatch.setitem(_setup.SetupBound._connecting, tid, start + phase_s)
+    try:
+        store.set(keys.stop(0), RoundOutcome.fault(1, "ValueError: x", "ValueError").encode())
+        with pytest.raises(RestartInterrupt):
+            threading.Event().wait(3.0)  # the GIL released, no bytecode: the interrupt waits
+            time.sleep(0)
+    finally:
+        monitor.leave_fn()
+    monitor.wait_outcome(10)
+    monitor.close()
+    assert len(stuck) == 1
+    return stuck[0] - start
+
+
+def test_a_main_thread_in_a_constructor_s_connect_phase_is_given_until_its_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # restart._setup: the constructor raises by the phase's end; abort_timeout after it
+    assert 1.2 <= _stuck_after(monkeypatch, 1.0, cap=5.0) < 2.5
+    # never past the cap (the others wait at the next barrier meanwhile)
+    assert 0.5 <= _stuck_after(monkeypatch, 2.0, cap=0.6) < 1.1
+    # elsewhere: abort_timeout, as before
+    assert _stuck_after(monkeypatch, None, cap=5.0) < 1.0

@@ -94,7 +94,7 @@ class WrappedCall:
         log = events.get_log()
         saved_context = (log.rank, log.round)
         events.set_context(rank=self.launch.rank, round=0)
-        GroupSockets.install()
+        GroupSockets.install(connect_bound=self.cfg.abort_timeout)  # see restart._setup
         Preconnect.install()
         finished = False
         kick = Kick.install()
@@ -156,6 +156,7 @@ class WrappedCall:
             threading.get_ident(),
             hooks=hooks,
             abort_timeout=cfg.abort_timeout,
+            setup_cap=cfg.barrier_timeout - cfg.abort_timeout,
             source=session.outcome,
         )
         book = session.book  # on the coordination connection, never blocked for long

@@ -34,6 +34,7 @@ from typing import Any
 
 from trainguard import _torchcompat, events
 from trainguard.coord import _sockets
+from trainguard.restart import _setup
 
 __all__ = ["GroupSockets", "abort_distributed", "destroy_groups", "shutdown_connections_to"]
 
@@ -98,10 +99,13 @@ class GroupSockets:
     _peers: dict[tuple[str, int], tuple[set[str], int]] = {}  # noqa: RUF012
 
     @classmethod
-    def install(cls) -> None:
+    def install(cls, *, connect_bound: float | None = None) -> None:
+        """``connect_bound``: bound the connect phase of the constructors to it (seconds,
+        :mod:`trainguard.restart._setup`) until the matching :meth:`uninstall`."""
         import torch.distributed.distributed_c10d as c10d
 
         _import_before_groups()
+        _setup.SetupBound.push(connect_bound)
         with cls._lock:
             cls._users += 1
             if cls._users > 1:
@@ -114,7 +118,7 @@ class GroupSockets:
                 began = rendezvous_started() or start
                 before = set(_sockets.socket_fds())
                 try:
-                    group = original(*args, **kwargs)
+                    group = _setup.build(original, args, kwargs)  # its connects bounded
                     _emit_setup(began, start, args)
                     return group
                 finally:
@@ -137,6 +141,7 @@ class GroupSockets:
     def uninstall(cls) -> None:
         import torch.distributed.distributed_c10d as c10d
 
+        _setup.SetupBound.pop()
         with cls._lock:
             cls._users -= 1
             if cls._users > 0:

@@ -18,7 +18,8 @@ round ``n`` (driven by the main thread):
    import (it waits for the import to end, up to ``abort_timeout``). A round is aborted at
    most once, whatever happens afterwards.
 3. A main thread that does not leave the function within ``abort_timeout`` of the abort is
-   reported to :attr:`MonitorHooks.stuck` (that rank then leaves the job).
+   reported to :attr:`MonitorHooks.stuck` (that rank then leaves the job); one in the bounded
+   connect phase of a group's constructor (:mod:`._setup`) is given until that phase ends.
 4. The main thread collects the outcome with :meth:`wait_outcome` before it goes on, so the
    monitor never acts on a round the main thread has left.
 
@@ -49,6 +50,7 @@ from trainguard.restart._interrupt import (
     raise_in,
     wait_out_of_imports,
 )
+from trainguard.restart._setup import connecting_until
 from trainguard.restart.abort import abort_distributed
 from trainguard.restart.state import RestartInterrupt, RoundOutcome
 
@@ -94,6 +96,10 @@ class Monitor:
             outcome's key on ``store``; the wrapper passes the node watcher's relay when
             there is one, :meth:`~trainguard.restart._session.Session.outcome`). ``store``
             then only takes the write of :meth:`close`.
+        setup_cap: a main thread in the bounded connect phase of a group's constructor
+            (:func:`~trainguard.restart._setup.connecting_until`) is given until that phase
+            ends plus ``abort_timeout``, at most this long after the abort's check starts
+            (the others wait at the next barrier meanwhile); None: no such wait.
     """
 
     def __init__(
@@ -106,6 +112,7 @@ class Monitor:
         abort_timeout: float = 5.0,
         settle_s: float = 0.02,
         collective_grace_s: float = 0.02,
+        setup_cap: float | None = None,
         source: Callable[[int], bytes] | None = None,
     ) -> None:
         self._hooks = hooks or MonitorHooks()
@@ -116,6 +123,7 @@ class Monitor:
         self._source = source or (lambda n: wait_forever(store, keys.stop(n)))
         self._tid = thread_id
         self._abort_timeout = abort_timeout
+        self._setup_cap = setup_cap
         self._jobs: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -213,7 +221,7 @@ class Monitor:
         rank would hold every other rank at the next barrier; ``on_stuck`` takes it out of
         the job instead.
         """
-        deadline = time.monotonic() + self._abort_timeout
+        deadline = self._release_deadline()
         kick = self._hooks.kick
         if kick is not None:
             # A blocking call (time.sleep, a wait on a lock) holds the interrupt back until it
@@ -232,6 +240,17 @@ class Monitor:
             stuck = self._in_fn and self._injected
         if stuck and self._hooks.stuck is not None:
             self._hooks.stuck(n)
+
+    def _release_deadline(self) -> float:
+        """By when the main thread must have left the function: ``abort_timeout`` from now;
+        for one in the bounded connect phase of a group's constructor (it cannot be released,
+        but raises by the phase's end), that end plus ``abort_timeout``, within the cap."""
+        now = time.monotonic()
+        deadline = now + self._abort_timeout
+        until = connecting_until(self._tid) if self._setup_cap is not None else None
+        if until is not None and self._setup_cap is not None:
+            deadline = max(deadline, min(until + self._abort_timeout, now + self._setup_cap))
+        return deadline
 
     def _run(self) -> None:
         serve(self._jobs, self._watch_round)
