@@ -25,7 +25,6 @@ import itertools
 import logging
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 from trainguard import _aborts, _progress, events
 from trainguard._errtext import brief
 from trainguard.errors import BarrierTimeoutError, JobEndedError, RetryLimitError
-from trainguard.restart import _diagnose
+from trainguard.restart import _diagnose, _helpers
 from trainguard.restart import _environment as _launch
 from trainguard.restart._hostcheck import HostCheck, end_error, raised_cause
 from trainguard.restart._interrupt import Kick
@@ -45,7 +44,7 @@ from trainguard.restart.call import CallWrapper
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.monitor import Monitor, MonitorHooks
 from trainguard.restart.preempt import Preemption
-from trainguard.restart.sidecar import AgentSidecar, Sidecar, start_for
+from trainguard.restart.sidecar import AgentSidecar, Sidecar
 from trainguard.restart.state import RestartInterrupt, RoundOutcome, RoundState, describe
 from trainguard.restart.watchdog import Watchdog
 from trainguard.stragglers.round import StragglerWatch
@@ -126,50 +125,18 @@ class WrappedCall:
         cfg, session, rank = self.cfg, self.session, self.launch.rank
         session.open()
         self.preemption.bind(session.coord, session.keys, session.clone_coord)
-        if cfg.stragglers:  # the detector reaches the round through what it is given only
-            self.stragglers = StragglerWatch(
-                cfg.stragglers,
-                session.keys,
-                clone=session.clone_coord,
-                propose=lambda n, why: session.stop(n, RoundOutcome.fault(rank, why, "Straggler")),
-                timeout=cfg.store_timeout,
-            )
-        if cfg.sidecar:
-            assert session.coord_addr is not None
-            self.sidecar = start_for(
-                cfg,
-                session.keys,
-                session.coord_addr,
-                rank=rank,
-                world=session.world,
-                log_dir=log_dir,
-            )
-            self.sidecar.handshake(cfg.store_timeout)
+        self.stragglers = _helpers.make_stragglers(cfg, session, rank)
+        self.sidecar = _helpers.make_sidecar(cfg, session, rank, log_dir)
         hooks = MonitorHooks(
             aborted=self._aborted,
             stuck=self._stuck,
             kick=kick.send if kick is not None else None,
         )
-        self.monitor = Monitor(
-            session.watch(self.sidecar),
-            session.keys,
-            threading.get_ident(),
-            hooks=hooks,
-            abort_timeout=cfg.abort_timeout,
-            setup_cap=cfg.barrier_timeout - cfg.abort_timeout,
-            source=session.outcome,
-        )
-        book = session.book  # on the coordination connection, never blocked for long
-        assert book is not None
+        self.monitor = _helpers.make_monitor(cfg, session, self.sidecar, hooks)
         self.preconnect = Preconnect(session.coord, session.keys, timeout=cfg.store_timeout)
         session.later = self.preconnect.later  # its record of the round before, off the path
-        self.watchdog = Watchdog(
-            thread_id=threading.get_ident(),
-            state=self._progress_state,
-            on_hang=lambda n, why: _diagnose.record_hang(book, self.launch.rank, n, why),
-            soft_timeout=cfg.soft_timeout,
-            interval=min(0.1, cfg.soft_timeout / 20),
-            sidecar=self.sidecar,
+        self.watchdog = _helpers.make_watchdog(
+            cfg, session, rank, self._progress_state, self.sidecar
         )
 
     def _stop(self, kick: Kick | None, finished: bool) -> None:
@@ -429,6 +396,7 @@ class WrappedCall:
         events.emit("outcome_wait", duration=time.monotonic() - start, what=what)
         return outcome
 
+    # the watchdog's side ------------------------------------------------------------------
     def _progress_state(self) -> tuple[int, bool, CallWrapper | None]:
         return self.state.round, bool(self.monitor and self.monitor.in_function), self.call
 
@@ -440,6 +408,7 @@ class WrappedCall:
         lost = self.watchdog.loss() if self.watchdog is not None else None
         return _diagnose.sidecar_lost(self.launch.rank, lost) if lost is not None else None
 
+    # helpers ------------------------------------------------------------------------------
     def _hook(self, name: str, state: RoundState, hook: Any = None) -> BaseException | None:
         return _diagnose.run_hook(name, hook or getattr(self.cfg, name), state)
 
