@@ -122,11 +122,10 @@ def main() -> int:
     ratio = stats["warm"]["training_again"]["p50"] / stats["spare"]["training_again"]["p50"]
     print(f"\nwarm respawn was the warm process every time: {served}")
     print(f"warm / spare, training again (p50): {ratio:.2f} (target <= 2)")
-    path = write_results(
+    write_results(
         "warm_worker",
         {"repeats": args.repeats, "raw": raw, "stats": stats, "warm_over_spare": ratio},
     )
-    print(f"wrote {path}")
     return 0
 
 

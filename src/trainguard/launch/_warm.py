@@ -21,6 +21,7 @@ generation run, :meth:`WarmPool.replace` for each respawn, :meth:`WarmPool.close
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -105,8 +106,16 @@ class WarmProcess:
             "stdout": launch.stdout or None,
             "stderr": launch.stderr or None,
         }
+        for path in (launch.stdout, launch.stderr):  # there at once, as torch's handler has them
+            if path:
+                with open(path, "w"):
+                    pass
         assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(order) + "\n").encode())
+        data = (json.dumps(order) + "\n").encode()
+        if len(data) > 60000:  # a process still importing reads it later: never block on it
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(self.proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, len(data) + 4096)
+        self.proc.stdin.write(data)
         self.proc.stdin.close()
         self._close_pipe()
 

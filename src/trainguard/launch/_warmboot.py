@@ -27,6 +27,7 @@ time with the node's environment (the same on every rank), not the rank's.
 from __future__ import annotations
 
 import ast
+import contextlib
 import ctypes
 import importlib
 import importlib.util
@@ -142,10 +143,9 @@ def main(argv: list[str]) -> int:
     if os.getppid() != agent:  # the agent died before the prctl
         return 0
     prefetch(kind, target)
-    try:
+    with contextlib.suppress(OSError):  # taken over before it was ready: nobody listens
         os.write(ready_fd, b"r")
-    finally:
-        os.close(ready_fd)
+    os.close(ready_fd)
     line = sys.stdin.buffer.readline()
     if not line:
         return 0
