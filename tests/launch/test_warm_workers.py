@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.launch import _agents
 from tests.launch._agents import Agents, alive, leftovers, read_starts
 from trainguard import events
 from trainguard.errors import ConfigError
@@ -119,6 +120,41 @@ def test_the_warm_worker_dies_with_a_killed_launcher(tmp_path: Path) -> None:
         while alive(warm) and time.monotonic() < end:
             time.sleep(0.05)
         assert not alive(warm), "the warm worker outlived its agent"
+
+
+@pytest.mark.parametrize("as_module", [False, True], ids=["script", "module"])
+def test_the_warm_worker_runs_as_the_dead_worker_would_have_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, as_module: bool
+) -> None:
+    """The same environment (but the incarnation and its error file), ``sys.argv`` and
+    ``sys.path[0]`` as the slot's cold first process, for ``script.py`` and ``-m module``."""
+    out, ev = tmp_path / "out", tmp_path / "events"
+    out.mkdir()
+    extra = ["--tg-warm-workers=1", f"--tg-events-dir={ev}"]
+    if as_module:
+        monkeypatch.setattr(_agents, "WORKER", "tests.launch._workers")
+        extra.append("-m")
+    worker = ["run", str(out), "--dump-env", "--steps=400"]
+    with Agents(tmp_path, nodes=1, nproc=2, worker=worker, extra=extra) as job:
+        warm = _warm_ready(job, ev)
+        first = {s["rank"]: s["pid"] for s in read_starts(out)}
+        os.kill(first[1], signal.SIGKILL)
+        job.wait_for(lambda: (out / "env-1-1.json").exists(), what="the respawn's env")
+        (out / "stop").touch()
+        assert job.wait() == [0], job.output()
+        assert leftovers(job.run_id) == []
+    assert [s["pid"] for s in read_starts(out) if s["incarnation"] == "1"] == [warm]
+    cold = json.loads((out / "env-1-0.json").read_text())
+    hot = json.loads((out / "env-1-1.json").read_text())
+    assert hot["argv"] == cold["argv"] and hot["path0"] == cold["path0"]
+    if as_module:
+        assert cold["argv"][0].endswith("_workers.py")  # as python -m has it
+    changed = {
+        k for k in cold["env"].keys() | hot["env"].keys() if cold["env"].get(k) != hot["env"].get(k)
+    }
+    assert changed == {"TRAINGUARD_INCARNATION", "TORCHELASTIC_ERROR_FILE"}, changed
+    assert hot["env"]["RANK"] == "1" and hot["env"]["LOCAL_RANK"] == "1"
+    assert hot["env"]["TORCHELASTIC_ERROR_FILE"].endswith("/1/inc_1/error.json")
 
 
 def test_warm_workers_are_off_for_a_command_they_cannot_run() -> None:
