@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -120,6 +121,37 @@ def test_the_warm_worker_dies_with_a_killed_launcher(tmp_path: Path) -> None:
         while alive(warm) and time.monotonic() < end:
             time.sleep(0.05)
         assert not alive(warm), "the warm worker outlived its agent"
+
+
+_PARENT = """
+import os, subprocess, sys, time
+ready = int(sys.argv[1])
+command = [sys.executable, "-u", "-m", "trainguard.launch._warmboot", str(os.getpid())]
+subprocess.Popen([*command, str(ready), "script", sys.argv[2]], pass_fds=(ready,),
+                 stdin=subprocess.PIPE, start_new_session=True)
+os.close(ready)
+time.sleep(60)
+"""
+
+
+def test_a_warm_worker_still_importing_dies_with_its_parent() -> None:
+    """The parent-death signal, not the end of its stdin (read only after the imports): the
+    warm process never got past its imports."""
+    read, write = os.pipe()
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, str(write), _agents.WORKER],
+        pass_fds=(write,),
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+    )
+    os.close(write)
+    time.sleep(0.3)  # the warm process runs, importing torch (seconds)
+    parent.kill()
+    parent.wait()
+    os.set_blocking(read, True)
+    try:
+        assert os.read(read, 1) == b"", "the warm process finished its imports: no death signal"
+    finally:  # the end of the file: every holder of the write end (the warm process) exited
+        os.close(read)
 
 
 @pytest.mark.parametrize("as_module", [False, True], ids=["script", "module"])
