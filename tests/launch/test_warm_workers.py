@@ -123,6 +123,40 @@ def test_the_warm_worker_dies_with_a_killed_launcher(tmp_path: Path) -> None:
         assert not alive(warm), "the warm worker outlived its agent"
 
 
+def test_a_whole_job_restart_ends_the_warm_workers_and_starts_new_ones(tmp_path: Path) -> None:
+    """Rank 1 crash-loops in generation 0, its respawns served warm; the whole job restarts:
+    the generation's warm processes end with it, generation 1 gets its own."""
+    out, ev = tmp_path / "out", tmp_path / "events"
+    out.mkdir()
+    worker = ["run", str(out), "--steps=1000", "--crash-gen=0", "--crash-rank=1"]
+    extra = ["--max-restarts=1", "--tg-respawns=5", "--tg-warm-workers=1", f"--tg-events-dir={ev}"]
+    with Agents(tmp_path, nodes=1, nproc=2, worker=worker, extra=extra) as job:
+
+        def generation_1() -> bool:
+            starts = [s for s in read_starts(out) if s["generation"] == "1"]
+            escalated = _agent_events(ev, "launch_escalated")
+            started = _agent_events(ev, "launch_warm_started")
+            return (
+                len(starts) == 2 and bool(escalated) and started[-1]["time"] > escalated[0]["time"]
+            )
+
+        job.wait_for(generation_1, timeout=90, what="generation 1 and its warm worker")
+        escalated = _agent_events(ev, "launch_escalated")
+        started = _agent_events(ev, "launch_warm_started")
+        before = {e["worker_pid"] for e in started if e["time"] < escalated[0]["time"]}
+        after = {e["worker_pid"] for e in started} - before
+        assert len(before) == 3 and len(after) == 1  # the first, one per takeover; generation 1's
+        respawned = _agent_events(ev, "launch_respawned")
+        (unused,) = before - {e["worker_pid"] for e in respawned}
+        assert not alive(unused)  # generation 0's last one ended with its generation
+        assert all(alive(pid) for pid in after)
+        (out / "stop").touch()
+        assert job.wait() == [0], job.output()
+        assert leftovers(job.run_id) == []
+    assert [e["warm"] for e in respawned] == [True, True]  # incarnations 1 and 2 of rank 1
+    assert "crash loop" in escalated[0]["reason"]
+
+
 _PARENT = """
 import os, subprocess, sys, time
 ready = int(sys.argv[1])
