@@ -8,7 +8,9 @@ Modes:
   predecessor left there) every ``--step`` seconds until ``OUT/stop`` exists or ``--steps``
   are done, then exit 0 (``--endless-rank R``: rank R ignores ``--steps``).
   ``--crash-gen G --crash-rank R``: rank R of generation G exits 3 at once.
-- ``env``: write the environment to ``OUT/env-<rank>.json`` and exit 0.
+- ``env``: write the environment to ``OUT/env-<rank>.json`` and exit 0. Any mode with
+  ``--dump-env``: write ``{env, argv, path0}`` (the environment, ``sys.argv``, ``sys.path[0]``)
+  to ``OUT/env-<rank>-<incarnation>.json`` at its start.
 - ``gloo``: (imports torch) init a gloo group from torchrun's variables, ``--steps`` all_reduces
   (rank ``--crash-rank`` of generation ``--crash-gen`` exits 3 after the first), write the sum
   of the last one to ``OUT/sum-<rank>``; ``--log-steps``: append each step to
@@ -38,6 +40,7 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -186,6 +189,7 @@ def main() -> int:
     parser.add_argument("--hard-timeout", type=float, default=20.0)
     parser.add_argument("--log-steps", action="store_true")
     parser.add_argument("--newcomer-delay", type=float, default=0.0)
+    parser.add_argument("--dump-env", action="store_true")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     _append(
@@ -201,6 +205,10 @@ def main() -> int:
         },
     )
     print(f"worker rank {rank} incarnation {os.environ.get('TRAINGUARD_INCARNATION')}", flush=True)
+    if args.dump_env:
+        seen = {"env": dict(os.environ), "argv": sys.argv, "path0": sys.path[0]}
+        incarnation = os.environ.get("TRAINGUARD_INCARNATION")
+        (args.out / f"env-{rank}-{incarnation}.json").write_text(json.dumps(seen))
     if args.mode == "env":
         (args.out / f"env-{rank}.json").write_text(json.dumps(dict(os.environ), sort_keys=True))
         return 0

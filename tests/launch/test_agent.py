@@ -107,12 +107,15 @@ def test_a_whole_job_restart_of_a_gloo_job_completes(tmp_path: Path) -> None:
     assert [(out / f"sum-{r}").read_text() for r in range(4)] == ["4"] * 4
 
 
+@pytest.mark.parametrize("warm", [0, 1])
 def test_a_respawned_worker_logs_to_files_of_its_own_and_its_tee_reaches_the_console(
-    tmp_path: Path,
+    tmp_path: Path, warm: int
 ) -> None:
-    out, logs = tmp_path / "out", tmp_path / "logs"
+    """Also when a warm worker (``--tg-warm-workers``) takes the respawn over."""
+    out, logs, ev = tmp_path / "out", tmp_path / "logs", tmp_path / "events"
     out.mkdir()
-    extra = [f"--log-dir={logs}", "--redirects=3", "--tee=3"]
+    extra = [f"--log-dir={logs}", "--redirects=3", "--tee=3", f"--tg-warm-workers={warm}"]
+    extra.append(f"--tg-events-dir={ev}")
     with Agents(tmp_path, nodes=1, nproc=2, worker=["run", str(out)], extra=extra) as job:
         first = job.wait_for(lambda: len(read_starts(out)) >= 2 and read_starts(out), what="starts")
         os.kill(next(s["pid"] for s in first if s["rank"] == 1), signal.SIGKILL)
@@ -125,6 +128,8 @@ def test_a_respawned_worker_logs_to_files_of_its_own_and_its_tee_reaches_the_con
     assert "incarnation 1" in (attempt / "1" / "inc_1" / "stdout.log").read_text()
     assert "incarnation 0" in (attempt / "0" / "stdout.log").read_text()
     assert not (attempt / "0" / "inc_1").exists()
+    respawned = [e for e in events.read_events(ev) if e["kind"] == "launch_respawned"]
+    assert [e["warm"] for e in respawned] == [bool(warm)]
 
 
 def test_a_respawn_never_signals_the_process_that_reused_the_dead_workers_pid(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -129,3 +130,16 @@ def test_a_function_context_is_refused_with_the_fix(tmp_path: Path) -> None:
     agent = _agent(tmp_path)
     with pytest.raises(ValueError, match="--run-path"):
         _compat.pcontext(agent)
+
+
+def test_an_adopted_process_is_one_torch_knows_and_closes(context: SubprocessContext) -> None:
+    """A warm worker's process (started by the agent, not by torch's handler) in the context."""
+    old = _compat.handler(context, 1)
+    os.killpg(old.proc.pid, signal.SIGKILL)
+    _compat.reap(old, kill_group=False)
+    _compat.release(old)
+    proc = subprocess.Popen([sys.executable, *SLEEP], start_new_session=True)
+    new = _compat.adopt(context, 1, proc)
+    assert context.pids()[1] == proc.pid and _compat.exit_code(new) is None
+    context.close(signal.SIGTERM, timeout=5)  # torch's close: killpg of the adopted process
+    assert proc.poll() == -signal.SIGTERM

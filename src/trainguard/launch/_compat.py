@@ -8,7 +8,8 @@ that a torch release that moves one of them breaks this module (and its contract
 - ``SubprocessContext``: ``subprocess_handlers`` (local rank -> ``SubprocessHandler``),
   ``entrypoint``, ``args``, ``envs``, ``stdouts``, ``stderrs``, ``error_files``, ``_numa_options``;
 - ``SubprocessHandler``: ``proc`` (its ``Popen``, leader of its own session), ``_stdout``,
-  ``_stderr`` (the log files it opened);
+  ``_stderr`` (the log files it opened), ``local_rank_id``; a warm worker's process is put in
+  one built without its ``__init__`` (:func:`adopt`);
 - ``LocalElasticAgent``: ``_pcontext``, ``_remaining_restarts`` (the whole-job restarts left;
   set to 0 when this node leaves the job), ``_uninterruptible_state_timeout`` and
   ``_check_uninterruptible_state_timeout`` (torch's D-state watchdog, absent from older releases; probed),
@@ -24,6 +25,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import subprocess
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +43,7 @@ __all__ = [
     "CONTEXT_ATTRIBUTES",
     "HANDLER_ATTRIBUTES",
     "WorkerLaunch",
+    "adopt",
     "check_uninterruptible",
     "handler",
     "in_exit_barrier",
@@ -65,7 +68,7 @@ CONTEXT_ATTRIBUTES = (
     "_numa_options",
 )
 #: attributes of a ``SubprocessHandler`` the agent relies on.
-HANDLER_ATTRIBUTES = ("proc", "_stdout", "_stderr")
+HANDLER_ATTRIBUTES = ("proc", "_stdout", "_stderr", "local_rank_id")
 #: attributes of ``LocalElasticAgent`` the agent relies on (the D-state ones are optional).
 AGENT_ATTRIBUTES = ("_pcontext", "_remaining_restarts")
 AGENT_OPTIONAL = (
@@ -160,6 +163,21 @@ def replace(
         local_rank,
         launch.numa_options,
     )
+    context.subprocess_handlers[local_rank] = new
+    return new
+
+
+def adopt(
+    context: SubprocessContext, local_rank: int, proc: subprocess.Popen[bytes]
+) -> SubprocessHandler:
+    """Put ``proc`` (a process the agent started itself, leader of its own session, writing its
+    own log files) in the context as ``local_rank``'s, in a handler that torch's ``close()``
+    treats like its own (``killpg`` of ``proc.pid``; no log file of the agent to close)."""
+    new = SubprocessHandler.__new__(SubprocessHandler)
+    new.proc = proc
+    new._stdout = None
+    new._stderr = None
+    new.local_rank_id = local_rank
     context.subprocess_handlers[local_rank] = new
     return new
 

@@ -76,6 +76,7 @@ from trainguard.launch._nodes import NodeWatch
 from trainguard.launch._partition import Partition, Verdict
 from trainguard.launch._signals import SignalWatch
 from trainguard.launch._slots import Escalate, Respawn, SlotPolicy, SlotTable
+from trainguard.launch._warm import WarmPool
 from trainguard.launch.heartbeat import NodeHeartbeat
 from trainguard.launch.options import LaunchOptions
 from trainguard.restart.preempt import EXIT_PREEMPTED
@@ -163,6 +164,7 @@ class TrainguardAgent(LocalElasticAgent):
         self.cannot_start: str | None = None  # the error that ended the job before it ran
         self._sigterm_sent: set[int] = set()  # workers the preemption's SIGTERM went to
         self.signals = SignalWatch(lambda: _preempt.forward(self, self._sigterm_sent))
+        self.warm = WarmPool(options.warm_workers, self.events.emit)  # --tg-warm-workers
 
     # rendezvous and start ------------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -219,6 +221,7 @@ class TrainguardAgent(LocalElasticAgent):
             self.slots.started(local_rank, pid)
             rank, incarnation = self.slots.rank(local_rank), self.slots.incarnation(local_rank)
             _agenthooks.expect(self.service, rank, pid, incarnation)
+        self.warm.start(context)
         return pids
 
     # monitor -------------------------------------------------------------------------------
@@ -226,6 +229,7 @@ class TrainguardAgent(LocalElasticAgent):
         """One tick (:meth:`_tick`); a signal that something in it swallowed is raised."""
         self.signals.reraise()
         result = self._tick(worker_group)
+        self.warm.poll()
         self.signals.reraise()
         return result
 
@@ -350,7 +354,7 @@ class TrainguardAgent(LocalElasticAgent):
         first = _compat.launch_of(context, local_rank)
         incarnation = self.slots.incarnation(local_rank) + 1
         launch, files = incarnation_launch(first, incarnation)
-        new = _compat.replace(context, local_rank, launch)
+        new, warm = self.warm.replace(context, local_rank, launch)
         self.slots.started(local_rank, new.proc.pid)
         self._error_files[local_rank] = files.error_file
         group.workers[local_rank].id = new.proc.pid
@@ -364,6 +368,7 @@ class TrainguardAgent(LocalElasticAgent):
             worker_pid=new.proc.pid,
             incarnation=incarnation,
             seconds=waited,
+            warm=warm,
         )
         logger.info("rank %d respawned as pid %d (incarnation %d)", rank, new.proc.pid, incarnation)
 
@@ -415,6 +420,7 @@ class TrainguardAgent(LocalElasticAgent):
             self.preempted = saved or self.preempted
             timeout = 0  # those still running are killed at once
         self._close_heartbeat()
+        self.warm.close()
         super()._shutdown(death_sig, timeout)
         tails, self._tails = self._tails, []
         for t in tails:
@@ -435,6 +441,7 @@ class TrainguardAgent(LocalElasticAgent):
             return result
         finally:
             self.signals.close()
+            self.warm.close()
             self.service.close()
             self.coord.close()
             self.events.close()

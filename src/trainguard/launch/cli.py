@@ -76,6 +76,8 @@ TG_OPTIONS: list[tuple[str, type, Any, str, str]] = [
     ("preemption_grace", float, None, "S", "seconds from a SIGTERM to the end of the workers, "
      "which stop at an agreed step and save it; the launcher then exits with status 75 "
      "(requeue); default TRAINGUARD_PREEMPTION_GRACE, else 60"),
+    ("warm_workers", int, 0, "N", "worker processes per node started ahead, past their "
+     "imports, waiting: a respawn takes one over instead of a cold start (default 0)"),
 ]  # fmt: skip
 
 

@@ -27,6 +27,16 @@ def _backoff(value: Timeout) -> float:
     return seconds("respawn_backoff", value)
 
 
+def _count(name: str, value: object, zero: str) -> int:
+    """A whole number >= 0 (``zero``: what 0 means), or the error naming its flag."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        flag = "--tg-" + name.replace("_", "-")
+        raise ConfigError(
+            f"{name}={value!r} must be a whole number >= 0 (0: {zero}); pass {flag} N"
+        )
+    return value
+
+
 @dataclasses.dataclass(frozen=True, init=False)
 class LaunchOptions:
     """Settings of the trainguard agent, on top of torchrun's.
@@ -62,6 +72,10 @@ class LaunchOptions:
             long (plus 5 s) after forwarding the signal (``--tg-preemption-grace``; default
             ``TRAINGUARD_PREEMPTION_GRACE``, else 60 s). The workers get it in their
             ``TRAINGUARD_PREEMPTION_GRACE``.
+        warm_workers: processes per node started ahead and past their imports (torch,
+            trainguard, the script's installed imports), waiting: a respawn hands one the dead
+            worker's identity instead of starting a process cold (``--tg-warm-workers``;
+            default 0, see :mod:`trainguard.launch._warm`).
 
     Timeouts are keyword-only, in seconds or as a ``timedelta``.
     """
@@ -79,6 +93,7 @@ class LaunchOptions:
     secret_file: str | None
     insecure: bool
     preemption_grace: float
+    warm_workers: int
 
     def __init__(
         self,
@@ -96,6 +111,7 @@ class LaunchOptions:
         secret_file: str | None = None,
         insecure: bool = False,
         preemption_grace: Timeout | None = None,
+        warm_workers: int = 0,
     ) -> None:
         def put(name: str, value: object) -> None:
             object.__setattr__(self, name, value)
@@ -106,12 +122,7 @@ class LaunchOptions:
             put("store", parse_addr(store))
         else:
             put("store", None)
-        if isinstance(respawns, bool) or not isinstance(respawns, int) or respawns < 0:
-            raise ConfigError(
-                f"respawns={respawns!r} must be a whole number >= 0 (0: every worker death "
-                "restarts the whole job); pass --tg-respawns N"
-            )
-        put("respawns", respawns)
+        put("respawns", _count("respawns", respawns, "every worker death restarts the job"))
         put("respawn_backoff", _backoff(respawn_backoff))
         put("rejoin_timeout", seconds("rejoin_timeout", rejoin_timeout))
         if self.respawn_backoff:
@@ -158,3 +169,4 @@ class LaunchOptions:
 
             preemption_grace = _env.settings().preemption_grace
         put("preemption_grace", seconds("preemption_grace", preemption_grace))
+        put("warm_workers", _count("warm_workers", warm_workers, "respawns start cold"))
