@@ -36,6 +36,18 @@ NAME = ".metadata"
 
 _DCP = "torch.distributed.checkpoint.metadata"
 
+#: DCP's metadata dataclasses: the names the allow-list resolves in DCP's metadata module (with
+#: the ``_MEM_FORMAT_ENCODING`` enum) and the classes a ``BUILD`` may set the state of.
+_DATACLASSES = (
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "Metadata",
+    "MetadataIndex",
+    "StorageMeta",
+    "TensorProperties",
+    "TensorStorageMetadata",
+)
+
 #: Every global a ``Metadata`` that :class:`StorageWriter` writes refers to, as DCP of the
 #: installed torch pickles it (dataclasses of DCP's metadata module, ``torch.Size``, dtypes by
 #: name, a layout through ``torch.serialization._get_layout``); checked against the opcodes of
@@ -43,19 +55,7 @@ _DCP = "torch.distributed.checkpoint.metadata"
 #: dotted name (protocol 4 resolves ``module`` then ``a.b`` attribute by attribute).
 ALLOWED: frozenset[tuple[str, str]] = frozenset(
     {
-        *(
-            (_DCP, name)
-            for name in (
-                "BytesStorageMetadata",
-                "ChunkStorageMetadata",
-                "Metadata",
-                "MetadataIndex",
-                "StorageMeta",
-                "TensorProperties",
-                "TensorStorageMetadata",
-                "_MEM_FORMAT_ENCODING",
-            )
-        ),
+        *((_DCP, name) for name in (*_DATACLASSES, "_MEM_FORMAT_ENCODING")),
         ("torch", "Size"),
         ("torch.serialization", "_get_layout"),
         *(("torch", name) for name in TORCH_DTYPE_NAMES if hasattr(torch, name)),
@@ -66,18 +66,7 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset(
 #: The classes whose instances a ``BUILD`` may set the state of: DCP's metadata dataclasses,
 #: which pickle as ``NEWOBJ`` (a fresh instance) then ``BUILD``. Not the enum: its members are
 #: singletons of the process.
-_BUILDABLE: frozenset[type] = frozenset(
-    getattr(_dcp_metadata, name)
-    for name in (
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorProperties",
-        "TensorStorageMetadata",
-    )
-)
+_BUILDABLE: frozenset[type] = frozenset(getattr(_dcp_metadata, name) for name in _DATACLASSES)
 
 _BUILD = cast("Callable[[Any], None]", pickle._Unpickler.dispatch[pickle.BUILD[0]])
 
