@@ -29,7 +29,8 @@ Peer snapshots (issue 39, item 2) are not built: FSDP2 1-D torn and kill rows sh
 fallback.
 
 Run: ``.venv/bin/python bench/zero_loss.py [--models 0 256] [--ranks 4] [--big-ranks 2]``;
-sharded rows only: ``.venv/bin/python bench/zero_loss.py --models --sharded 16``.
+sharded rows only: ``.venv/bin/python bench/zero_loss.py --models --sharded 16`` (written to
+bench/results/zero_loss_sharded.json).
 """
 
 from __future__ import annotations
@@ -248,7 +249,8 @@ def main() -> None:
         ["model", "MiB", "live transfer ms", "gloo send ms", "ratio", "target", "met"],
         transfer_rows,
     )
-    write_results("zero_loss", results)
+    # sharded rows alone (``--models`` with no size) keep the demo rows' file as it is
+    write_results("zero_loss" if args.models else "zero_loss_sharded", results)
 
 
 if __name__ == "__main__":
