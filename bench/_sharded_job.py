@@ -10,7 +10,8 @@ directory per step): today's checkpoint path. With ``live`` the rebuilt objects 
 the first) loads the newest checkpoint (``dcp.load``/``set_state_dict``).
 
 Faults ``(kind, rank, step)`` strike once each: ``exception`` inside backward, ``hang`` (a
-GIL-releasing sleep after backward, ended by the soft timeout's restart), ``torn`` (one
+GIL-releasing sleep before forward, once every rank finished the last update: the others
+wait in forward's all-gather; the soft timeout's restart ends it), ``torn`` (one
 parameter group updated, then a failure, once the others finished the step) and ``kill``
 (SIGKILL after backward; a spare takes the rank). The victim writes the fault's wall time to
 ``t-<i>``; every rank records, per round, when its first step of the round finished, the
@@ -108,8 +109,12 @@ def _step(
     x = torch.randn(BATCH, dim, generator=gen)
     rows = BATCH // call.world_size
     x = x[call.rank * rows : (call.rank + 1) * rows]
-    hidden = net[1](net[0](x))
     kind, i = fault
+    if kind in ("hang", "others-hang"):
+        dist.barrier()  # every rank finished the last update; the others wait in forward
+    if kind == "hang":
+        _fault(kind, i, out)
+    hidden = net[1](net[0](x))
     if kind == "exception":
 
         def boom(grad: torch.Tensor) -> torch.Tensor:
@@ -118,9 +123,9 @@ def _step(
 
         hidden.register_hook(boom)
     net[2](hidden).square().mean().backward()
-    if kind in ("hang", "kill", "others-hang", "others-kill"):
-        dist.barrier()  # every rank is through backward's collectives when the victim fails
-    if kind in ("hang", "kill"):
+    if kind in ("kill", "others-kill"):
+        dist.barrier()  # every rank is through backward's collectives when the victim dies
+    if kind == "kill":
         _fault(kind, i, out)
     if live is None:
         if kind == "torn":

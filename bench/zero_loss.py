@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -156,7 +157,8 @@ def sharded_rows(name: str, path: str, run: dict[str, Any]) -> list[list[Any]]:
             how, source = "live", f"peers -> {got}" if got else "own shards"
         else:
             reason = next(r["fallback"] for r in recs if r.get("fallback"))
-            how, source = f"fallback ({reason[:40]})", f"dcp, step {recs[0]['first']}"
+            reason = re.sub(r" \d{4,}", "", reason).split(" (")[0]
+            how, source = f"fallback: {reason}", f"dcp, step {recs[0]['first']}"
         rows.append([name, f["kind"], how, recs[0]["recomputed"], again * 1e3, source])
     return rows
 
@@ -239,11 +241,12 @@ def main() -> None:
             ["model", "fault", "recovery", "recomputed", "training again ms", "from", "identical"],
             more,
         )
-    print_table(
-        "steps recomputed and fault -> training again, per fault",
-        ["model", "fault", "recovery", "recomputed", "training again ms", "loaded from"],
-        rows,
-    )
+    if rows:
+        print_table(
+            "steps recomputed and fault -> training again, per fault",
+            ["model", "fault", "recovery", "recomputed", "training again ms", "loaded from"],
+            rows,
+        )
     print_table(
         "a spare receiving a replica's state (live) vs a plain gloo send of those bytes",
         ["model", "MiB", "live transfer ms", "gloo send ms", "ratio", "target", "met"],
