@@ -102,7 +102,14 @@ def _fault(kind: str, i: int, out: Path) -> None:
 
 
 def _step(
-    net: nn.Module, opt: Any, live: Any, step: int, call: Any, fault: tuple[str, int], out: Path
+    net: nn.Module,
+    opt: Any,
+    live: Any,
+    step: int,
+    call: Any,
+    fault: tuple[str, int],
+    out: Path,
+    done: list[int],
 ) -> None:
     gen = torch.Generator().manual_seed(1000 + step)
     dim = net[0].in_features
@@ -138,6 +145,7 @@ def _step(
                 out.joinpath(f"t-{i}").write_text(repr(time.time()))
                 _partial_step(opt, True)
             opt.step()
+    done[0] = step + 1  # before the barrier: a restart may interrupt this rank past it
     if kind in ("torn", "others-torn"):
         dist.barrier()  # the torn rank fails once every other rank finished this update
     opt.zero_grad()
@@ -216,6 +224,8 @@ def job(
         rec["restore_s"] = time.monotonic() - start
         newest = torch.tensor([done[0]])
         dist.all_reduce(newest, op=dist.ReduceOp.MAX)
+        if got is not None:  # what the live records say (the same on every rank)
+            newest = torch.tensor([max(got.newest, int(newest.item()))])
         rec.update(first=first, newest=int(newest.item()), recomputed=int(newest.item()) - first)
         pending = [i for i in range(len(faults)) if not (out / f"fault-{i}").exists()]
         for step in range(first, steps):
@@ -228,8 +238,7 @@ def job(
                     fault = (kind, i)
                 elif kind != "exception":
                     fault = (f"others-{kind}", i)
-            _step(net, opt, live, step, call, fault, out)
-            done[0] = step + 1
+            _step(net, opt, live, step, call, fault, out, done)
             if step == first:
                 rec["first_step_done"] = time.time()
                 _append(out, rec)
