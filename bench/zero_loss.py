@@ -30,7 +30,7 @@ fallback.
 
 Run: ``.venv/bin/python bench/zero_loss.py [--models 0 256] [--ranks 4] [--big-ranks 2]``;
 sharded rows only: ``.venv/bin/python bench/zero_loss.py --models --sharded 16`` (written to
-bench/results/zero_loss_sharded.json).
+bench/results/zero_loss_sharded_16mib.json).
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ def main() -> None:
         transfer_rows,
     )
     # sharded rows alone (``--models`` with no size) keep the demo rows' file as it is
-    write_results("zero_loss" if args.models else "zero_loss_sharded", results)
+    write_results("zero_loss" if args.models else f"zero_loss_sharded_{args.sharded}mib", results)
 
 
 if __name__ == "__main__":
