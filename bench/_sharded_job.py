@@ -151,10 +151,36 @@ def _step(
     opt.zero_grad()
 
 
+def _outcome(got: Any) -> dict[str, Any]:
+    """What a round's record keeps of a Recovery."""
+    return {
+        "live": got.live,
+        "fallback": got.fallback,
+        "nbytes": got.nbytes,
+        "received_from": got.received_from,
+        "receivers": list(got.receivers),
+        "transfer_s": got.transfer_seconds,
+    }
+
+
 def _append(out: Path, record: dict[str, Any]) -> None:
     """One JSON line in ``out/records.jsonl`` (kept when this process is killed later)."""
     with open(out / "records.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def _send_baseline(got: Any, rank: int, world: int, round_: int, out: Path) -> None:
+    """Donor and receiver of ``got`` (a Recovery) time a plain send of the received bytes."""
+    mine = torch.tensor([got.received_from if got.received_from is not None else -1])
+    gathered = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    receiver = got.receivers[0]
+    donor = int(gathered[receiver].item())
+    nbytes = torch.tensor([got.nbytes])
+    dist.broadcast(nbytes, receiver)
+    took = _plain_send(donor, receiver, int(nbytes.item()), rank)
+    if took:
+        _append(out, {"round": round_, "plain_send_s": statistics.median(took)})
 
 
 def _plain_send(donor: int, receiver: int, nbytes: int, rank: int) -> list[float]:
@@ -184,15 +210,14 @@ def job(
     ckpt_every: int,
     soft_timeout: float,
 ) -> dict[str, Any]:
-    """Train ``steps`` steps on ``active`` ranks (the others are spares); see the module
-    docstring. Returns the digest, this rank's final rank and every round's record."""
+    """Train ``steps`` steps on ``active`` ranks (the others are spares), as the module
+    docstring says. Returns the digest of this rank's shards and its final rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import trainguard.restart as tr
     from trainguard.live import LiveState
 
-    out = Path(out_dir)
-    root = out / "ckpt"
+    out, root = Path(out_dir), Path(out_dir, "ckpt")
     root.mkdir(exist_ok=True)
     live = LiveState(model=None, optimizer=None) if live_on else None
     names = ("replicate", "shard")[-len(mesh_shape) :]
@@ -212,9 +237,7 @@ def job(
         rec: dict[str, Any] = {"round": call.round, "rank": call.rank, "live": False}
         got = live.recover(model=net, optimizer=opt) if live is not None else None
         if got is not None:
-            rec.update(live=got.live, fallback=got.fallback, nbytes=got.nbytes)
-            rec.update(received_from=got.received_from, receivers=list(got.receivers))
-            rec.update(transfer_s=got.transfer_seconds)
+            rec.update(_outcome(got))
         if got is not None and got.step is not None:
             first = got.step
         else:
@@ -246,16 +269,7 @@ def job(
                 _save(net, opt, root, step + 1)
             call.ping()
         if got is not None and got.receivers:  # the last round's transfer against a plain send
-            donors = [torch.tensor([got.received_from if got.received_from is not None else -1])]
-            gathered = [torch.zeros(1, dtype=torch.long) for _ in range(call.world_size)]
-            dist.all_gather(gathered, donors[0])
-            receiver = got.receivers[0]
-            donor = int(gathered[receiver].item())
-            nbytes = torch.tensor([got.nbytes])
-            dist.broadcast(nbytes, receiver)
-            took = _plain_send(donor, receiver, int(nbytes.item()), call.rank)
-            if took:
-                _append(out, {"round": call.round, "plain_send_s": statistics.median(took)})
+            _send_baseline(got, call.rank, call.world_size, call.round, out)
         result = digest(net, opt)
         dist_rank[0] = call.rank
         dist.destroy_process_group()
