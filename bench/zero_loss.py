@@ -15,13 +15,29 @@ send of the same number of bytes between two processes (median of 3), measured i
 run. Target (issue 33): recovery no slower than the checkpoint path, except the transfer of
 one replica's state, at most 1.2x the plain send.
 
-Run: ``.venv/bin/python bench/zero_loss.py [--models 0 256] [--ranks 4] [--big-ranks 2]``.
+Sharded rows (``--sharded MIB``, issue 39): FSDP2 (1-D mesh of 4 ranks + 1 spare) and HSDP
+(2 x 2 mesh + 1 spare), MIB MiB of state per rank, real ``fully_shard`` on CPU/gloo
+(``bench/_sharded_job.py``). Per mesh, two runs with the same faults (an exception in backward,
+a hang, a torn ``optimizer.step()``, a kill with a spare): one with ``LiveState`` (the lost or
+torn rank's shards from a rank holding the same shards; a fallback to the newest checkpoint
+where none does), one restoring the newest ``torch.distributed.checkpoint`` checkpoint (saved
+every 5 steps in both runs). Per fault: steps recomputed, fault -> every rank finished its
+first step again (a hang's minus its soft timeout), what the state came from; the final local
+shards of both runs compared per rank. The killed rank's transfer is timed against a plain
+``dist.send`` of the same bytes between the same two ranks on the same group, in the same run.
+Peer snapshots (issue 39, item 2) are not built: FSDP2 1-D torn and kill rows show the
+fallback.
+
+Run: ``.venv/bin/python bench/zero_loss.py [--models 0 256] [--ranks 4] [--big-ranks 2]``;
+sharded rows only: ``.venv/bin/python bench/zero_loss.py --models --sharded 16`` (written to
+bench/results/zero_loss_sharded_16mib.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -32,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests._dist import run_ranks
 
-from bench import _recovery_job
+from bench import _recovery_job, _sharded_job
 from bench._common import percentile, print_table, write_results
 from trainguard import events
 
@@ -103,15 +119,94 @@ def rows_of(model: str, path: str, run: dict[str, Any]) -> list[list[Any]]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", type=int, nargs="+", default=[0, 256], help="MiB per rank")
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--big-ranks", type=int, default=4, help="ranks for --models N>0")
-    args = parser.parse_args()
-    results: dict[str, Any] = {"runs": {}, "transfer": {}}
+SHARDED_FAULTS = [("exception", 2, 7), ("hang", 1, 13), ("torn", 1, 18), ("kill", 3, 26)]
+SHARDED_STEPS, CKPT_EVERY, SOFT = 30, 5, 10.0
+
+
+def sharded_run(mesh: tuple[int, ...], mib: int, live: bool, out: Path) -> dict[str, Any]:
+    """One sharded job (4 ranks + 1 spare): per fault its round's records; final digests."""
+    out.mkdir(parents=True)
+    args = (SHARDED_STEPS, 4, mesh, SHARDED_FAULTS, str(out), mib, live, CKPT_EVERY, SOFT)
+    results = run_ranks(_sharded_job.job, 5, args=args, timeout=560)
+    values = [r.get() for r in results if r.exitcode != -9]  # the killed rank returns nothing
+    lines = (out / "records.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    sent = {r["round"]: r["plain_send_s"] for r in records if "plain_send_s" in r}
+    for r in records:
+        if r.get("receivers") and r.get("received_from") is not None and r["round"] in sent:
+            r["plain_send_s"] = sent[r["round"]]
+    faults = []
+    for i, (kind, _, _) in enumerate(SHARDED_FAULTS):
+        round_ = int((out / f"fault-{i}").read_text()) + 1
+        recs = [rec for rec in records if rec["round"] == round_ and "rank" in rec]
+        again = max(rec["first_step_done"] for rec in recs) - float((out / f"t-{i}").read_text())
+        faults.append({"kind": kind, "round": round_, "again_s": again, "records": recs})
+    digests = {v["rank"]: v["digest"] for v in values}
+    return {"faults": faults, "digests": digests}
+
+
+def sharded_rows(name: str, path: str, run: dict[str, Any]) -> list[list[Any]]:
+    rows = []
+    for f in run["faults"]:
+        recs = f["records"]
+        again = f["again_s"] - (SOFT if f["kind"] == "hang" else 0.0)
+        if path == "checkpoint":
+            how, source = "checkpoint", f"dcp, step {recs[0]['first']}"
+        elif all(r["live"] for r in recs):
+            got = sorted(r["rank"] for r in recs if r.get("received_from") is not None)
+            how, source = "live", f"peers -> {got}" if got else "own shards"
+        else:
+            reason = next(r["fallback"] for r in recs if r.get("fallback"))
+            reason = re.sub(r" \d{4,}", "", reason).split(" (")[0]
+            how, source = f"fallback: {reason}", f"dcp, step {recs[0]['first']}"
+        rows.append([name, f["kind"], how, recs[0]["recomputed"], again * 1e3, source])
+    return rows
+
+
+def sharded(mib: int, tmp: Path, results: dict[str, Any]) -> tuple[list[Any], list[Any]]:
     rows: list[list[Any]] = []
     transfer_rows: list[list[Any]] = []
+    for mesh, name in (((4,), "FSDP2 1-D 4+1"), ((2, 2), "HSDP 2x2+1")):
+        runs = {}
+        for path in ("live", "checkpoint"):
+            print(f"{name}, {mib} MiB/rank: {path} ...", flush=True)
+            runs[path] = sharded_run(mesh, mib, path == "live", tmp / f"{name}-{path}")
+            results["sharded"][f"{name}/{path}"] = runs[path]
+        same = runs["live"]["digests"] == runs["checkpoint"]["digests"]
+        results["sharded"][f"{name}/identical"] = same
+        for path in ("live", "checkpoint"):
+            rows += [[*r, "yes" if same else "NO"] for r in sharded_rows(name, path, runs[path])]
+        sent = [
+            r
+            for f in runs["live"]["faults"]
+            for r in f["records"]
+            if f["kind"] == "kill" and "plain_send_s" in r
+        ]
+        for r in sent:
+            ratio = r["transfer_s"] / r["plain_send_s"] if r["plain_send_s"] > 0 else float("nan")
+            ok = "yes" if ratio <= RATIO else "no"
+            mb, ms, base = r["nbytes"] / 2**20, r["transfer_s"] * 1e3, r["plain_send_s"] * 1e3
+            transfer_rows.append([name, mb, ms, base, ratio, f"<={RATIO}", ok])
+            results["transfer"][f"{name} kill"] = {"bytes": r["nbytes"], "ratio": ratio}
+    return rows, transfer_rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=int, nargs="*", default=[0, 256], help="MiB per rank")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--big-ranks", type=int, default=4, help="ranks for --models N>0")
+    parser.add_argument(
+        "--sharded",
+        type=int,
+        metavar="MIB",
+        help="add FSDP2 and HSDP rows, MIB MiB of state per rank",
+    )
+    args = parser.parse_args()
+    results: dict[str, Any] = {"runs": {}, "transfer": {}, "sharded": {}}
+    rows: list[list[Any]] = []
+    transfer_rows: list[list[Any]] = []
+    more: list[list[Any]] = []
     with tempfile.TemporaryDirectory(prefix="tg-zero-loss-") as tmp:
         for mib in args.models:
             ranks = args.big_ranks if mib else args.ranks
@@ -137,17 +232,28 @@ def main() -> None:
                 transfer_rows.append(
                     [model, nbytes / 2**20, seconds * 1e3, base * 1e3, ratio, f"<={RATIO}", ok]
                 )
+        if args.sharded:
+            more, moved_rows = sharded(args.sharded, Path(tmp), results)
+            transfer_rows += moved_rows
+    if args.sharded:
+        print_table(
+            f"sharded ({args.sharded} MiB of state per rank): live state vs the dcp checkpoint",
+            ["model", "fault", "recovery", "recomputed", "training again ms", "from", "identical"],
+            more,
+        )
+    if rows:
+        print_table(
+            "steps recomputed and fault -> training again, per fault",
+            ["model", "fault", "recovery", "recomputed", "training again ms", "loaded from"],
+            rows,
+        )
     print_table(
-        "steps recomputed and fault -> training again, per fault",
-        ["model", "fault", "recovery", "recomputed", "training again ms", "loaded from"],
-        rows,
-    )
-    print_table(
-        "a spare receiving a replica's whole state (live) vs a plain gloo send of those bytes",
+        "a spare receiving a replica's state (live) vs a plain gloo send of those bytes",
         ["model", "MiB", "live transfer ms", "gloo send ms", "ratio", "target", "met"],
         transfer_rows,
     )
-    write_results("zero_loss", results)
+    # sharded rows alone (``--models`` with no size) keep the demo rows' file as it is
+    write_results("zero_loss" if args.models else f"zero_loss_sharded_{args.sharded}mib", results)
 
 
 if __name__ == "__main__":
