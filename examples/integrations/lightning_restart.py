@@ -1,10 +1,11 @@
-"""Lightning under in-process restart: 2 ranks, one exception, resume from local checkpoints.
+"""Lightning under in-process restart: 2 ranks, one exception, resume from live state.
 
 Run: ``.venv/bin/python examples/integrations/lightning_restart.py``. It starts 2 ranks itself
 (gloo on CPU; with torchrun, call ``train()`` in each worker instead). Every round builds a new
 Trainer with ``RoundStrategy`` (DDP over the round's ranks), ``LocalCheckpointCallback`` (a local
 checkpoint every 4 steps, each rank's part copied to the other rank) and ``AsyncCheckpointIO``
-behind ``ModelCheckpoint``. Rank 1 raises at step 6 of round 0; round 1 resumes at step 4.
+behind ``ModelCheckpoint``. Rank 1 raises at step 6 of round 0; round 1 resumes at step 6 from
+live state (nothing recomputed; ``live=False``: at step 4 from the local checkpoint).
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def train(root: str) -> None:
             max_epochs=4, logger=False, enable_progress_bar=False, enable_model_summary=False,
         )  # fmt: skip
         trainer.fit(Regressor(call.round), data())
-        print(f"rank {call.rank}: round {call.round} resumed from {local.resumed_from}, "
-              f"ended at step {trainer.global_step}", flush=True)  # fmt: skip
+        print(f"rank {call.rank}: round {call.round} resumed from {local.resumed_source} "
+              f"{local.resumed_from}, ended at step {trainer.global_step}", flush=True)  # fmt: skip
         return trainer.global_step
 
     fit()

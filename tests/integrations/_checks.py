@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +16,7 @@ import numpy
 
 from tests._dist import RankResult
 
+WORKER = str(Path(__file__).resolve().parent / "_launched_trainer.py")
 STEPS = 16  # 4 epochs of 4 steps: 16 samples, batch 2 per rank, 2 ranks
 EVERY = 4  # a local checkpoint per epoch
 RAISE_AT = (0, 0, 6)  # (round, process, step): resume from step 4
@@ -89,3 +94,29 @@ def check_fault_run(
     for value in values.values():
         assert not [t for t in value["threads"] if t != "MainThread"], value["threads"]
     return first
+
+
+def launch_job(out: Path, faults: bool, job: str) -> dict[int, list[dict[str, Any]]]:
+    """Run the ``job`` ("transformers" or "lightning") of ``_launched_trainer.py`` under
+    ``trainguard launch`` (3 workers); every process's records, by process."""
+    from tests.launch._agents import ROOT, kill_all, leftovers
+
+    out.mkdir()
+    run_id = f"tgtest-{uuid.uuid4().hex[:12]}"
+    env = dict(os.environ, TG_TEST_RUN=run_id, TRAINGUARD_EVENTS_DIR=str(out / "events"))
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "trainguard.launch", "--standalone", "--nproc-per-node=3"]
+    cmd += ["--max-restarts=1", "--monitor-interval=0.05", WORKER, str(out), str(int(faults)), job]
+    try:
+        done = subprocess.run(
+            cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=200, check=False
+        )
+    finally:
+        killed = kill_all(run_id)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
+    assert not killed and leftovers(run_id) == []
+    records: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted(out.glob("result-*.json")):
+        record = json.loads(path.read_text())
+        records.setdefault(record["process"], []).append(record)
+    return records

@@ -1,7 +1,9 @@
-"""Worker of the launcher test of the Hugging Face integration (``test_transformers_launch``).
+"""Worker of the launcher tests of the integrations (``test_transformers_launch``,
+``test_lightning_launch``).
 
-Run as ``python -m trainguard.launch --standalone --nproc-per-node=3 <this file> OUT FAULTS``:
-each worker runs the Trainer job of ``_transformers_job`` under the in-process restart Wrapper
+Run as ``python -m trainguard.launch --standalone --nproc-per-node=3 <this file> OUT FAULTS JOB``:
+each worker runs the job of ``_transformers_job`` or ``_lightning_job`` (JOB: "transformers",
+"lightning") under the in-process restart Wrapper
 (2 active ranks, 1 spare), with the faults when FAULTS is 1 (process 0 raises at step 6 of
 round 0, process 1 SIGKILLs itself at step 10 of round 1; the launcher respawns it), and writes
 ``OUT/result-<RANK>-<pid>.json``: its rounds and final weights (None for a spare).
@@ -16,13 +18,16 @@ from pathlib import Path
 
 
 def main() -> int:
-    out, faults = Path(sys.argv[1]), sys.argv[2] == "1"
+    out, faults, name = Path(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
+    import importlib
+
     import torch
 
     import trainguard.restart as tr
     from tests.integrations._checks import TIMEOUTS
-    from tests.integrations._transformers_job import _Job
     from trainguard.integrations._round import release_round
+
+    _Job = importlib.import_module(f"tests.integrations._{name}_job")._Job
 
     torch.set_num_threads(1)
     os.environ["HF_HUB_OFFLINE"] = "1"

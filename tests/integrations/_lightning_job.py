@@ -1,10 +1,11 @@
 """Rank function of the Lightning tests: ``trainer.fit`` under the Wrapper, 2 active ranks + a spare.
 
 Every round builds a new Trainer with :class:`RoundStrategy` (DDP over the round's gloo group),
-:class:`LocalCheckpointCallback` (every epoch: 4 steps, pairs replicate each other) and
+:class:`LocalCheckpointCallback` (live state, and every epoch: 4 steps, pairs replicate each other) and
 :class:`AsyncCheckpointIO` behind a ``ModelCheckpoint``. The faulty run raises on process 0 at
-step 6 of round 0 (resume from step 4) and SIGKILLs process 1 at step 10 of round 1 (the
-spare, process 2, takes its rank; resume from step 8). The reference is the same function,
+step 6 of round 0 (resume from live state at step 6, or from local checkpoint 4 without live
+state) and SIGKILLs process 1 at step 10 of round 1 (the spare, process 2, takes its rank;
+resume at step 10, or 8). The reference is the same function,
 under the same Wrapper, without faults. Module level, so spawned ranks import it.
 """
 
@@ -61,7 +62,8 @@ def _data() -> Any:
 
 
 class _Job(JobBase):
-    """The wrapped function, with this process's memory across rounds."""
+    """The wrapped function, with this process's memory across rounds (``live``: the callback's
+    live-state recovery, on by default; the environment's ``TG_LIVE=0`` turns it off)."""
 
     def __call__(self, call: tr.CallWrapper) -> dict[str, Any]:
         import lightning.pytorch as pl
@@ -79,12 +81,14 @@ class _Job(JobBase):
             every_n_steps=EVERY,
             replication=CliqueReplication(2, jump=1),
             timeout=60,
+            live=os.environ.get("TG_LIVE", "1") == "1",
         )
         job = self
 
         class Probe(Callback):
             def on_train_start(self, trainer: Any, *_: Any) -> None:
                 job.rounds[-1]["resumed"] = local.resumed_from
+                job.rounds[-1]["source"] = local.resumed_source
 
             def on_train_batch_end(self, trainer: Any, *_: Any) -> None:  # step 8 replicated
 
@@ -121,7 +125,8 @@ class _Job(JobBase):
         return {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
 
 
-def lightning_job(out: str, ports: tuple[int, int]) -> dict[str, Any]:
+def lightning_job(out: str, ports: tuple[int, int], live: bool = True) -> dict[str, Any]:
     """One process: the reference run, then the run with faults (see ``run_both``)."""
     torch.set_num_threads(1)
+    os.environ["TG_LIVE"] = str(int(live))
     return run_both(_Job, out, ports)  # type: ignore[no-any-return]

@@ -2,7 +2,8 @@
 
 ``trainer.fit`` under the in-process restart Wrapper (a new Trainer with RoundStrategy every
 round) survives an exception raised in ``training_step`` and a SIGKILLed rank replaced by a
-spare, resuming from LocalCheckpointCallback's replicated checkpoints, and ends with the weights
+spare, resuming from live state at the fault's step (or, with ``live=False``, from
+LocalCheckpointCallback's replicated checkpoints), and ends with the weights
 of the fault-free run of the same function under the same Wrapper. The reference is that run
 and not a plain ``fit``: the resumed rounds must reproduce exactly what the job would have
 computed without faults, with the same code and settings. Two active ranks make it bit-exact
@@ -35,15 +36,23 @@ pytestmark = [
 
 
 @pytest.mark.timeout(300)
-def test_fit_under_the_wrapper_survives_an_exception_and_a_sigkill(tmp_path: Path) -> None:
+@pytest.mark.parametrize("live", [True, False], ids=["live", "local_only"])
+def test_fit_under_the_wrapper_survives_an_exception_and_a_sigkill(
+    tmp_path: Path, live: bool
+) -> None:
     from safetensors import safe_open
 
     from trainguard.checkpoint import load
 
-    results = run_ranks(
-        job.lightning_job, 3, args=(str(tmp_path), (free_port(), free_port())), timeout=280
-    )
-    first = check_fault_run(results, tmp_path, job.STEPS)
+    ports = (free_port(), free_port())
+    results = run_ranks(job.lightning_job, 3, args=(str(tmp_path), ports, live), timeout=280)
+    # live state: both rounds resume where the fault struck, mid-epoch (the dataloader skips
+    # the epoch's consumed batches), nothing recomputed; local only: the epoch's checkpoint
+    first = check_fault_run(results, tmp_path, job.STEPS, (6, 10) if live else (4, 8))
+    source = "live" if live else "local"
+    assert [r["source"] for r in first["faulty"]["rounds"]] == [None, source, source]
+    spare = results[2].get()
+    assert [r["source"] for r in spare["faulty"]["rounds"]] == [source]
     # ModelCheckpoint kept working through AsyncCheckpointIO, in every round, with retention
     saved = sorted(os.listdir(tmp_path / "faulty" / "lightning"))
     assert saved == ["epoch=2-step=12.ckpt", "epoch=3-step=16.ckpt", "last.ckpt"], saved

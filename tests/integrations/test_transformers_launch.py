@@ -10,53 +10,22 @@ the same job launched without faults, bit for bit.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import uuid
 from pathlib import Path
-from typing import Any
 
 import numpy
 import pytest
 
-from tests.launch._agents import ROOT, kill_all, leftovers
+from tests.integrations._checks import launch_job
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-
-WORKER = str(Path(__file__).resolve().parent / "_launched_trainer.py")
-
-
-def _launch(out: Path, faults: bool) -> dict[int, list[dict[str, Any]]]:
-    """Run the job under ``trainguard launch``; every process's records, by process."""
-    out.mkdir()
-    run_id = f"tgtest-{uuid.uuid4().hex[:12]}"
-    env = dict(os.environ, TG_TEST_RUN=run_id, TRAINGUARD_EVENTS_DIR=str(out / "events"))
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "trainguard.launch", "--standalone", "--nproc-per-node=3"]
-    cmd += ["--max-restarts=1", "--monitor-interval=0.05", WORKER, str(out), str(int(faults))]
-    try:
-        done = subprocess.run(
-            cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=200, check=False
-        )
-    finally:
-        killed = kill_all(run_id)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
-    assert not killed and leftovers(run_id) == []
-    records: dict[int, list[dict[str, Any]]] = {}
-    for path in sorted(out.glob("result-*.json")):
-        record = json.loads(path.read_text())
-        records.setdefault(record["process"], []).append(record)
-    return records
 
 
 @pytest.mark.timeout(450)
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_a_sigkill_with_a_spare_under_the_launcher_recomputes_no_step(tmp_path: Path) -> None:
-    reference = _launch(tmp_path / "reference", faults=False)
-    faulty = _launch(tmp_path / "faulty", faults=True)
+    reference = launch_job(tmp_path / "reference", False, "transformers")
+    faulty = launch_job(tmp_path / "faulty", True, "transformers")
     assert (tmp_path / "faulty" / "killed").exists(), "the victim was not killed"
 
     (first,) = faulty[0]

@@ -6,7 +6,7 @@
 
     trainer = L.Trainer(plugins=[AsyncCheckpointIO()],            # ModelCheckpoint, async
                         callbacks=[LocalCheckpointCallback("/dev/shm/ckpt", every_n_steps=50)])
-    trainer.fit(model, data)                   # resumes from the newest local checkpoint
+    trainer.fit(model, data)                   # resumes from live state, or the newest local one
 
 Under the in-process restart Wrapper, build a new ``Trainer`` every round with
 :class:`RoundStrategy` (DDP over the round's ranks) and pass :func:`release_round` as the
@@ -15,9 +15,17 @@ Wrapper's ``finalize``::
     @tr.Wrapper(rank_filter=tr.MaxActiveWorldSize(4), finalize=release_round)
     def train(call):
         trainer = L.Trainer(strategy=RoundStrategy(), callbacks=[LocalCheckpointCallback(...)])
-        trainer.fit(model, data)               # resumes where the last local checkpoint was
+        trainer.fit(model, data)               # resumes at the step of the fault
+
+After a fault, :class:`LocalCheckpointCallback` recovers from live state first (the
+survivors' memory, :mod:`trainguard.live`: no step recomputed) and from the newest local
+checkpoint when no replica can help.
 
 Importing this module imports Lightning (``pip install 'trainguard[lightning]'``).
+
+Over 400 lines: the checkpoint plugin, the callback (live state, local checkpoints and the
+dataloader's position at a resume) and the round's environment and strategy are one
+integration, each a short class of hooks Lightning defines.
 """
 
 from __future__ import annotations
@@ -35,7 +43,14 @@ from lightning.pytorch.strategies import DDPStrategy
 from trainguard.checkpoint import AsyncCheckpointer
 from trainguard.checkpoint import load as load_checkpoint
 from trainguard.errors import ConfigError
-from trainguard.integrations._round import LocalSchedule, release_round, track, untrack
+from trainguard.integrations._round import (
+    LocalSchedule,
+    forget_live,
+    live_for,
+    release_round,
+    track,
+    untrack,
+)
 
 __all__ = [
     "AsyncCheckpointIO",
@@ -150,31 +165,49 @@ class AsyncCheckpointIO(CheckpointIO):
 
 
 class LocalCheckpointCallback(LocalSchedule, pl.Callback):
-    """Local replicated checkpoints every ``every_n_steps`` optimizer steps; resume from them.
+    """Live-state recovery and local replicated checkpoints every ``every_n_steps`` optimizer
+    steps; resume from them.
 
     Protocol (every rank runs the same callbacks, as Lightning does):
 
-    - ``setup`` of ``fit`` opens a :class:`~trainguard.checkpoint.LocalCheckpointManager` under
-      ``root`` on every rank (torch.distributed is up then), finds the newest iteration every
-      rank can recover and loads this rank's part; Lightning then restores the model, the
-      optimizers, the loops and the callbacks from it, as from ``fit(ckpt_path=...)``. An
-      explicit ``ckpt_path`` wins (Lightning loads it over the local checkpoint). :attr:`resumed_from` is the step.
-    - After every ``every_n_steps``-th step every rank saves the full Lightning checkpoint
-      (``trainer.save_checkpoint``'s contents, rank-local state included) as its part; the call
-      returns after the staging copy, writing and replication run in the background. A step
-      that ends an epoch is saved at the epoch's end (``on_train_epoch_end``): Lightning 2.6
-      resumes from a save made in the last batch's ``on_train_batch_end`` but then counts the
-      next epoch wrongly.
+    - ``setup`` of ``fit`` (torch.distributed is up then; a collective) first recovers from
+      live state (``live``, the default): the ranks agree on the newest step an untorn rank
+      completed, ranks behind (a spare, a respawned process, a torn update) receive it from a
+      replica, checksummed, and nothing is recomputed. When no replica can help (a first
+      start, every rank torn) it opens a :class:`~trainguard.checkpoint.LocalCheckpointManager`
+      under ``root``, finds the newest iteration every rank can recover and loads this rank's
+      part. Lightning then restores the model, the optimizers, the loops and the callbacks from
+      it, as from ``fit(ckpt_path=...)``; an explicit ``ckpt_path`` wins (Lightning loads it
+      over ours). :attr:`resumed_from` is the step, :attr:`resumed_source` ``"live"``,
+      ``"local"`` or None.
+    - ``on_train_start`` of a resume that stopped mid-epoch: a dataloader without
+      ``state_dict``/``load_state_dict`` (which Lightning restarts at the epoch's first batch)
+      is advanced past the batches the epoch already consumed (they are loaded and dropped),
+      so the next batch is the one the fault-free run would train on.
+    - Each optimizer update (``on_before_optimizer_step`` to ``on_train_batch_end``, or to
+      ``on_train_epoch_end`` for an epoch's last batch) is one ``live.update``: a fault inside
+      it leaves this rank torn (it receives the state). At its end the callback keeps a
+      reference to the step's Lightning checkpoint (``dump_checkpoint``; no tensor is copied).
+    - After every ``every_n_steps``-th step every rank saves that checkpoint (rank-local state
+      included) as its part; the call returns after the staging copy, writing and replication
+      run in the background. A step that ends an epoch is saved at the epoch's end
+      (``on_train_epoch_end``): Lightning 2.6 resumes from a save made in the last batch's
+      ``on_train_batch_end`` but then counts the next epoch wrongly.
     - ``teardown`` waits until the last save is durable with all its copies, then closes the
       manager. After a fault, :func:`release_round` (the Wrapper's ``finalize``) closes it.
 
-    A mid-epoch resume is exact only with a resumable (stateful) dataloader, Lightning's rule;
-    with ``every_n_steps`` a multiple of the steps per epoch any dataloader resumes exactly.
-
     Args: those of :class:`~trainguard.integrations._round.LocalSchedule` (``root``,
     ``every_n_steps`` counted in ``trainer.global_step``, ``replication``, ``keep``,
-    ``timeout``, other ``LocalCheckpointManager`` arguments), and ``pickle``: allow leaves
-    JSON cannot hold (arbitrary ``hparams``); loading allows it too.
+    ``timeout``, other ``LocalCheckpointManager`` arguments), and:
+
+    - ``live``: recover from live state first (default True; False: local checkpoints only).
+      The live state of ``root`` lives in this process across restart rounds (build the
+      callback anew every round with the same ``root``). The update is marked without the
+      round's ``call.atomic()`` (it spans hooks; a fault inside would leave the section open).
+      Every rank must train the same replicated model (DDP): a spare receives a replica's
+      state. Without a process group (one process, no DDP) ``setup`` turns it off. Random states are not part of it (nor of Lightning's checkpoint).
+    - ``pickle``: allow leaves JSON cannot hold (arbitrary ``hparams``); loading allows it too.
+      Live state travels without pickle: ``pickle=True`` needs ``live=False``.
     """
 
     def __init__(
@@ -182,27 +215,106 @@ class LocalCheckpointCallback(LocalSchedule, pl.Callback):
         root: str | os.PathLike[str],
         every_n_steps: int,
         *,
+        live: bool = True,
         pickle: bool = False,
         **options: Any,
     ) -> None:
         super().__init__(root, every_n_steps, **options)
+        if live and pickle:
+            raise ConfigError("live state travels without pickle: pass live=False with pickle=True")
+        self.live = bool(live)
         self.pickle = pickle
+        #: where ``setup`` found the state: "live", "local" or None (a fresh start)
+        self.resumed_source: str | None = None
+        self._update: Any = None
+        self._skip: int | None = None  # batches skipped at the resume, until the first batch
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         if self.manager is not None:
             raise ConfigError("a LocalCheckpointCallback serves one fit; build a new one")
-        manager = self._open()
-        found = manager.find_latest()
-        if found is None:
+        dist = torch.distributed
+        if self.live and not (dist.is_available() and dist.is_initialized()):
+            self.live = False  # one process, no group: no replica to recover from
+            logger.info("no process group: resuming from local checkpoints only")
+        checkpoint, found, source = self._recovered()
+        self._open()  # every rank together, whichever source
+        if checkpoint is None or found is None:
             return
-        checkpoint = manager.load(found, allow_pickle=self.pickle)
         # what fit(ckpt_path=...) would have loaded: Lightning restores everything from it
         trainer._checkpoint_connector._loaded_checkpoint = checkpoint
-        self.resumed_from = found
-        self._saved = found
+        self.resumed_from = self._saved = found
+        self.resumed_source = source
+
+    def _recovered(self) -> tuple[dict[str, Any] | None, int | None, str | None]:
+        """(this rank's checkpoint, its step, "live" or "local"), or Nones on a fresh start."""
+        if self.live:
+            live, captured = live_for(self.root)
+            got = live.recover()
+            if got.live and captured.part is not None:
+                logger.info("resuming from live state at step %d", got.step)
+                return captured.part, got.step, "live"
+        manager = self._open()
+        found = manager.find_latest()
+        if self.live:
+            live.restored(found or 0)
+        if found is None:
+            return None, None, None
         logger.info("resuming from local checkpoint of step %d (%s)", found, manager.last_load)
+        return manager.load(found, allow_pickle=self.pickle), found, "local"
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.resumed_from is None or trainer.ckpt_path is not None:
+            return
+        progress: Any = trainer.fit_loop.epoch_loop.batch_progress.current  # as loaded
+        consumed, total = progress.processed, trainer.num_training_batches
+        combined = trainer.fit_loop._combined_loader
+        if not 0 < consumed < total or combined is None:
+            return  # resumed at an epoch's end (or nothing to skip)
+        loaders = combined.flattened
+        if all(callable(getattr(dl, "load_state_dict", None)) for dl in loaders):
+            return  # stateful: Lightning restores their position itself
+        epochs: Any = trainer.fit_loop.epoch_progress.current
+        epoch = int(epochs.processed)
+        for dl in loaders:  # the order a shuffling sampler yields depends on the epoch
+            for sampler in (getattr(dl, "sampler", None), getattr(dl, "batch_sampler", None)):
+                if sampler is not None and callable(getattr(sampler, "set_epoch", None)):
+                    sampler.set_epoch(epoch)
+        for _ in range(consumed):
+            next(combined)
+        self._skip = consumed
+        logger.info(
+            "skipped the %d batches epoch %d had consumed before the fault", consumed, epoch
+        )
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        skip, self._skip = self._skip, None
+        if skip is not None and batch_idx != skip:
+            raise RuntimeError(
+                f"resumed at batch {batch_idx} of the epoch after skipping {skip}: Lightning's "
+                "loop state and the dataloader disagree"
+            )
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        if self.live and self._update is None:  # the update of this step: torn until its end
+            self._update = live_for(self.root)[0].update(trainer.global_step)
+            self._update.__enter__()
+
+    def _step_done(self, trainer: pl.Trainer) -> dict[str, Any] | None:
+        """The step's checkpoint, recorded as the live state and the update ended (live)."""
+        if not self.live:
+            return None
+        part = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        live_for(self.root)[1].part = part
+        update, self._update = self._update, None
+        if update is not None:
+            update.__exit__(None, None, None)  # the state is whole at trainer.global_step
+        return part
 
     def on_train_batch_end(
         self,
@@ -212,26 +324,33 @@ class LocalCheckpointCallback(LocalSchedule, pl.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            return  # recorded at the epoch's end: a resume from there starts the next epoch cleanly
+        part = self._step_done(trainer)
         step = trainer.global_step
         if self.manager is None or step % self.every_n_steps or step <= self._saved:
             return
-        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-            return  # saved at the epoch's end: a resume from there starts the next epoch cleanly
-        self._save(trainer, step)
+        self._save(trainer, step, part)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        part = self._step_done(trainer)
         step = trainer.global_step
         if self.manager is not None and step % self.every_n_steps == 0 and step > self._saved:
-            self._save(trainer, step)
+            self._save(trainer, step, part)
 
-    def _save(self, trainer: pl.Trainer, step: int) -> None:
+    def _save(self, trainer: pl.Trainer, step: int, part: dict[str, Any] | None) -> None:
         assert self.manager is not None
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        self.manager.save(checkpoint, step, pickle=self.pickle)
+        if part is None:
+            part = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        self.manager.save(part, step, pickle=self.pickle)
         self._saved = step
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
         manager, self.manager = self.manager, None
+        if not trainer.interrupted:
+            forget_live(self.root)  # the training ended: nothing left to recover
         if manager is None:
             return
         untrack(manager)
