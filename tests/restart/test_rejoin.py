@@ -8,6 +8,7 @@ would: the victim then runs without a sidecar, so that nobody else writes a noti
 
 from __future__ import annotations
 
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,11 @@ from trainguard.events import read_events
 
 STEPS = 6
 FAULT_STEP = 2
-SECRET = "rejoin-test-secret-0123456789"
-JOB = "rejoin"
+# Drawn once per pytest process: the two xdist workers may run tests of this file side by side,
+# and with one fixed secret (a node watcher's address derives from it) and job id, one test's
+# helpers answered the other's ranks (seen: a rank declared gone by another test's sidecar).
+SECRET = f"rejoin-test-secret-{secrets.token_hex(8)}"
+JOB = f"rejoin-{secrets.token_hex(4)}"
 RESPAWN = {"TRAINGUARD_INCARNATION": "1"}
 TIMEOUTS = {"store_timeout": 30, "soft_timeout": 5.0, "hard_timeout": 10.0}
 
