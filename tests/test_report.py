@@ -362,3 +362,18 @@ def test_cli_takes_the_directory_above_the_event_log(run_dir: Path, tmp_path: Pa
     assert listed.stdout.count(" fault ") == 1, listed.stdout
     empty = _cli(str(tmp_path))
     assert empty.returncode == 1 and "RUN/events" in empty.stderr, empty.stderr
+
+
+def test_the_hosts_part_says_how_many_causes_it_left_out() -> None:
+    """Four causes on one host: three are listed, the line says what the rest add up to, so
+    that the listed counts never seem to miss faults."""
+    from trainguard.report import _hosts
+
+    causes = ["A @ t.py:1", "A @ t.py:1", "Hang", "RankGone", "B @ t.py:2", "C @ t.py:3"]
+    events = [
+        {"kind": "fault_attributed", "fault_host": "h1", "cause": c, "counted": True}
+        for c in causes
+    ]
+    (line,) = _hosts.lines(_hosts.summary(events))[1:]
+    assert line.startswith("  h1: 6 faults (6 counted): 2 x A @ t.py:1; 1 x Hang; 1 x RankGone")
+    assert line.endswith("; 2 more of 2 other cause(s)"), line

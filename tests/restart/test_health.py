@@ -141,10 +141,14 @@ def test_the_wrapper_takes_a_quarantine_only() -> None:
     assert q.readmit is None and len(q.probes) == 3
 
 
-def test_a_death_notice_that_lays_out_the_round_keeps_the_quarantine() -> None:
+@pytest.mark.parametrize("survivor_first", [False, True], ids=["notice-first", "survivor-first"])
+def test_a_death_notice_that_lays_out_the_round_keeps_the_quarantine(
+    survivor_first: bool,
+) -> None:
     """The sidecar's pickled Quarantine (without probes) and the record it follows: a host out
     in round 1 stays out in round 2 when a death notice completes round 2's barrier, and the
-    death is blamed on the dead rank's host."""
+    death is blamed on the dead rank's host, also when a survivor's collective error (raised
+    as the dead rank's connections closed) won the round's stop key before the notice."""
     import torch.distributed as dist
 
     from tests.restart import _faults
@@ -193,11 +197,15 @@ def test_a_death_notice_that_lays_out_the_round_keeps_the_quarantine() -> None:
         book.enter(one)
     # round 1: rank 2's process dies; the others arrive first, the notice completes the barrier
     assert barrier(2, (0, 1, 3)) is None
+    if survivor_first:
+        torn = "RuntimeError: Connection closed by peer (/v/torch/distributed/c10d.py:3252 in f)"
+        books[0].propose(1, RoundOutcome.fault(0, torn, "RuntimeError"))
     write_notice(store, cfg, 2, 1, tuple(one.roster), "killed")
     two = _records.layout(store.get(keys.ready(2)))
     assert two.end is None and 1 not in two.active, two  # h1 is still out
     blame = Health.decode(two.health).blame
-    assert blame is not None and (blame.host, blame.kind) == ("h2", "RankGone")
+    assert blame is not None and (blame.host, blame.kind, blame.rank) == ("h2", "RankGone", 2)
+    assert blame.cause == "RankGone", blame  # no place of the survivor's
     assert sorted(Health.decode(two.health).out) == ["h1", "h2"]  # h1 kept, h2 after=1
 
 

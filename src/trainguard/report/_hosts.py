@@ -61,7 +61,10 @@ def lines(part: dict[str, Any]) -> list[str]:
         return []
     out = [f"faults by host: {plural(len(hosts), 'host')}, most counted faults first"]
     for h in hosts:
-        causes = "; ".join(f"{n} x {c}" for c, n in list(h["causes"].items())[:3])
+        listed = list(h["causes"].items())
+        causes = "; ".join(f"{n} x {c}" for c, n in listed[:3])
+        if len(listed) > 3:  # the rest in `trainguard report --json`
+            causes += f"; {sum(n for _, n in listed[3:])} more of {len(listed) - 3} other cause(s)"
         line = f"  {h['host']}: {plural(h['faults'], 'fault')} ({h['counted']} counted): {causes}"
         if h["quarantined"] is not None:
             line += f"; quarantined: {h['quarantined']}"

@@ -247,8 +247,15 @@ class RoundBook:
             if n > 0 and (raw := peek(self.store, self.keys.stop(n - 1)))
             else None
         )
+        died = [r for r in gone if r not in self.gone and (rec := found.get(r)) and rec.departed]
         health, excluded = _health.judge_round(
-            self.health, self.policies.quarantine, outcome, found, info, time.time()
+            self.health,
+            self.policies.quarantine,
+            outcome,
+            found,
+            info,
+            time.time(),
+            died=self._last_seen(n - 1, died),
         )
         layout = Layout.start(
             round=n,
@@ -336,6 +343,24 @@ class RoundBook:
         for r in admitted:
             if r not in holds:
                 self.count_out(r)
+
+    def _last_seen(self, n: int, ranks: list[int]) -> dict[int, str]:
+        """Ranks gone during round ``n`` -> the host of their record at round ``n``'s barrier
+        ("" when not readable), for attribution. Read only when a rank died; round ``n``'s keys
+        are deleted only after round ``n+1`` is published."""
+        hosts = dict.fromkeys(ranks, "")
+        if not ranks or n < 0:
+            return hosts
+        with contextlib.suppress(Exception):  # a record gone or unreadable: the host is unknown
+            if self.pooled:
+                seen = pool_records(peek(self.store, self.keys.pool(n)) or b"")
+            else:
+                raws = {r: peek(self.store, self.keys.member(n, r)) for r in ranks}
+                seen = {r: _records.record(raw) for r, raw in raws.items() if raw is not None}
+            for r in ranks:
+                rec = seen.get(r)
+                hosts[r] = rec.host if rec is not None and rec.rank == r else ""
+        return hosts
 
     def _delete_round(self, n: int, published: bytes) -> None:
         """Delete round ``n``'s keys: every rank of it has reached round ``n+1``'s barrier.

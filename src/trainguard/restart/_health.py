@@ -18,7 +18,7 @@ host (the repeat detection, ``max_repeated_faults``, still ends a job that keeps
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from trainguard.restart._attribution import Blame, blame_of
@@ -193,15 +193,25 @@ def judge_round(
     records: Mapping[int, BarrierRecord | None],
     info: Mapping[int, Mapping[str, str]],
     now: float,
+    *,
+    died: Mapping[int, str] | None = None,
 ) -> tuple[dict[str, Any], tuple[int, ...]]:
     """Run by whoever lays a round out: the round's ``health`` to publish, and the present
     ranks to exclude (those of quarantined hosts). ``previous``: the last round's health;
     ``outcome``: how the last round ended; ``records``: this barrier's; ``info``: present
-    rank -> its facts (``host``). Without a quarantine only the attribution is kept."""
+    rank -> its facts (``host``); ``died``: the ranks whose death notice this barrier holds
+    (gone during the last round) -> the host they were last seen on ("" when not known). Without a quarantine only the attribution is kept.
+
+    A death is the round's fault even when another rank's proposal won the stop key: the
+    survivors' collectives fail as soon as the dead rank's connections close, and their
+    error may reach the store before the death notice does. Blaming the survivor would count
+    a healthy host (and, on one host, a software "cause" inside torch) for a dead peer."""
     state = Health.decode(previous)
     hosts = {r: facts.get("host", "") for r, facts in info.items()}
+    died = died or {}
+    outcome = _death_first(outcome, sorted(died))
     rank = outcome.rank if outcome is not None else None
-    host = hosts.get(rank, "") if rank is not None else ""
+    host = (hosts.get(rank) or died.get(rank, "")) if rank is not None else ""
     blame = blame_of(outcome, host or (state.host_of(rank) if rank is not None else ""))
     if quarantine is None:
         return ({"blame": blame.encode()} if blame is not None else {}), ()
@@ -227,6 +237,15 @@ def judge_round(
     out = verdict.health.out
     excluded = tuple(sorted(r for r, h in hosts.items() if h in out))
     return verdict.health.encode(), excluded
+
+
+def _death_first(outcome: RoundOutcome | None, died: Sequence[int]) -> RoundOutcome | None:
+    """The round's outcome with a death in it put first (see :func:`judge_round`)."""
+    if outcome is None or outcome.why != "fault" or not died or outcome.rank in died:
+        return outcome
+    # no frames in it: the survivor's place is not the death's
+    error = f"rank {died[0]} died; rank {outcome.rank}'s {outcome.type or 'fault'} came first"
+    return dataclasses.replace(outcome, rank=died[0], type="RankGone", error=error)
 
 
 def quarantined(health: Mapping[str, Any] | None) -> dict[str, str]:

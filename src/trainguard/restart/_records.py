@@ -306,6 +306,11 @@ class BarrierRecord:
     raised: str | None = None
     probe: str | None = None
 
+    @property
+    def departed(self) -> bool:
+        """Whether this is a :meth:`departure` (a death notice's), not the rank's own record."""
+        return self.leave is not None and self.local_rank < 0
+
     @classmethod
     def departure(cls, rank: int, cause: str) -> BarrierRecord:
         """The record that another process (a death notice) writes for a gone rank."""
