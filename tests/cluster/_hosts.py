@@ -125,6 +125,7 @@ class Cluster:
             for i in range(n)
         ]
         self.procs: list[subprocess.Popen[bytes]] = []
+        self._netns: dict[int, str] = {}  # pid of a started process -> the host it was started on
         self._closed = False
         try:
             self._make()
@@ -160,6 +161,10 @@ class Cluster:
             self.kill_host(h)
         for p in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(5)
+            if p.poll() is None:  # a process that had not even entered its host's namespace
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
                 p.wait(5)
         for h in self.hosts:
             _ip("netns", "del", h.netns, check=False)
@@ -206,6 +211,7 @@ class Cluster:
                 cwd=cwd,
             )
         self.procs.append(p)
+        self._netns[p.pid] = host.netns
         return p
 
     def run(self, host: Host, argv: Sequence[str], *, timeout: float = 30) -> str:
@@ -238,7 +244,8 @@ class Cluster:
             killed += pids
             time.sleep(0.05)
         for p in self.procs:
-            if p.poll() is None and _netns_of(p.pid) == host.netns:
+            # started on it: also one still in `ip netns exec`, not yet in the namespace
+            if p.poll() is None and self._netns.get(p.pid) == host.netns:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
         return killed
@@ -250,11 +257,6 @@ class Cluster:
     def heal(self, host: Host) -> None:
         """End :meth:`cut`: ``host``'s link up again."""
         _ip("link", "set", host.link, "up")
-
-
-def _netns_of(pid: int) -> str | None:
-    done = _ip("netns", "identify", str(pid), check=False)
-    return done.stdout.strip() or None
 
 
 def leftovers(cluster_id: str = "") -> list[str]:
