@@ -3,12 +3,13 @@
 ``python bench/_gpu_jobs.py CHECK OUT.json`` runs one single-process check (``staging``,
 ``dcp``) and writes what it measured to ``OUT.json``; ``python bench/_gpu_jobs.py rank MODE
 OUTDIR`` is one rank of a multi-process NCCL check (``demo``, ``exception``, ``hang``,
-``kill``; RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in its environment),
+``kill``, ``live exception``, ``live kill``, ``live corrupt``; RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in its environment),
 which writes ``OUTDIR/rank<N>.json``. Untested on GPUs until a run on a GPU machine exists.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ from typing import Any
 
 STEPS = 8  # steps of the NCCL jobs
 FAULT_STEP = 3  # the step of round 0 at which rank 1 faults
+KILLS = ("kill", "live kill", "live corrupt")  # the checks whose rank 1 is SIGKILLed
 MIB = 1 << 20
 
 
@@ -125,7 +127,9 @@ def rank(mode: str, outdir: str) -> None:
     me = int(os.environ["RANK"])
     gpus = torch.cuda.device_count()
     result: dict[str, Any] = {"rank": me}
-    if mode == "demo":
+    if mode.startswith("live"):
+        result.update(_live(mode, gpus))
+    elif mode == "demo":
         torch.cuda.set_device(me % gpus)
         dist.init_process_group("nccl", timeout=timedelta(seconds=60))
         t = torch.full((1024,), float(me + 1), device="cuda")
@@ -193,6 +197,116 @@ def _wrapped(mode: str, gpus: int) -> dict[str, Any]:
         # a spare that was never needed returns None; the others restarted once, same sum
         "ok": value is None or (value == expected and max(rounds) >= 1),
     }
+
+
+def _live(mode: str, gpus: int) -> dict[str, Any]:
+    """Live state over NCCL, CUDA tensors: rank 1 raises in round 0 (``live exception``: every
+    rank keeps its state, nothing moves), is SIGKILLed (``live kill``: the spare receives the
+    state over NCCL from a survivor, checksummed on the device), or is SIGKILLed and every
+    donor of round 1 flips a bit of what it sends (``live corrupt``: the spare refuses each,
+    the round falls back: every rank starts again from the initial state here). Every rank must
+    end with the fault-free parameters, bit for bit."""
+    import torch
+    import torch.distributed as dist
+
+    import trainguard.restart as tr
+    from trainguard.live import LiveState
+
+    active = int(os.environ["WORLD_SIZE"]) - 1
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % gpus)
+    net, opt = _live_model()
+    initial = {k: v.clone() for k, v in net.state_dict().items()}
+    live = LiveState(model=net, optimizer=opt)
+    seen: list[dict[str, Any]] = []
+
+    def flip(name: str, data: Any) -> Any:
+        out = data.clone()
+        out[0] ^= 1
+        return out
+
+    @tr.Wrapper(
+        rank_assignment=tr.FillGaps(),
+        rank_filter=tr.MaxActiveWorldSize(active),
+        retry=tr.RetryController(max_rounds=4, min_active_world_size=active),
+        soft_timeout=10,
+        hard_timeout=30,
+        barrier_timeout=120,
+        heartbeat_interval=0.5,
+        heartbeat_timeout=10,
+    )
+    def train(call: tr.CallWrapper) -> str:
+        dist.init_process_group("nccl", timeout=timedelta(seconds=60))
+        if mode == "live corrupt" and call.round == 1:
+            live._tamper = flip  # every donor's bytes are flipped: each is refused in turn
+        got = live.recover()
+        live._tamper = None
+        seen.append({"round": call.round, "live": got.live, "from": got.received_from})
+        first = got.step
+        if first is None:  # the fallback of this check: the initial state
+            net.load_state_dict(initial)
+            opt.state.clear()
+            first = 0
+            live.restored(0)
+        for step in range(first, STEPS):
+            if call.round == 0 and call.initial_rank == 1 and step == FAULT_STEP:
+                if mode in KILLS:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError("injected fault")
+            _live_step(net, opt, step, reduce=True)
+            with live.update(step, call):
+                opt.step()
+            call.ping()
+        dist.destroy_process_group()
+        return _live_digest(net)
+
+    start = time.monotonic()
+    digest = train()
+    seconds = time.monotonic() - start
+    net, opt = _live_model()  # the fault-free run, alone (every rank's gradient is the same)
+    for step in range(STEPS):
+        _live_step(net, opt, step, reduce=False)
+        opt.step()
+    reference = _live_digest(net)
+    recovered = [s for s in seen if s["round"] >= 1]
+    want_live = mode != "live corrupt"
+    ok = digest is None or (
+        digest == reference and bool(recovered) and bool(recovered[0]["live"]) == want_live
+    )
+    return {"digest": digest, "reference": reference, "rounds": seen, "seconds": seconds, "ok": ok}
+
+
+def _live_model() -> tuple[Any, Any]:
+    import torch
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8))
+    net = net.cuda()
+    return net, torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+
+def _live_step(net: Any, opt: Any, step: int, *, reduce: bool) -> None:
+    """One step's gradient (a function of the step only); ``reduce``: all-reduce MAX of the
+    identical gradients of every rank (exact, whatever the world size)."""
+    import torch
+    import torch.distributed as dist
+
+    g = torch.Generator(device="cuda").manual_seed(step)
+    x = torch.randn(64, 256, device="cuda", generator=g)
+    opt.zero_grad()
+    net(x).square().mean().backward()
+    for p in net.parameters():
+        if reduce and p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.MAX)
+
+
+def _live_digest(net: Any) -> str:
+    import torch
+
+    torch.cuda.synchronize()
+    h = hashlib.sha256()
+    for _, t in sorted(net.state_dict().items()):
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def main(argv: list[str]) -> int:

@@ -12,7 +12,12 @@ limit, so a hang or a crash fails that check only:
 - ``nccl restart: exception / hang / kill``: the restart Wrapper over NCCL, one GPU per active
   rank and a spare; rank 1 raises, hangs in a collective that no other rank enters (the NCCL
   communicators must be aborted), or is SIGKILLed (the spare takes its place); every rank
-  must end with the fault-free sum (needs 2 GPUs).
+  must end with the fault-free sum (needs 2 GPUs);
+- ``live: exception / kill / corrupted transfer``: a model and its optimizer on CUDA in a
+  ``LiveState`` under the Wrapper over NCCL: an exception recovers with nothing moved, a
+  SIGKILL has the spare receive the state over NCCL (device checksums, no host copy), a bit
+  flipped by the donor is refused and the round falls back; every rank must end with the
+  fault-free parameters, bit for bit (needs 2 GPUs).
 
 Prints one table and writes ``bench/results/gpu_check.json`` (``--results`` elsewhere).
 Without a CUDA device it prints ``skipped: no CUDA device`` and exits 0. Downloads nothing:
@@ -36,17 +41,21 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import RESULTS, print_table
+from bench._gpu_jobs import KILLS
 
 JOBS = Path(__file__).resolve().parent / "_gpu_jobs.py"
 ROOT = JOBS.parent.parent
 #: (name, what it runs, GPUs it needs, time limit in seconds); 10 minutes in all at most
 CHECKS: tuple[tuple[str, str, int, float], ...] = (
-    ("staging", "staging", 1, 120),
-    ("dcp", "dcp", 1, 90),
-    ("nccl demo", "demo", 2, 60),
-    ("nccl restart: exception", "exception", 2, 100),
-    ("nccl restart: hang", "hang", 2, 110),
-    ("nccl restart: kill", "kill", 2, 110),
+    ("staging", "staging", 1, 100),
+    ("dcp", "dcp", 1, 60),
+    ("nccl demo", "demo", 2, 45),
+    ("nccl restart: exception", "exception", 2, 70),
+    ("nccl restart: hang", "hang", 2, 80),
+    ("nccl restart: kill", "kill", 2, 80),
+    ("live: exception", "live exception", 2, 50),
+    ("live: kill, state over NCCL", "live kill", 2, 60),
+    ("live: corrupted transfer falls back", "live corrupt", 2, 50),
 )
 
 
@@ -119,10 +128,10 @@ def _ranks(mode: str, gpus: int, timeout: float) -> dict[str, Any]:
                 os.killpg(p.pid, 9)
                 _, err = p.communicate()
                 errors.append(f"pid {p.pid} timed out")
-            if p.returncode and not (mode == "kill" and p.returncode == -9):
+            if p.returncode and not (mode in KILLS and p.returncode == -9):
                 errors.append(err.decode(errors="replace")[-1500:])
         found = [json.loads(f.read_text()) for f in sorted(Path(tmp).glob("rank*.json"))]
-    expected = world - 1 if mode == "kill" else world  # the killed rank writes nothing
+    expected = world - 1 if mode in KILLS else world  # the killed rank writes nothing
     ok = not errors and len(found) == expected and all(r.get("ok") for r in found)
     return {"ok": ok, "ranks": found, "errors": errors}
 

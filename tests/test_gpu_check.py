@@ -41,5 +41,7 @@ def test_the_plan_skips_the_nccl_checks_below_two_gpus() -> None:
     nccl = [n for n in one if n.startswith("nccl")]
     assert len(nccl) == 4
     assert all(one[n] == "needs 2 GPUs, found 1" for n in nccl)
+    live = [n for n in one if n.startswith("live")]  # live state over NCCL, CUDA tensors
+    assert len(live) == 3 and all(one[n] == "needs 2 GPUs, found 1" for n in live)
     assert all(c["skip"] is None for c in gpu_check.plan(2))
     assert sum(c["timeout"] for c in gpu_check.plan(8)) < 600  # make gpu-check: < 10 min

@@ -254,11 +254,14 @@ def _clone(value: Any) -> Any:
     return value
 
 
-def transfer_job(flip: bool, chunk: int | None = None, flip_chunk: int = 0) -> dict[str, Any]:
+def transfer_job(
+    flip: bool, chunk: int | None = None, flip_chunk: int = 0, checksum: str | None = None
+) -> dict[str, Any]:
     """Rank 0 sends a state with a large tensor (its own messages) and small ones (the pack) to
     rank 1, whose own large tensor of the same size takes the bytes in place; ``flip``: a bit
     of the large tensor's chunk ``flip_chunk`` flips on the way; ``chunk``: the donor's chunk
-    size (the receiver follows the header)."""
+    size (the receiver follows the header); ``checksum``: the donor's (default: the wire
+    device's, ``xxh3`` here; ``words`` is what a GPU computes, run here on the CPU)."""
     from trainguard.live import _transfer
 
     dist.init_process_group("gloo")
@@ -279,7 +282,8 @@ def transfer_job(flip: bool, chunk: int | None = None, flip_chunk: int = 0) -> d
                 out[100] ^= 4
                 return out
 
-            for work in _transfer.send(_transfer.prepare(state, 7), 1, tamper=tamper):
+            out = _transfer.prepare(state, 7, checksum=checksum)
+            for work in _transfer.send(out, 1, tamper=tamper):
                 work.wait()
             return {}
         mine = {"big": torch.zeros(1 << 19), "small": [torch.zeros(10), torch.tensor(0.0)]}

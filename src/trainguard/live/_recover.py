@@ -83,10 +83,12 @@ def _records(live: LiveState, group: Any) -> tuple[int, list[Record]]:
             _key(f"{key!r}|{layout}") if layout else _key(key),
         ],
         dtype=torch.int64,
+        device=_transfer.wire_device(group),  # NCCL alone: collectives of CUDA tensors only
     )
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
-    return rank, [Record(r, int(t[0]), bool(t[1]), int(t[2])) for r, t in enumerate(gathered)]
+    rows = torch.stack(gathered).tolist()  # one copy to the host
+    return rank, [Record(r, int(t[0]), bool(t[1]), int(t[2])) for r, t in enumerate(rows)]
 
 
 def run(live: LiveState, group: Any) -> Recovery:
@@ -129,7 +131,9 @@ def run(live: LiveState, group: Any) -> Recovery:
             source = agreed.donor(rank, attempt)
         flags = torch.zeros(len(records), dtype=torch.int64)
         flags[rank] = int(failed is not None)
+        flags = flags.to(_transfer.wire_device(group))
         dist.all_reduce(flags, group=group)
+        flags = flags.cpu()
         if failed is not None:
             problems.append(failed)
         # every rank learns every failure's presence; the reasons stay with the receivers
@@ -158,7 +162,8 @@ def _pass(
     mine = [r for r in pending if agreed.donor(r, attempt) == rank]
     works: list[Any] = []
     if mine:
-        out = _transfer.prepare(live._outgoing(), agreed.step)
+        state = live._outgoing()
+        out = _transfer.prepare(state, agreed.step, device=_transfer.wire_device(group, state))
         for r in mine:
             works += _transfer.send(out, _global(r, group), group=group, tamper=live._tamper)
     problem: str | None = None
@@ -167,8 +172,12 @@ def _pass(
         donor = agreed.donor(rank, attempt)
         assert donor is not None
         # torn since the plan (live._begin): its own tensors take the bytes in place
-        into = _transfer.own_bytes(live._outgoing())
-        got = _transfer.receive(_global(donor, group), agreed.step, group=group, into=into)
+        state = live._outgoing()
+        into = _transfer.own_bytes(state)
+        wire = _transfer.wire_device(group, state)
+        got = _transfer.receive(
+            _global(donor, group), agreed.step, group=group, into=into, device=wire
+        )
         problem, nbytes = got.problem, got.nbytes
         if problem is None:
             problem = live._received(got.state, agreed.step)

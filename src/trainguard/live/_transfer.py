@@ -21,6 +21,15 @@ something does not match), then checks every entry's checksums and the step; onl
 build the state (:func:`trainguard.checkpoint.layout.unflatten`, which checks every node of a
 skeleton nobody vouches for). Checksums are computed by the donor from its live tensors as it
 sends them, so a flipped bit anywhere between that moment and the receiver's check is caught.
+
+**Devices.** Every message lives on the group's *wire device* (:func:`wire_device`): the CPU
+for gloo, the current CUDA device for NCCL (with both backends in one group: CUDA when the
+state holds CUDA tensors). CUDA state then travels over NCCL straight from the live tensors,
+never through host memory. The checksum follows the wire device (named in the header):
+``xxh3`` (xxh3-64 of each message, on the host) on the CPU, ``words`` on a GPU
+(:func:`words_digest`: a keyed, position-dependent mix of the bytes as 64-bit words, summed,
+computed by torch on the device so that nothing is copied to the host but one int64 per
+message, and checked with one synchronization at the end).
 """
 
 from __future__ import annotations
@@ -37,7 +46,19 @@ import xxhash
 from trainguard.checkpoint import layout
 from trainguard.errors import CheckpointCorruptError
 
-__all__ = ["CHUNK", "PACK", "Outgoing", "Received", "own_bytes", "prepare", "receive", "send"]
+__all__ = [
+    "CHECKSUMS",
+    "CHUNK",
+    "PACK",
+    "Outgoing",
+    "Received",
+    "own_bytes",
+    "prepare",
+    "receive",
+    "send",
+    "wire_device",
+    "words_digest",
+]
 
 _MAX_HEADER = 64 << 20  # a header larger than this is refused (a skeleton is kilobytes)
 _MAX_ENTRIES = 1 << 20
@@ -53,10 +74,75 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _digest(t: torch.Tensor) -> int:
-    """xxh3-64 of ``t``'s bytes as a signed int64 (what an int64 tensor holds)."""
+#: the checksums a header may name: ``xxh3`` on the host, ``words`` computed on the device
+CHECKSUMS = ("xxh3", "words")
+_KEY = -7046029254386353131  # 0x9E3779B97F4A7C15 as an int64: odd, spreads the positions
+_MUL = -4658895280553007687  # 0xBF58476D1CE4E5B9 as an int64: odd, so multiplying is a bijection
+_LOW33 = (1 << 33) - 1
+
+
+def words_digest(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d int64 checksum of the 1-D ``uint8`` tensor ``t``, computed where ``t`` lives.
+
+    Each 64-bit word ``w`` at position ``i`` becomes ``x = (w ^ key(i)) * M`` followed by a
+    logical xorshift (each step a bijection of the word, so a change of one word always changes
+    its term); the terms and the length are summed modulo 2**64, which does not depend on the
+    order a device reduces in. Bytes past the last whole word count as words of their own."""
+    n = t.numel()
+    whole = n - n % 8
+    words = t[:whole]
+    if whole and (words.data_ptr() % 8 or words.storage_offset() % 8):
+        words = words.clone()  # an unaligned slice of the pack (under PACK bytes)
+    parts = [words.view(torch.int64)] if whole else []
+    if whole < n:
+        parts.append(t[whole:].to(torch.int64))
+    if not parts:
+        return torch.tensor(0, dtype=torch.int64, device=t.device)
+    w = torch.cat(parts) if len(parts) > 1 else parts[0]
+    keys = torch.arange(1, w.numel() + 1, dtype=torch.int64, device=t.device) * _KEY
+    x = (w ^ keys) * _MUL
+    x = x ^ ((x >> 31) & _LOW33)
+    return x.sum() + n
+
+
+def _digest(t: torch.Tensor, checksum: str = "xxh3") -> Any:
+    """``t``'s checksum: an int (``xxh3``, xxh3-64 of its bytes as a signed int64, on the host)
+    or a 0-d int64 tensor on ``t``'s device (``words``)."""
+    if checksum == "words":
+        return words_digest(t)
     value = xxhash.xxh3_64_intdigest(memoryview(t.numpy()))  # type: ignore[arg-type]
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _as_ints(digests: list[Any]) -> list[int]:
+    """Checksums as ints (device ones: one copy to the host for all of them)."""
+    if digests and isinstance(digests[0], torch.Tensor):
+        return [int(v) for v in torch.stack(digests).tolist()]
+    return [int(v) for v in digests]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def wire_device(group: Any, state: Any = None) -> torch.device:
+    """The device the messages of a transfer over ``group`` live on: the current CUDA device
+    for NCCL, the CPU for gloo (or any other backend); a group with both (``cpu:gloo,cuda:nccl``)
+    uses CUDA when ``state`` holds a CUDA tensor. Donor and receiver must agree: both decide
+    from their own state, which a job builds on one kind of device."""
+    backend = str(dist.get_backend(group)).lower()
+    nccl = "nccl" in backend
+    gloo = "gloo" in backend or not nccl
+    cuda = any(t.is_cuda for t in _tensors(state)) if state is not None else False
+    if nccl and (not gloo or cuda):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _chunks(data: torch.Tensor, size: int) -> list[torch.Tensor]:
@@ -76,15 +162,25 @@ class Outgoing:
     large: list[tuple[str, torch.Tensor]]  # (name, bytes) of each larger entry
     order: list[int]  # per entry in the header's order: -1 small, else its index in large
     trailer: torch.Tensor | None = None
+    checksum: str = "xxh3"  # one of CHECKSUMS
 
 
-def prepare(state: Any, step: int) -> Outgoing:
-    """Flatten ``state`` (at ``step``). Entries under :data:`PACK` bytes travel together in
-    one message (a copy); the others in chunks of their own, from the live tensors (no copy)."""
+def prepare(
+    state: Any, step: int, *, device: torch.device | None = None, checksum: str | None = None
+) -> Outgoing:
+    """Flatten ``state`` (at ``step``) for sending from ``device`` (the wire device,
+    :func:`wire_device`; default the CPU). Entries under :data:`PACK` bytes travel together in
+    one message (a copy); the others in chunks of their own, from the live tensors (no copy
+    when they are on ``device``). ``checksum``: one of :data:`CHECKSUMS` (default: ``xxh3``
+    on the CPU, ``words`` on any other device)."""
+    wire = torch.device("cpu") if device is None else torch.device(device)
+    checksum = checksum or ("xxh3" if wire.type == "cpu" else "words")
+    if checksum not in CHECKSUMS or (checksum == "xxh3" and wire.type != "cpu"):
+        raise ValueError(f"checksum={checksum!r} on {wire}: use one of {CHECKSUMS}")
     flat = layout.flatten(state, allow_sharded=False)
-    payloads = [_as_bytes(e.source) for e in flat.entries]
+    payloads = [_as_bytes(e.source).to(wire) for e in flat.entries]
     small_bytes = [p for p in payloads if p.numel() < PACK]
-    pack = torch.cat(small_bytes) if small_bytes else torch.empty(0, dtype=torch.uint8)
+    pack = torch.cat(small_bytes) if small_bytes else torch.empty(0, dtype=torch.uint8, device=wire)
     entries: list[list[Any]] = []
     small: list[tuple[int, int]] = []
     large: list[tuple[str, torch.Tensor]] = []
@@ -107,11 +203,12 @@ def prepare(state: Any, step: int) -> Outgoing:
             "entries": entries,
             "pack": pack.numel(),
             "chunk": CHUNK,
+            "checksum": checksum,
         }
     ).encode()
     head = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-    meta = torch.tensor([len(header), _digest(head)], dtype=torch.int64)
-    return Outgoing(meta, head, pack, small, large, order)
+    meta = torch.tensor([len(header), _digest(head)], dtype=torch.int64)  # on the host: xxh3
+    return Outgoing(meta.to(wire), head.to(wire), pack, small, large, order, checksum=checksum)
 
 
 def send(out: Outgoing, dst: int, *, group: Any = None, tamper: Tamper | None = None) -> list[Any]:
@@ -122,20 +219,26 @@ def send(out: Outgoing, dst: int, *, group: Any = None, tamper: Tamper | None = 
     if out.pack.numel():
         works.append(dist.isend(tamper("pack", out.pack) if tamper else out.pack, dst, group=group))
     compute = out.trailer is None
-    small = [_digest(out.pack[o : o + n]) for o, n in out.small] if compute else []
-    large: list[list[int]] = []
+    how = out.checksum
+    small = [_digest(out.pack[o : o + n], how) for o, n in out.small] if compute else []
+    large: list[list[Any]] = []
     for name, data in out.large:
         digests = []
         for chunk in _chunks(data, CHUNK):
             works.append(dist.isend(tamper(name, chunk) if tamper else chunk, dst, group=group))
             if compute:
-                digests.append(_digest(chunk))
+                digests.append(_digest(chunk, how))
         large.append(digests)
     if out.trailer is None:
-        values, it = [], iter(small)
+        values: list[Any] = []
+        it = iter(small)
         for where in out.order:
             values += [next(it)] if where < 0 else large[where]
-        out.trailer = torch.tensor(values, dtype=torch.int64)
+        if how == "words":  # device tensors: stacked where they are, no copy to the host
+            empty = torch.empty(0, dtype=torch.int64, device=out.pack.device)
+            out.trailer = torch.stack(values) if values else empty
+        else:
+            out.trailer = torch.tensor(values, dtype=torch.int64, device=out.pack.device)
     works.append(dist.isend(out.trailer, dst, group=group))
     return works
 
@@ -149,14 +252,15 @@ class Received:
     nbytes: int
 
 
-def _header(src: int, group: Any) -> dict[str, Any]:
-    meta = torch.empty(2, dtype=torch.int64)
+def _header(src: int, group: Any, wire: torch.device) -> dict[str, Any]:
+    meta = torch.empty(2, dtype=torch.int64, device=wire)
     dist.recv(meta, src, group=group)
-    length, want = int(meta[0]), int(meta[1])
+    length, want = (int(v) for v in meta.tolist())
     if not 0 < length <= _MAX_HEADER:
         raise CheckpointCorruptError(f"live state from rank {src}: header of {length} bytes")
-    head = torch.empty(length, dtype=torch.uint8)
+    head = torch.empty(length, dtype=torch.uint8, device=wire)
     dist.recv(head, src, group=group)
+    head = head.cpu()
     if _digest(head) != want:
         # the sizes that follow cannot be trusted: the round cannot stay in step with this
         # donor, so the whole round ends (the next round falls back or picks another donor)
@@ -165,6 +269,8 @@ def _header(src: int, group: Any) -> dict[str, Any]:
     entries, pack, chunk = header.get("entries"), header.get("pack"), header.get("chunk")
     ok = isinstance(entries, list) and len(entries) <= _MAX_ENTRIES and isinstance(pack, int)
     ok = ok and isinstance(chunk, int) and chunk > 0
+    how = header.setdefault("checksum", "xxh3")
+    ok = ok and how in CHECKSUMS and (how == "words" or wire.type == "cpu")
     for item in entries if ok else []:
         ok = ok and isinstance(item, list) and len(item) == 3
         ok = ok and isinstance(item[1], int) and isinstance(item[2], int) and item[1] >= 0
@@ -181,19 +287,27 @@ def _irecv(buf: torch.Tensor, src: int, group: Any) -> Any:
 
 
 def receive(
-    src: int, step: int, *, group: Any = None, into: dict[str, torch.Tensor] | None = None
+    src: int,
+    step: int,
+    *,
+    group: Any = None,
+    into: dict[str, torch.Tensor] | None = None,
+    device: torch.device | None = None,
 ) -> Received:
     """Receive a state that rank ``src`` sends with :func:`send` and check it; ``step`` is the
     step the round agreed on (the donor must be at it). ``into``: entry name -> this rank's
     own bytes (1-D ``uint8`` views of its live tensors) that a large entry of the same size is
     received into, in place, saving a copy (this rank's state is being replaced anyway; on a
-    failed check the caller takes another donor or loads a checkpoint). Every receive is
+    failed check the caller takes another donor or loads a checkpoint); only those on
+    ``device`` (the wire device the donor prepared for; default the CPU) are. Every receive is
     posted at once; each chunk is checksummed while the next ones arrive."""
-    header = _header(src, group)
-    pack = torch.empty(header["pack"], dtype=torch.uint8)
+    wire = torch.device("cpu") if device is None else torch.device(device)
+    header = _header(src, group, wire)
+    how = header["checksum"]
+    pack = torch.empty(header["pack"], dtype=torch.uint8, device=wire)
     pack_work = _irecv(pack, src, group) if pack.numel() else None
     data: dict[str, torch.Tensor] = {}
-    sums: dict[str, list[int]] = {}  # entry name -> the checksums of its bytes, in order
+    sums: dict[str, list[Any]] = {}  # entry name -> the checksums of its bytes, in order
     chunks: list[tuple[str, torch.Tensor, Any]] = []  # (entry name, view, its receive)
     total = pack.numel()
     for name, nbytes, where in header["entries"]:
@@ -203,29 +317,29 @@ def receive(
             data[name] = pack[where : where + nbytes]
             continue
         own = (into or {}).get(name)
+        fits = own is not None and own.numel() == nbytes and own.device == wire
         buf = (
-            own
-            if own is not None and own.numel() == nbytes
-            else torch.empty(nbytes, dtype=torch.uint8)
+            own if fits and own is not None else torch.empty(nbytes, dtype=torch.uint8, device=wire)
         )
         data[name] = buf
         chunks += [(name, v, _irecv(v, src, group)) for v in _chunks(buf, header["chunk"])]
         total += nbytes
     count = len(chunks) + sum(1 for *_, where in header["entries"] if where >= 0)
-    trailer = torch.empty(count, dtype=torch.int64)
+    trailer = torch.empty(count, dtype=torch.int64, device=wire)
     trailer_work = _irecv(trailer, src, group)
     if pack_work is not None:
         pack_work.wait()
     for name, _, where in header["entries"]:
         if where >= 0:
-            sums[str(name)].append(_digest(data[str(name)]))
+            sums[str(name)].append(_digest(data[str(name)], how))
     for name, view, work in chunks:
         work.wait()
-        sums[name].append(_digest(view))
+        sums[name].append(_digest(view, how))
     trailer_work.wait()
-    want, problem = iter(trailer.tolist()), None
+    flat = _as_ints([d for got in sums.values() for d in got])  # one copy to the host
+    want, mine, problem = iter(trailer.tolist()), iter(flat), None
     for name, got in sums.items():
-        if [next(want) for _ in got] != got:
+        if [next(want) for _ in got] != [next(mine) for _ in got]:
             problem = f"entry {name!r} from rank {src} failed its checksum"
             break
     if problem is None and header.get("step") != step:
