@@ -26,7 +26,9 @@ def _sum_of_ones() -> int:
 
 def flaky_host(qfile: str, how: str) -> dict[str, Any]:
     """4 ranks, 3 active: initial rank 1 faults (``how``: raises, a NaN loss through
-    ``call.check_finite``, or hangs in a sleep past ``soft_timeout``) whenever it is active."""
+    ``call.check_finite``, hangs in a sleep past ``soft_timeout``, or raises while its peers
+    wait in a collective and leaves the group in a ``finally`` before its error goes up, so
+    that the peers' failed collectives reach the store first) whenever it is active."""
 
     @tr.Wrapper(
         rank_assignment=tr.FillGaps(),
@@ -48,10 +50,25 @@ def flaky_host(qfile: str, how: str) -> dict[str, Any]:
             raise OSError("the GPU fell off the bus")
         if call.initial_rank == 1 and how == "hang":
             time.sleep(30)  # the watchdog ends it after soft_timeout
+        if how == "leave":
+            _raise_and_leave(call.initial_rank == 1)
         call.check_finite(loss)
         return {"round": call.round, "rank": call.rank, "sum": total}
 
     return {"value": train(), "rounds": list(_rounds)}
+
+
+def _raise_and_leave(flaky: bool) -> None:
+    """The peers enter a second collective; the flaky rank raises instead, destroys the group
+    on its way out (their collective fails at once) and is slow to unwind."""
+    if not flaky:
+        dist.all_reduce(torch.ones(1))
+        return
+    try:
+        raise OSError("the GPU fell off the bus")
+    finally:
+        dist.destroy_process_group()
+        time.sleep(2)  # the peers' errors reach the store before this one
 
 
 def software_bug(qfile: str) -> dict[str, Any]:

@@ -222,3 +222,29 @@ def test_check_finite_sees_numbers_tensors_and_gradients() -> None:
     assert model.weight.grad is not None
     model.weight.grad[0, 1] = float("nan")
     assert "parameter 0" in _non_finite((1.0, model.parameters()))
+
+
+def test_a_failed_collective_gives_way_to_a_peer_s_own_error() -> None:
+    """Rank 0's failed all_reduce won the stop key, rank 1 raised an OSError of its own in the
+    same round: the fault is rank 1's, on its host. Without such a peer, or when the peer's
+    error is a failed collective too, the winner keeps the blame."""
+    from trainguard.restart._health import judge_round
+    from trainguard.restart._records import BarrierRecord
+    from trainguard.restart.state import RoundOutcome
+
+    torn = "RuntimeError: Connection closed by peer (/v/torch/distributed/c10d.py:3252 in f)"
+    outcome = RoundOutcome.fault(0, torn, "RuntimeError")
+    info = {0: {"host": "h0"}, 1: {"host": "h1"}, 2: {"host": "h2"}}
+
+    def blamed(raised: dict[int, str]) -> tuple[int, str, str]:
+        records = {r: BarrierRecord(r, f"h{r}", 0, raised=raised.get(r)) for r in range(3)}
+        health, _ = judge_round(None, None, outcome, records, info, 10.0)
+        blame = Health.decode(health).blame
+        assert blame is not None
+        return blame.rank, blame.host, blame.cause
+
+    collective = "RuntimeError @ /v/torch/distributed/c10d.py:3252"
+    own = "OSError @ /job/train.py:12"
+    assert blamed({0: collective, 1: own, 2: collective}) == (1, "h1", own)
+    assert blamed({0: collective, 2: collective}) == (0, "h0", collective)
+    assert blamed({0: collective, 1: "DistBackendError @ /job/train.py:30"})[0] == 0

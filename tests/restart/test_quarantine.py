@@ -21,7 +21,7 @@ def _events(directory: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in events.read_events(directory) if e["kind"] == kind]
 
 
-@pytest.mark.parametrize("how", ["raise", "nan", "hang"])
+@pytest.mark.parametrize("how", ["raise", "nan", "hang", "leave"])
 def test_a_flaky_host_is_quarantined_after_two_faults_and_the_job_finishes_full(
     tmp_path: Path, how: str
 ) -> None:
@@ -44,7 +44,7 @@ def test_a_flaky_host_is_quarantined_after_two_faults_and_the_job_finishes_full(
     assert out[3]["value"]["rank"] == 1  # FillGaps: the spare got rank 1's number
     assert qfile.read_text() == "h1\n"
     blamed = _events(tmp_path, "fault_attributed")
-    kind = {"raise": "OSError", "nan": "NonFiniteError", "hang": "Hang"}[how]
+    kind = {"raise": "OSError", "nan": "NonFiniteError", "hang": "Hang", "leave": "OSError"}[how]
     assert [(e["fault_host"], e["fault_kind"], e["counted"]) for e in blamed] == [
         ("h1", kind, True),
         ("h1", kind, True),

@@ -23,7 +23,7 @@ from typing import Any
 
 from trainguard.restart.state import RoundOutcome
 
-__all__ = ["Blame", "blame_of", "cause_of", "place_of"]
+__all__ = ["Blame", "blame_of", "cause_of", "is_collective", "place_of"]
 
 _PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep  # .../trainguard/
 
@@ -52,6 +52,15 @@ def cause_of(kind: str, description: str) -> str:
     """A fault's cause as one string: ``kind`` and, when known, ``@ file:line``."""
     place = place_of(description)
     return f"{kind} @ {place}" if place else kind
+
+
+def is_collective(cause: str) -> bool:
+    """Whether ``cause`` (:func:`cause_of`) is a collective that failed under this rank: a
+    ``Dist*`` error of torch.distributed or an exception raised inside it. Such an error is
+    most often the consequence of another rank's fault (its connections closed, its group
+    destroyed), not a cause of its own."""
+    kind, _, place = cause.partition(" @ ")
+    return kind.startswith("Dist") or "torch/distributed/" in place.replace(os.sep, "/")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trainguard.restart._attribution import Blame, blame_of
+from trainguard.restart._attribution import Blame, blame_of, is_collective
 from trainguard.restart._records import BarrierRecord
 from trainguard.restart.state import RoundOutcome
 
@@ -213,6 +213,7 @@ def judge_round(
     rank = outcome.rank if outcome is not None else None
     host = (hosts.get(rank) or died.get(rank, "")) if rank is not None else ""
     blame = blame_of(outcome, host or (state.host_of(rank) if rank is not None else ""))
+    blame = _root_first(blame, records, hosts)
     if quarantine is None:
         return ({"blame": blame.encode()} if blame is not None else {}), ()
     raised: dict[str, set[str]] = {}
@@ -246,6 +247,28 @@ def _death_first(outcome: RoundOutcome | None, died: Sequence[int]) -> RoundOutc
     # no frames in it: the survivor's place is not the death's
     error = f"rank {died[0]} died; rank {outcome.rank}'s {outcome.type or 'fault'} came first"
     return dataclasses.replace(outcome, rank=died[0], type="RankGone", error=error)
+
+
+def _root_first(
+    blame: Blame | None, records: Mapping[int, BarrierRecord | None], hosts: Mapping[int, str]
+) -> Blame | None:
+    """A failed collective that won the round's stop key gives way to the exception of its
+    own that another rank raised in the same round: a rank that raises and then leaves the
+    group (``finally: destroy_process_group()``) closes its connections before its error
+    reaches the store, and its peers' collectives fail first."""
+    if blame is None or not is_collective(blame.cause):
+        return blame
+    roots = sorted(
+        (r, rec.raised)
+        for r, rec in records.items()
+        if rec is not None and rec.raised and r != blame.rank and not is_collective(rec.raised)
+    )
+    if not roots:
+        return blame
+    r, cause = roots[0]
+    host = hosts.get(r, "")
+    kind = cause.partition(" @ ")[0]
+    return Blame(r, host, kind, cause, blame.time, counted=bool(host))
 
 
 def quarantined(health: Mapping[str, Any] | None) -> dict[str, str]:

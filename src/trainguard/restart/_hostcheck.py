@@ -14,13 +14,13 @@ from typing import TypedDict
 
 from trainguard import events
 from trainguard.errors import HostQuarantinedError, RetryLimitError
-from trainguard.restart._attribution import cause_of
+from trainguard.restart._attribution import cause_of, is_collective
 from trainguard.restart._health import QUARANTINED, Health
 from trainguard.restart._records import RoundLayout
 from trainguard.restart.quarantine import Quarantine
 from trainguard.restart.state import RoundState, describe
 
-__all__ = ["HostCheck", "raised_cause"]
+__all__ = ["HostCheck", "consequence", "own_error", "raised_cause"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,23 @@ class RecordFields(TypedDict):
 def raised_cause(exc: BaseException | None) -> str | None:
     """The cause (kind and place) of the exception this rank raised in a round, or None."""
     return None if exc is None else cause_of(type(exc).__qualname__, describe(exc))
+
+
+def consequence(exc: BaseException) -> bool:
+    """Whether ``exc``, raised after this rank's round was aborted, is the abort's consequence
+    (a collective that failed) rather than an error of this rank's own that lost the race to
+    the store (kept for the attribution, :func:`._health.judge_round`)."""
+    return is_collective(raised_cause(exc) or "")
+
+
+def own_error(interrupt: BaseException) -> Exception | None:
+    """The exception this rank was already raising when the abort's interrupt replaced it
+    (its ``__context__``: the abort came while the function unwound, e.g. in a ``finally``
+    that destroyed the process group), unless that too was a consequence; else None."""
+    inner = interrupt.__context__
+    if not isinstance(inner, Exception) or consequence(inner):
+        return None
+    return inner
 
 
 def end_error(end: str) -> type[RetryLimitError]:

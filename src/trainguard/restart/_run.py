@@ -34,7 +34,13 @@ from trainguard._errtext import brief
 from trainguard.errors import BarrierTimeoutError, JobEndedError, RetryLimitError
 from trainguard.restart import _diagnose, _helpers
 from trainguard.restart import _environment as _launch
-from trainguard.restart._hostcheck import HostCheck, end_error, raised_cause
+from trainguard.restart._hostcheck import (
+    HostCheck,
+    consequence,
+    end_error,
+    own_error,
+    raised_cause,
+)
 from trainguard.restart._interrupt import Kick
 from trainguard.restart._preconnect import Preconnect
 from trainguard.restart._records import RoundLayout
@@ -300,8 +306,9 @@ class WrappedCall:
                         self._leave_fn()
                     returned = True
                     self.preemption.returned()
-                except RestartInterrupt:
+                except RestartInterrupt as interrupt:
                     self._leave_fn()
+                    self.raised = own_error(interrupt)  # raising when the abort came
                 except Exception as exc:
                     self._leave_fn()
                     self.raised = exc
@@ -327,7 +334,8 @@ class WrappedCall:
         desc = describe(exc)
         if self.monitor.aborted_round == n:
             logger.debug("rank %d: %s after the round was aborted", self.launch.rank, desc)
-            self.raised = None  # the abort's consequence, not a cause to attribute
+            if consequence(exc):
+                self.raised = None  # the abort's consequence, not a cause to attribute
             return None
         kind = type(exc).__qualname__
         ended = self.preemption.failed(desc)  # after the stop was agreed: no restart
