@@ -1,5 +1,7 @@
-"""The collective probe of a quarantined node: a gloo all-reduce among ``N`` processes of the
-node, whose sum is known (each adds its rank + 1: ``N (N + 1) / 2``).
+"""The device probe of a quarantined node: in each of ``N`` processes of the node (one per
+worker), a small matrix product on its device checked against its known result
+(:class:`~trainguard.restart.probes.MatmulProbe`, ``LOCAL_RANK`` = its index), then a gloo
+all-reduce among them whose sum is known (each adds its rank + 1: ``N (N + 1) / 2``).
 
 Run by the node's agent (:mod:`trainguard.launch._quarantine`) as ``python -m
 trainguard.launch._probecoll N``: it starts ``N`` processes (``... N RANK PORT``) on a free
@@ -16,9 +18,15 @@ from datetime import timedelta
 
 
 def _member(n: int, rank: int, port: int) -> int:
+    import os
+
     import torch
     import torch.distributed as dist
 
+    from trainguard.restart.probes import MatmulProbe
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    MatmulProbe(64)()
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

@@ -1,8 +1,7 @@
 """A node's agent under a quarantine policy (``--tg-quarantine-after N``): it learns that its
 host was taken out, stops respawning its workers, probes the host and lets it back.
 
-The judgement is the Wrapper's (:class:`~trainguard.restart.Quarantine`, :mod:`trainguard.restart._health`):
-whoever lays a round out attributes the fault that ended the round before and takes a host
+The judgement is the Wrapper's (:class:`~trainguard.restart.Quarantine`): whoever lays a round out attributes the fault that ended the round before and takes a host
 with ``after`` faults within the window out; its ranks wait as spares and (``FillGaps``) idle
 spares elsewhere take their numbers. This module is the agent's side of it:
 
@@ -16,15 +15,15 @@ spares elsewhere take their numbers. This module is the agent's side of it:
    heartbeat goes on): it is quarantined, not lost.
 3. While its host is out, a worker that dies is not respawned (:attr:`NodeQuarantine.out`:
    the agent tells the sidecar the rank is not coming back, so nobody waits for it).
-4. A prober thread runs the probes every ``--tg-health-interval`` seconds: a small matrix
-   product (:class:`~trainguard.restart.probes.MatmulProbe`, in a process), free space on
-   ``/dev/shm``, a gloo all-reduce among as many processes as the node has workers
-   (:mod:`trainguard.launch._probecoll`, the sum must be their count), and
-   ``--tg-health-check CMD``; each is a process killed at ``--tg-probe-timeout`` (a hung probe
-   failed, and leaves nothing behind). After ``--tg-readmit-after`` passes in a row it writes
-   "ok" to ``node_dir/verdict``; a failure resets the count and writes why. The ranks' own
-   probe at their next barrier is that verdict, and the round laid out then lets the host back
-   as a spare (``--tg-readmit never``: no probes, it stays out).
+4. A prober thread runs the probes every ``--tg-health-interval`` seconds: free space on
+   ``/dev/shm``; ``--tg-health-check CMD``; in as many processes as the node has workers, a
+   small matrix product on each one's device (:class:`~trainguard.restart.probes.MatmulProbe`)
+   and a gloo all-reduce among them with a known sum (:mod:`trainguard.launch._probecoll`).
+   Each is a process killed at ``--tg-probe-timeout`` (a hung probe failed, and leaves nothing
+   behind). After ``--tg-readmit-after`` passes in a row it writes "ok" to
+   ``node_dir/verdict``; a failure resets the count and writes why. The ranks' own probe at
+   their next barrier is that verdict, and the round laid out then lets the host back as a
+   spare (``--tg-readmit never``: no probes, it stays out).
 
 Limits: the host comes back at the next round (a fault elsewhere, or a newcomer's admission);
 a worker that died while its host was out stays done for the rest of the generation; a node
@@ -99,21 +98,15 @@ def _killpg(proc: subprocess.Popen[bytes]) -> None:
 
 
 def builtin_probes(options: LaunchOptions, nproc: int) -> list[Probe]:
-    """The node's probes: matmul, free space on ``/dev/shm``, the node's collective, the
-    user's command."""
+    """The node's probes, cheap ones first (the first failure ends a round): free space on
+    ``/dev/shm``, the user's command, matmul and the collective of ``nproc`` processes."""
     py = sys.executable
-    probes = [
-        Probe("matmul", [py, "-c", _MATMUL]),
-        Probe("free space on /dev/shm", [py, "-c", _FREE]),
-        Probe(
-            f"gloo all-reduce among {nproc} processes",
-            [py, "-m", "trainguard.launch._probecoll", str(nproc)],
-        ),
-    ]
+    probes = [Probe("free space on /dev/shm", [py, "-c", _FREE])]
     if options.health_check:
-        probes.append(
-            Probe(f"--tg-health-check {options.health_check!r}", [options.health_check], shell=True)
-        )
+        name = f"--tg-health-check {options.health_check!r}"
+        probes.append(Probe(name, [options.health_check], shell=True))
+    module = [py, "-m", "trainguard.launch._probecoll", str(nproc)]
+    probes.append(Probe(f"matmul and gloo all-reduce in {nproc} processes", module))
     return probes
 
 
