@@ -1,9 +1,10 @@
 """A node's agent under a quarantine policy (``--tg-quarantine-after N``): it learns that its
 host was taken out, stops respawning its workers, probes the host and lets it back.
 
-The judgement is the Wrapper's (:class:`~trainguard.restart.Quarantine`): whoever lays a round out attributes the fault that ended the round before and takes a host
-with ``after`` faults within the window out; its ranks wait as spares and (``FillGaps``) idle
-spares elsewhere take their numbers. This module is the agent's side of it:
+The judgement is the Wrapper's (:class:`~trainguard.restart.Quarantine`): whoever lays a
+round out attributes the fault that ended the round before and takes a host with ``after``
+faults within the window out; its ranks wait as spares and (``FillGaps``) idle spares
+elsewhere take their numbers. This module is the agent's side of it:
 
 1. :meth:`NodeQuarantine.env` gives the workers the policy (``TRAINGUARD_QUARANTINE``: after,
    window, file, probe timeout, readmit "never" or not, and a node-local directory made for
