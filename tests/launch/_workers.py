@@ -115,6 +115,10 @@ def gloo(out: Path, rank: int, args: argparse.Namespace) -> int:
     return 0
 
 
+class Flaky(OSError):
+    """The fault of a flaky host (``--raise-host``)."""
+
+
 def _flaky(args: argparse.Namespace) -> bool:
     import socket
 
@@ -163,14 +167,20 @@ def wrapper(out: Path, rank: int, args: argparse.Namespace) -> int:
                 }
                 _append(out / "steps.jsonl", record)
                 if step == args.raise_step and _flaky(args):
-                    raise OSError(f"the NIC of {args.raise_host} dropped the link")
+                    # the group stays up (the Wrapper aborts it): destroying it here would
+                    # fail the peers' collectives first, and attribution would blame them
+                    raise Flaky(f"the NIC of {args.raise_host} dropped the link")
                 if first and rank == args.gil_hang_rank and step == 3:
                     re.match(r"(a+)+$", "a" * 64 + "b")  # holds the GIL for ever
                 call.ping()
                 time.sleep(args.step)
                 step += 1
-        finally:
+        except Flaky:
+            raise
+        except BaseException:
             dist.destroy_process_group()
+            raise
+        dist.destroy_process_group()
         return call.world_size
 
     result = train()
