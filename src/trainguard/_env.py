@@ -8,6 +8,7 @@ environment on every call, so a variable set after import still counts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -44,6 +45,9 @@ VARIABLES: dict[str, str] = {
     "TRAINGUARD_HOST_NAME": "the host name a rank reports for the placement of local checkpoint "
     "copies (CliqueReplication by host) and to in-process restart (fault attribution, "
     "Quarantine); default socket.gethostname()",
+    "TRAINGUARD_QUARANTINE": "the quarantine policy `trainguard launch --tg-quarantine-after` "
+    "gives its workers' Wrapper (JSON: after, window, readmit, probe_timeout, file, node_dir); "
+    "set by the launcher",
     "TRAINGUARD_OVERWRITE_KILL_AT": "tests only: SIGKILL this process when a checkpoint "
     "overwrite reaches this step (uncommitted, committed, old-moved, new-moved)",
     "TRAINGUARD_PREEMPTION_GRACE": "seconds from a SIGTERM (preemption) to the end of the job, "
@@ -72,6 +76,7 @@ class Settings:
     host_name: str | None = None
     overwrite_kill_at: str | None = None
     preemption_grace: float = 60.0
+    quarantine: dict[str, object] | None = None
 
 
 def _parse_addr(value: str) -> tuple[str, int]:
@@ -144,6 +149,22 @@ def _sidecar(value: str) -> str:
     return value
 
 
+_QUARANTINE_KEYS = {"after", "window", "readmit", "probe_timeout", "file", "node_dir"}
+
+
+def _quarantine(value: str) -> dict[str, object]:
+    try:
+        spec = json.loads(value)
+    except ValueError:
+        spec = None
+    if not isinstance(spec, dict) or set(spec) != _QUARANTINE_KEYS:
+        raise ConfigError(
+            f"TRAINGUARD_QUARANTINE={value[:200]!r} must be the JSON object `trainguard launch "
+            f"--tg-quarantine-after` sets (keys {', '.join(sorted(_QUARANTINE_KEYS))}); unset it"
+        )
+    return spec
+
+
 def settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Read the ``TRAINGUARD_*`` variables from ``environ`` (default ``os.environ``)."""
     env = os.environ if environ is None else environ
@@ -185,4 +206,5 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
         if (kill := get("TRAINGUARD_OVERWRITE_KILL_AT"))
         else None,
         preemption_grace=_grace(grace) if (grace := get("TRAINGUARD_PREEMPTION_GRACE")) else 60.0,
+        quarantine=_quarantine(spec) if (spec := get("TRAINGUARD_QUARANTINE")) else None,
     )

@@ -25,7 +25,9 @@ Modes:
   ``max_repeated_faults`` rounds). The first process of rank ``--gil-hang-rank`` hangs holding
   the GIL at step 3 (``--hard-timeout``). A process of a later incarnation (a respawn, a
   replacement node's) first sleeps ``--newcomer-delay`` seconds, as a slow import would: its
-  agent has no worker in a wrapped call meanwhile.
+  agent has no worker in a wrapped call meanwhile. A rank on host ``--raise-host`` (its
+  ``socket.gethostname()``) raises ``OSError`` at step ``--raise-step`` of each round it is
+  active in (with ``--raise-while PATH``: only while PATH exists), a flaky host.
 - ``term``: like ``run``, but a SIGTERM makes the worker write the time it came to
   ``OUT/term-<rank>`` and exit with status 75 (a worker that saved on a preemption).
 - ``preempt``: (imports torch) the preemption tests' job (``tests/restart/_preempt_jobs.py``),
@@ -113,6 +115,18 @@ def gloo(out: Path, rank: int, args: argparse.Namespace) -> int:
     return 0
 
 
+class Flaky(OSError):
+    """The fault of a flaky host (``--raise-host``)."""
+
+
+def _flaky(args: argparse.Namespace) -> bool:
+    import socket
+
+    if args.raise_host is None or socket.gethostname() != args.raise_host:
+        return False
+    return args.raise_while is None or Path(args.raise_while).exists()
+
+
 def wrapper(out: Path, rank: int, args: argparse.Namespace) -> int:
     if os.environ.get("TRAINGUARD_INCARNATION") != "0":
         time.sleep(args.newcomer_delay)
@@ -152,13 +166,21 @@ def wrapper(out: Path, rank: int, args: argparse.Namespace) -> int:
                     "time": time.time(),
                 }
                 _append(out / "steps.jsonl", record)
+                if step == args.raise_step and _flaky(args):
+                    # the group stays up (the Wrapper aborts it): destroying it here would
+                    # fail the peers' collectives first, and attribution would blame them
+                    raise Flaky(f"the NIC of {args.raise_host} dropped the link")
                 if first and rank == args.gil_hang_rank and step == 3:
                     re.match(r"(a+)+$", "a" * 64 + "b")  # holds the GIL for ever
                 call.ping()
                 time.sleep(args.step)
                 step += 1
-        finally:
+        except Flaky:
+            raise
+        except BaseException:
             dist.destroy_process_group()
+            raise
+        dist.destroy_process_group()
         return call.world_size
 
     result = train()
@@ -190,6 +212,9 @@ def main() -> int:
     parser.add_argument("--log-steps", action="store_true")
     parser.add_argument("--newcomer-delay", type=float, default=0.0)
     parser.add_argument("--dump-env", action="store_true")
+    parser.add_argument("--raise-host", default=None)
+    parser.add_argument("--raise-step", type=int, default=2)
+    parser.add_argument("--raise-while", default=None)
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     _append(

@@ -9,7 +9,10 @@ raised into the agent's loop (``expect`` excepted).
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from trainguard.launch.options import LaunchOptions
 
 logger = logging.getLogger(__name__)
 
@@ -66,3 +69,16 @@ def gone(service: Service | None, slot: int, cause: str) -> None:
         service.gone(slot, cause)
     except Exception:
         logger.exception("the sidecar service could not count rank %d out", slot)
+
+
+def worker_env(
+    service: Service | None, options: LaunchOptions, events_dir: str | None
+) -> dict[str, str]:
+    """The part of what the agent adds to every worker's environment that does not change
+    with the generation: the preemption grace, the event log, the sidecar service."""
+    env = {"TRAINGUARD_PREEMPTION_GRACE": repr(options.preemption_grace)}
+    if events_dir:
+        env["TRAINGUARD_EVENTS_DIR"] = events_dir
+    if service is not None:
+        env["TRAINGUARD_AGENT"] = service.address
+    return env

@@ -163,6 +163,14 @@ class SlotTable:
             self.policy.respawns - slot.respawns,
         )
 
+    def hold(self, local_rank: int) -> None:
+        """A slot whose process died is not respawned (its host is quarantined): it is done
+        for this generation."""
+        slot = self._slots[local_rank]
+        if slot.state is SlotState.WAITING:
+            slot.state = SlotState.DONE
+            slot.respawn_at = None
+
     def due(self) -> list[int]:
         """Local ranks whose respawn time has come, in order."""
         now = self.clock()

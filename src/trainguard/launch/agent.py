@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -74,6 +75,7 @@ from trainguard.launch._gate import AdmissionGate
 from trainguard.launch._logs import AgentLogsSpecs, incarnation_launch, tail
 from trainguard.launch._nodes import NodeWatch
 from trainguard.launch._partition import Partition, Verdict
+from trainguard.launch._quarantine import NodeQuarantine
 from trainguard.launch._signals import SignalWatch
 from trainguard.launch._slots import Escalate, Respawn, SlotPolicy, SlotTable
 from trainguard.launch._warm import WarmPool
@@ -165,6 +167,8 @@ class TrainguardAgent(LocalElasticAgent):
         self._sigterm_sent: set[int] = set()  # workers the preemption's SIGTERM went to
         self.signals = SignalWatch(lambda: _preempt.forward(self, self._sigterm_sent))
         self.warm = WarmPool(options.warm_workers, self.events.emit)  # --tg-warm-workers
+        host = settings.host_name or socket.gethostname()  # the name its workers report
+        self.quarantine = NodeQuarantine(options, self.events.emit, host, spec.local_world_size)
 
     # rendezvous and start ------------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -199,17 +203,11 @@ class TrainguardAgent(LocalElasticAgent):
 
     def _worker_env(self, joined: Generation, incarnation: int) -> dict[str, str]:
         """What the agent adds to torch's environment of every worker it starts."""
-        env = {
-            "TRAINGUARD_STORE_ADDR": joined.addr,
-            "TRAINGUARD_GENERATION": str(joined.generation),
-            "TRAINGUARD_INCARNATION": str(incarnation),
-        }
-        env["TRAINGUARD_PREEMPTION_GRACE"] = repr(self.options.preemption_grace)
-        if self.events_dir:
-            env["TRAINGUARD_EVENTS_DIR"] = self.events_dir
-        if self.service is not None:
-            env["TRAINGUARD_AGENT"] = self.service.address
-        return env
+        env = _agenthooks.worker_env(self.service, self.options, self.events_dir)
+        env.update(self.quarantine.env())  # --tg-quarantine-after: the workers' policy
+        env["TRAINGUARD_GENERATION"] = str(joined.generation)
+        env["TRAINGUARD_INCARNATION"] = str(incarnation)
+        return {"TRAINGUARD_STORE_ADDR": joined.addr, **env}
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pids: dict[int, Any] = super()._start_workers(worker_group)
@@ -230,6 +228,7 @@ class TrainguardAgent(LocalElasticAgent):
         self.signals.reraise()
         result = self._tick(worker_group)
         self.warm.poll()
+        self.quarantine.poll()  # learns whether its host was taken out, or let back
         self.signals.reraise()
         return result
 
@@ -308,6 +307,10 @@ class TrainguardAgent(LocalElasticAgent):
         pid = _compat.handler(_compat.pcontext(self), local_rank).proc.pid
         rank, incarnation = self.slots.rank(local_rank), self.slots.incarnation(local_rank)
         decision = self.slots.exited(local_rank, code)
+        if decision is not None and self.quarantine.out:  # its host is out: no respawn
+            decision = None  # done for this generation
+            self.slots.hold(local_rank)
+            self.events.emit("launch_worker_held", slot=rank, worker_pid=pid, exit_code=code)
         if code == EXIT_PREEMPTED:
             self.preempted = True
             logger.warning("[%s] rank %d was preempted (its state saved)", group.spec.role, rank)
@@ -329,14 +332,8 @@ class TrainguardAgent(LocalElasticAgent):
             exit_code=code,
             incarnation=incarnation,
         )
-        logger.warning(
-            "[%s] rank %d (pid %d, incarnation %d) exited with %d",
-            group.spec.role,
-            rank,
-            pid,
-            incarnation,
-            code,
-        )
+        what = (group.spec.role, rank, pid, incarnation, code)
+        logger.warning("[%s] rank %d (pid %d, incarnation %d) exited with %d", *what)
         self._service_died(rank, pid, code, returning=isinstance(decision, Respawn))
         failure = ProcessFailure(local_rank, pid, code, self._error_files[local_rank])
         asked = _escalation.requested(self)  # the worker may have asked before it exited
@@ -442,6 +439,7 @@ class TrainguardAgent(LocalElasticAgent):
         finally:
             self.signals.close()
             self.warm.close()
+            self.quarantine.close()
             self.service.close()
             self.coord.close()
             self.events.close()

@@ -78,6 +78,23 @@ TG_OPTIONS: list[tuple[str, type, Any, str, str]] = [
      "(requeue); default TRAINGUARD_PREEMPTION_GRACE, else 60"),
     ("warm_workers", int, 0, "N", "worker processes per node started ahead, past their "
      "imports, waiting: a respawn takes one over instead of a cold start (default 0)"),
+    ("quarantine_after", int, 0, "N", "take a host out of the job after N faults attributed "
+     "to it within --tg-quarantine-window: its ranks go to spares, its agent stops respawning "
+     "its workers and probes it (default 0: off; see docs/launch.md#bad-hosts)"),
+    ("quarantine_window", float, 3600.0, "S", "seconds within which the faults of "
+     "--tg-quarantine-after count (default 3600)"),
+    ("quarantine_file", str, None, "PATH", "file the quarantined hosts are written to, one a "
+     "line (for the scheduler's exclude list)"),
+    ("health_interval", float, 60.0, "S", "seconds between two probe rounds on a quarantined "
+     "host (default 60)"),
+    ("readmit_after", int, 3, "K", "a quarantined host is back as a spare after K passing "
+     "probe rounds in a row (default 3)"),
+    ("readmit", str, "after", "{after,never}", "never: a quarantined host stays out for the "
+     "rest of the job (default after: see --tg-readmit-after)"),
+    ("health_check", str, None, "CMD", "shell command run as one more probe on a quarantined "
+     "host (exit status 0: healthy)"),
+    ("probe_timeout", float, 30.0, "S", "the longest one probe may run; a probe that hangs "
+     "longer failed (default 30)"),
 ]  # fmt: skip
 
 

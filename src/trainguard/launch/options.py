@@ -76,6 +76,21 @@ class LaunchOptions:
             trainguard, the script's installed imports), waiting: a respawn hands one the dead
             worker's identity instead of starting a process cold (``--tg-warm-workers``;
             default 0, see :mod:`trainguard.launch._warm`).
+        quarantine_after, quarantine_window: a host with this many attributed faults within
+            the window (seconds) is taken out of the job (``--tg-quarantine-after``, default 0:
+            off; ``--tg-quarantine-window``, default 3600), the policy of
+            :class:`~trainguard.restart.Quarantine`, given to the workers' Wrapper; see
+            :mod:`trainguard.launch._quarantine`.
+        quarantine_file: where the quarantined hosts are written, one a line
+            (``--tg-quarantine-file``).
+        health_interval: seconds between two probe rounds of a quarantined node's agent
+            (``--tg-health-interval``, default 60).
+        readmit_after: consecutive passing probe rounds after which the host is back as a
+            spare (``--tg-readmit-after``, default 3); ``readmit="never"`` keeps it out
+            (``--tg-readmit never``; default ``"after"``).
+        health_check: a shell command run as one more probe; exit status 0 passes
+            (``--tg-health-check``).
+        probe_timeout: the longest one probe may run (``--tg-probe-timeout``, default 30).
 
     Timeouts are keyword-only, in seconds or as a ``timedelta``.
     """
@@ -94,6 +109,14 @@ class LaunchOptions:
     insecure: bool
     preemption_grace: float
     warm_workers: int
+    quarantine_after: int
+    quarantine_window: float
+    quarantine_file: str | None
+    health_interval: float
+    readmit_after: int
+    readmit: str
+    health_check: str | None
+    probe_timeout: float
 
     def __init__(
         self,
@@ -112,16 +135,19 @@ class LaunchOptions:
         insecure: bool = False,
         preemption_grace: Timeout | None = None,
         warm_workers: int = 0,
+        quarantine_after: int = 0,
+        quarantine_window: Timeout = 3600.0,
+        quarantine_file: str | None = None,
+        health_interval: Timeout = 60.0,
+        readmit_after: int = 3,
+        readmit: str = "after",
+        health_check: str | None = None,
+        probe_timeout: Timeout = 30.0,
     ) -> None:
         def put(name: str, value: object) -> None:
             object.__setattr__(self, name, value)
 
-        if store is not None:
-            from trainguard.coord.store import parse_addr
-
-            put("store", parse_addr(store))
-        else:
-            put("store", None)
+        put("store", _store(store))
         put("respawns", _count("respawns", respawns, "every worker death restarts the job"))
         put("respawn_backoff", _backoff(respawn_backoff))
         put("rejoin_timeout", seconds("rejoin_timeout", rejoin_timeout))
@@ -143,18 +169,14 @@ class LaunchOptions:
             "a node must be able to miss a heartbeat before it is declared lost",
         )
         put("exit_barrier_timeout", seconds("exit_barrier_timeout", exit_barrier_timeout))
-        if events_dir is not None and not isinstance(events_dir, str):
-            raise ConfigError(f"events_dir={events_dir!r} must be a directory path (a str)")
-        put("events_dir", events_dir or None)
+        put("events_dir", _path("events_dir", events_dir, "a directory path"))
         if on_evicted not in ON_EVICTED:
             raise ConfigError(
                 f"on_evicted={on_evicted!r}: pass --tg-on-evicted rejoin (take a free place "
                 "again) or exit (leave the job)"
             )
         put("on_evicted", on_evicted)
-        if secret_file is not None and not isinstance(secret_file, str):
-            raise ConfigError(f"secret_file={secret_file!r} must be a file path (a str)")
-        put("secret_file", secret_file or None)
+        put("secret_file", _path("secret_file", secret_file, "a file path"))
         put("insecure", bool(insecure))
         put("fence_timeout", seconds("fence_timeout", fence_timeout))
         shorter(
@@ -170,3 +192,81 @@ class LaunchOptions:
             preemption_grace = _env.settings().preemption_grace
         put("preemption_grace", seconds("preemption_grace", preemption_grace))
         put("warm_workers", _count("warm_workers", warm_workers, "respawns start cold"))
+        policy = (quarantine_after, quarantine_window, quarantine_file, health_interval)
+        readmission = (readmit_after, readmit, health_check, probe_timeout)
+        for name, value in _quarantine(*policy, *readmission).items():
+            put(name, value)
+
+
+def _store(store: str | None) -> tuple[str, int] | None:
+    if store is None:
+        return None
+    from trainguard.coord.store import parse_addr
+
+    return parse_addr(store)
+
+
+def _path(name: str, value: object, what: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(f"{name}={value!r} must be {what} (a str)")
+    return value or None
+
+
+def _quarantine(
+    after: int,
+    window: Timeout,
+    file: str | None,
+    interval: Timeout,
+    readmit_after: int,
+    readmit: str,
+    health_check: str | None,
+    probe_timeout: Timeout,
+) -> dict[str, object]:
+    """The quarantine fields, checked by :class:`~trainguard.restart.Quarantine` itself (the
+    same policy as the Wrapper's) and named by their flags."""
+    from trainguard.restart.quarantine import Quarantine
+
+    after = _count("quarantine_after", after, "no host is ever taken out")
+    if readmit not in ("after", "never"):
+        raise ConfigError(
+            f"readmit={readmit!r}: pass --tg-readmit after (back after --tg-readmit-after "
+            "passing probe rounds) or never (a quarantined host stays out)"
+        )
+    if isinstance(readmit_after, bool) or not isinstance(readmit_after, int) or readmit_after < 1:
+        raise ConfigError(
+            f"readmit_after={readmit_after!r} must be a whole number >= 1 (consecutive passing "
+            "probe rounds); pass --tg-readmit-after K, or --tg-readmit never"
+        )
+    if health_check is not None and (not isinstance(health_check, str) or not health_check):
+        raise ConfigError(
+            f"health_check={health_check!r}: pass --tg-health-check 'COMMAND' (a shell command "
+            "whose exit status 0 means the host is healthy)"
+        )
+    file = _path("quarantine_file", file, "a file path")
+    try:  # the same checks as the Wrapper's policy
+        policy = Quarantine(
+            max(after, 1),
+            window,
+            readmit=readmit_after,
+            probes=[],
+            probe_timeout=probe_timeout,
+            file=file or None,
+        )
+    except ConfigError as exc:
+        flags = "--tg-quarantine-window, --tg-probe-timeout, --tg-quarantine-file"
+        raise ConfigError(f"{exc} (the launcher's flags: {flags})") from None
+    if (file or health_check) and not after:
+        raise ConfigError(
+            "--tg-quarantine-file and --tg-health-check need a quarantine: pass "
+            "--tg-quarantine-after N (N >= 1 faults take a host out)"
+        )
+    return {
+        "quarantine_after": after,
+        "quarantine_window": policy.window,
+        "quarantine_file": file or None,
+        "health_interval": seconds("health_interval", interval),
+        "readmit_after": readmit_after,
+        "readmit": readmit,
+        "health_check": health_check or None,
+        "probe_timeout": policy.probe_timeout,
+    }

@@ -77,6 +77,12 @@ class HostCheck:
         """Round ``ready`` was published and this rank entered it (``state``)."""
         health = Health.decode(ready.health)
         self.out = self.host in health.out
+        if self.quarantine is not None:
+            why = str(health.out.get(self.host, {}).get("why", ""))
+            try:
+                self.quarantine.tell_node(self.host, self.out, why)
+            except OSError as exc:
+                logger.error("could not tell the launcher whether this host is out: %s", exc)
         lead = ready.active or ready.spare  # its first rank reports (spares: a job that ends)
         if not lead or lead[0] != state.initial_rank:
             return

@@ -176,11 +176,13 @@ class WrapperConfig:
                 "that repeats without progress forever"
             )
         grace = self.preemption_grace
-        if grace is None:
-            from trainguard import _env
+        from trainguard import _env
 
+        if grace is None:
             grace = _env.settings().preemption_grace
         object.__setattr__(self, "preemption_grace", seconds("preemption_grace", grace))
+        if self.quarantine is None and (spec := _env.settings().quarantine) is not None:
+            object.__setattr__(self, "quarantine", Quarantine.from_launcher(spec))
         if self.quarantine is not None and not isinstance(self.quarantine, Quarantine):
             raise ConfigError(
                 f"quarantine={self.quarantine!r}: pass trainguard.restart.Quarantine(after=..., "

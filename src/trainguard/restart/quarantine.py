@@ -29,12 +29,22 @@ The protocol, round by round:
 
 Probes run only at barriers: an in-process job readmits a host at the rounds that follow
 faults elsewhere (or never, if there are none; the file then still lists it).
+
+Under ``trainguard launch --tg-quarantine-after N`` the workers' Wrapper gets its policy from
+the launcher (``TRAINGUARD_QUARANTINE``, :meth:`Quarantine.from_launcher`, used when the Wrapper
+has no ``quarantine=`` of its own) and shares a node-local directory with its agent: each rank
+writes there whether its host is out (:meth:`Quarantine.tell_node`, on entering each round),
+the agent stops respawning that node's workers and runs the probes every
+``--tg-health-interval`` seconds, and the ranks' own probe at a barrier passes only once the
+agent saw ``--tg-readmit-after`` consecutive passes (the file ``verdict`` says "ok").
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -105,12 +115,40 @@ class Quarantine:
                     f"Quarantine: probe {p!r} is not callable; pass probes such as "
                     "trainguard.restart.probes.FsyncProbe(root) or a function"
                 )
+        #: under ``trainguard launch``: the directory shared with this node's agent
+        self.node_dir: Path | None = None
         self.file = None if file is None else Path(file)
         if self.file is not None and not self.file.parent.is_dir():
             raise ConfigError(
                 f"Quarantine(file={str(self.file)!r}): its directory does not exist; create "
                 "it or name a file in an existing directory"
             )
+
+    @classmethod
+    def from_launcher(cls, spec: dict[str, Any]) -> Quarantine:
+        """The policy ``trainguard launch`` passed its workers (``TRAINGUARD_QUARANTINE``): the
+        agent probes and counts the passes, so a rank's probe is the agent's verdict and one
+        passing round readmits (``readmit`` None: never)."""
+        readmit = None if spec["readmit"] is None else 1
+        node_dir = Path(str(spec["node_dir"]))
+        policy = cls(
+            int(spec["after"]),
+            float(spec["window"]),
+            readmit=readmit,
+            probes=[AgentVerdict(node_dir)],
+            probe_timeout=float(spec["probe_timeout"]),
+            file=None if spec["file"] is None else str(spec["file"]),
+        )
+        policy.node_dir = node_dir
+        return policy
+
+    def tell_node(self, host: str, out: bool, why: str) -> None:
+        """Under the launcher: tell this node's agent whether ``host`` is out (each rank, on
+        entering each round; the file is replaced whole). Without one: nothing."""
+        if self.node_dir is None:
+            return
+        state = {"host": host, "out": out, "why": why, "time": time.time(), "pid": os.getpid()}
+        _replace(self.node_dir / "state", json.dumps(state))
 
     def probe(self, state: object) -> str:
         """Run every probe on this rank (of a quarantined host): "ok" or the first failure."""
@@ -119,16 +157,8 @@ class Quarantine:
     def write(self, hosts: Sequence[str]) -> None:
         """Write ``hosts`` to :attr:`file`, one a line, replacing it whole (a reader never sees
         half a list)."""
-        if self.file is None:
-            return
-        fd, tmp = tempfile.mkstemp(dir=self.file.parent, prefix=f".{self.file.name}.")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write("".join(f"{h}\n" for h in hosts))
-            os.replace(tmp, self.file)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        if self.file is not None:
+            _replace(self.file, "".join(f"{h}\n" for h in hosts))
 
     def __getstate__(self) -> dict[str, Any]:
         # the sidecar lays rounds out with a pickled copy: it judges, it never probes (the
@@ -142,3 +172,34 @@ class Quarantine:
             f"Quarantine(after={self.after}, window={self.window:g}, readmit={self.readmit!r}, "
             f"probes={list(self.probes)!r}, file={str(self.file) if self.file else None!r})"
         )
+
+
+class AgentVerdict:
+    """A rank's probe under ``trainguard launch``: passes when the node's agent wrote "ok" to
+    ``node_dir/verdict`` (its probes passed ``--tg-readmit-after`` times in a row)."""
+
+    def __init__(self, node_dir: Path) -> None:
+        self.node_dir = node_dir
+
+    def __call__(self, state: object = None) -> None:
+        try:
+            verdict = (self.node_dir / "verdict").read_text().strip()
+        except FileNotFoundError:
+            verdict = "the node's agent has not probed this host yet"
+        if verdict != "ok":
+            raise RuntimeError(verdict)
+
+    def __repr__(self) -> str:
+        return "AgentVerdict()"
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole (a reader never sees half of it)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
