@@ -14,7 +14,8 @@ import trainguard.restart as tr
 from tests.restart import _faults
 from trainguard.coord.keys import Keyspace
 from trainguard.restart import _records
-from trainguard.restart._book import RoundBook, pool_records
+from trainguard.restart._book import RoundBook
+from trainguard.restart._pool import records_of as pool_records
 from trainguard.restart._records import BarrierRecord
 
 

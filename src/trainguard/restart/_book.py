@@ -62,7 +62,7 @@ from trainguard.coord import barrier
 from trainguard.coord.keys import Keyspace, encode
 from trainguard.coord.store import StoreLike, parse_addr, probe
 from trainguard.errors import ConfigError, CoordinationError, RetryLimitError
-from trainguard.restart import _health, _records
+from trainguard.restart import _health, _pool, _records
 from trainguard.restart._records import BarrierRecord, RoundLayout
 from trainguard.restart._repeat import Repeats
 from trainguard.restart.policy._round import RoundPolicies
@@ -210,7 +210,7 @@ class RoundBook:
             raws = [bytes(raw) for raw in self.store.multi_get(keys)]
             return dict(zip(self.roster, _records.records(raws), strict=True))
         raw = peek(self.store, self.keys.pool(n))
-        found = pool_records(raw or b"")
+        found = _pool.records_of(raw or b"")
         if any(r not in found for r in self.roster):
             return None
         return found
@@ -353,7 +353,7 @@ class RoundBook:
             return hosts
         with contextlib.suppress(Exception):  # a record gone or unreadable: the host is unknown
             if self.pooled:
-                seen = pool_records(peek(self.store, self.keys.pool(n)) or b"")
+                seen = _pool.records_of(peek(self.store, self.keys.pool(n)) or b"")
             else:
                 raws = {r: peek(self.store, self.keys.member(n, r)) for r in ranks}
                 seen = {r: _records.record(raw) for r, raw in raws.items() if raw is not None}
@@ -387,13 +387,13 @@ class RoundBook:
         leave = BarrierRecord.departure(r, cause).encode()
         if self.pooled:
             self.store.append(self.keys.pool(n), leave + b"\n")
-            arrived = _arrived_first(self.store.get(self.keys.pool(n)), r)
+            arrived = _pool.arrived_first(self.store.get(self.keys.pool(n)), r)
             self.arrive(n)
             return arrived
         key = self.keys.member(n, r)
         current = bytes(self.store.compare_set(key, "", leave))
         arrived = False
-        while current != leave and not _leaving(_records.record(current)):
+        while current != leave and not _pool.leaving(_records.record(current)):
             arrived = True
             current = bytes(self.store.compare_set(key, current, leave))
         self.arrive(n)
@@ -415,36 +415,7 @@ def has_record(store: StoreLike, keys: Keyspace, n: int, r: int, *, pooled: bool
     if not pooled:
         return bool(store.check([keys.member(n, r)]))
     raw = peek(store, keys.pool(n))
-    return raw is not None and r in pool_records(raw)
-
-
-def _lines(raw: bytes) -> list[BarrierRecord | None]:
-    return _records.records([line for line in bytes(raw).split(b"\n") if line.strip()])
-
-
-def pool_records(raw: bytes) -> dict[int, BarrierRecord | None]:
-    """The records of a pool (see the module docstring): each rank's departure if it has
-    one, else its first arrival. Lines that are not records are skipped (their rank, if
-    any, counts as not arrived)."""
-    found: dict[int, BarrierRecord | None] = {}
-    for rec in _lines(raw):
-        if rec is None:
-            continue
-        if rec.rank not in found or (rec.leave and not _leaving(found[rec.rank])):
-            found[rec.rank] = rec
-    return found
-
-
-def _arrived_first(raw: bytes, r: int) -> bool:
-    """Whether the pool ``raw`` holds an arrival of ``r`` before its first departure."""
-    for rec in _lines(raw):
-        if rec is not None and rec.rank == r:
-            return not rec.leave
-    return False
-
-
-def _leaving(rec: BarrierRecord | None) -> bool:
-    return rec is not None and bool(rec.leave)
+    return raw is not None and r in _pool.records_of(raw)
 
 
 def _answers(addr: bytes) -> bool:
