@@ -181,15 +181,23 @@ def _irecv(buf: torch.Tensor, src: int, group: Any) -> Any:
 
 
 def receive(
-    src: int, step: int, *, group: Any = None, into: dict[str, torch.Tensor] | None = None
+    src: int,
+    step: int,
+    *,
+    group: Any = None,
+    into: dict[str, torch.Tensor] | None = None,
+    ready: Callable[[], None] | None = None,
 ) -> Received:
     """Receive a state that rank ``src`` sends with :func:`send` and check it; ``step`` is the
     step the round agreed on (the donor must be at it). ``into``: entry name -> this rank's
     own bytes (1-D ``uint8`` views of its live tensors) that a large entry of the same size is
     received into, in place, saving a copy (this rank's state is being replaced anyway; on a
     failed check the caller takes another donor or loads a checkpoint). Every receive is
-    posted at once; each chunk is checksummed while the next ones arrive."""
+    posted at once; each chunk is checksummed while the next ones arrive. ``ready`` is
+    called once the header arrived, before anything is received into ``into``."""
     header = _header(src, group)
+    if ready is not None:
+        ready()
     pack = torch.empty(header["pack"], dtype=torch.uint8)
     pack_work = _irecv(pack, src, group) if pack.numel() else None
     data: dict[str, torch.Tensor] = {}
