@@ -208,7 +208,11 @@ class Snapshots:
                 self._exchange(snap, gen)
         except BaseException as exc:  # kept for the main thread; an abort's are expected
             self._error = exc
-            level = logging.DEBUG if _aborts.count() != n else logging.WARNING
+            # a peer that failed ends the transfer first (its round is ending): the next
+            # recovery says whether it mattered; a memory refusal is raised by the next update
+            refused = isinstance(exc, ConfigError)
+            level = logging.WARNING if refused else logging.INFO
+            level = logging.DEBUG if _aborts.count() != n else level
             logger.log(level, "live state: peer snapshot of step %d failed: %s", step, exc)
         finally:
             self._copied.set()
