@@ -276,7 +276,9 @@ def job(
             if call.round == 0 and 0 < step < faults[0][2]:
                 times.append(time.monotonic() - began)  # without the checkpoint saves
                 if step + 1 == faults[0][2]:
-                    _append(out, {"round": 0, "rank": call.rank, "step_s": times})
+                    snaps = live._snapshots() if live is not None else None
+                    stats = dict(snaps.stats) if snaps is not None else {}
+                    _append(out, {"round": 0, "rank": call.rank, "step_s": times, **stats})
             if (step + 1) % ckpt_every == 0:
                 _save(net, opt, root, step + 1)
             call.ping()

@@ -138,6 +138,11 @@ def sharded_run(
     lines = (out / "records.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     step_s = [t for r in records for t in r.get("step_s", [])]
+    snaps = [r for r in records if r.get("snapshots")]  # per rank: its snapshots' totals
+    per = {
+        k: sum(r[k] for r in snaps) / max(1, sum(r["snapshots"] for r in snaps))
+        for k in ("copy_s", "transfer_s", "waited_s")
+    }
     records = [r for r in records if "step_s" not in r]
     sent = {r["round"]: r["plain_send_s"] for r in records if "plain_send_s" in r}
     for r in records:
@@ -150,7 +155,7 @@ def sharded_run(
         again = max(rec["first_step_done"] for rec in recs) - float((out / f"t-{i}").read_text())
         faults.append({"kind": kind, "round": round_, "again_s": again, "records": recs})
     digests = {v["rank"]: v["digest"] for v in values}
-    return {"faults": faults, "digests": digests, "step_s": step_s}
+    return {"faults": faults, "digests": digests, "step_s": step_s, "per_snapshot": per}
 
 
 def sharded_rows(name: str, path: str, run: dict[str, Any]) -> list[list[Any]]:
@@ -194,9 +199,10 @@ def sharded(mib: int, tmp: Path, results: dict[str, Any]) -> tuple[list[Any], li
             base = percentile(runs["live"]["step_s"], 50)
             with_ = percentile(runs["snapshots"]["step_s"], 50)
             added = (with_ - base) / base * 100 if base > 0 else float("nan")
-            cost_rows.append(
-                [name, mib, base * 1e3, with_ * 1e3, added, "<=5", "yes" if added <= 5 else "no"]
-            )
+            per = runs["snapshots"]["per_snapshot"]
+            met = "yes" if added <= 5 else "no"
+            parts = [per["copy_s"] * 1e3, per["transfer_s"] * 1e3, per["waited_s"] * 1e3]
+            cost_rows.append([name, mib, base * 1e3, with_ * 1e3, added, "<=5", met, *parts])
             results["snapshot_cost"] = {"step_s": base, "step_s_snapshots": with_, "added": added}
         sent = [
             r
@@ -266,7 +272,10 @@ def main() -> None:
         )
         print_table(
             "peer snapshots every step: median fault-free step, same invocation",
-            ["model", "MiB/rank", "step ms", "with snapshots ms", "added %", "target", "met"],
+            [
+                *("model", "MiB/rank", "step ms", "with snapshots ms", "added %", "target"),
+                *("met", "copy ms", "transfer ms", "update waited ms"),
+            ],
             cost,
         )
     if rows:

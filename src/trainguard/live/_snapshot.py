@@ -40,6 +40,7 @@ import dataclasses
 import datetime
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -127,6 +128,9 @@ class Snapshots:
         self._key = 0
         self._held_key = 0
         self._sized = False
+        #: totals since built: snapshots taken, seconds copying, seconds in transfers (the
+        #: background thread's), seconds the main thread waited for them (``wait``)
+        self.stats = {"snapshots": 0, "copy_s": 0.0, "transfer_s": 0.0, "waited_s": 0.0}
 
     def due(self, step: int) -> bool:
         """Whether the state at ``step`` is snapshotted."""
@@ -197,8 +201,12 @@ class Snapshots:
     def _run(
         self, flat: Any, reuse: dict[str, torch.Tensor], step: int, gen: int, event: Any, n: int
     ) -> None:
+        began = time.monotonic()
         try:
             data = _copy(flat.entries, reuse, event)
+            copied = time.monotonic()
+            self.stats["snapshots"] += 1
+            self.stats["copy_s"] += copied - began
             snap = Snap(step, self._key, layout.unflatten(flat.skeleton, data), flat.nbytes)
             with self._lock:
                 if gen == self._generation:
@@ -206,6 +214,7 @@ class Snapshots:
             self._copied.set()
             if self._group is not None and self._to >= 0:
                 self._exchange(snap, gen)
+                self.stats["transfer_s"] += time.monotonic() - copied
         except BaseException as exc:  # kept for the main thread; an abort's are expected
             self._error = exc
             # a peer that failed ends the transfer first (its round is ending): the next
@@ -250,8 +259,10 @@ class Snapshots:
         thread = self._thread
         if thread is None:
             return True
+        began = time.monotonic()
         self._copied.wait()
         thread.join(timeout)
+        self.stats["waited_s"] += time.monotonic() - began
         if thread.is_alive():
             with self._lock:
                 self._generation += 1
