@@ -58,8 +58,10 @@ logger = logging.getLogger(__name__)
 
 #: how long a snapshot transfer may wait for its peer (a peer that died fails at once)
 TRANSFER_TIMEOUT = datetime.timedelta(seconds=120)
-#: how long recover() waits for a transfer still in flight before it gives the snapshot up
-JOIN_TIMEOUT = 10.0
+#: how long recover() waits for a transfer still in flight (one the fault cut off may wait for
+#: a peer that will never send) before it leaves it behind: the held copy it did not start
+#: to overwrite stays valid, and the thread can no longer touch it
+JOIN_TIMEOUT = 1.0
 
 
 def check_options(every: Any, limit: Any) -> int:
@@ -235,6 +237,8 @@ class Snapshots:
 
         def ready() -> None:  # the buddy's bytes go into the held one's buffers from now on
             with self._lock:
+                if gen != self._generation:  # left behind by recover(): touch nothing
+                    raise RuntimeError("a snapshot transfer of a round that ended")
                 self.held = None
 
         got = _transfer.receive(self._from, snap.step, group=self._group, into=into, ready=ready)
@@ -254,8 +258,9 @@ class Snapshots:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the snapshot in flight (the copy always; the transfer up to ``timeout``
-        seconds, None: for good). False when a transfer was given up (the held snapshot is
-        dropped, its thread writes nothing back). Raises a memory refusal of the thread."""
+        seconds, None: for good). False when a transfer was left behind: its thread writes
+        nothing back from then on (a held copy it had not begun to overwrite stays held; one
+        it had is already dropped). Raises a memory refusal of the thread."""
         thread = self._thread
         if thread is None:
             return True
@@ -266,9 +271,8 @@ class Snapshots:
         if thread.is_alive():
             with self._lock:
                 self._generation += 1
-                self.held = None
             self._thread = None
-            logger.warning("live state: a peer snapshot transfer did not finish; dropped")
+            logger.info("live state: a peer snapshot transfer did not finish; left behind")
             return False
         self._thread = None
         if isinstance(self._error, ConfigError):
