@@ -75,8 +75,9 @@ def run(active: int, kill: bool) -> tuple[int, str]:
             first = 0  # the first start (a real job loads its checkpoint here)
             live.restored(first)
         if call.rank == 0:
-            how = "from peer snapshots" if got.snapshot else "live" if got.live else "fresh"
-            print(f"  round {call.round}: step {first} ({how}), {got.recomputed} recomputed")
+            how = "from peer snapshots" if got.snapshot else "live" if got.live else "fresh start"
+            again = f", {got.recomputed} step(s) recomputed" if got.live else ""
+            print(f"  round {call.round}: step {first} ({how}){again}")
         if got.received_from is not None:
             print(
                 f"  round {call.round}: rank {call.rank} received its shards from rank "
