@@ -62,6 +62,7 @@ TRANSFER_TIMEOUT = datetime.timedelta(seconds=120)
 #: a peer that will never send) before it leaves it behind: the held copy it did not start
 #: to overwrite stays valid, and the thread can no longer touch it
 JOIN_TIMEOUT = 1.0
+_SLICE = 0.05  # seconds per wait slice
 
 
 def check_options(every: Any, limit: Any) -> int:
@@ -265,8 +266,12 @@ class Snapshots:
         if thread is None:
             return True
         began = time.monotonic()
-        self._copied.wait()
-        thread.join(timeout)
+        # in slices: a restart's interrupt of this (main) thread lands between them
+        while not self._copied.wait(_SLICE):
+            pass
+        end = None if timeout is None else time.monotonic() + timeout
+        while thread.is_alive() and (end is None or time.monotonic() < end):
+            thread.join(_SLICE if end is None else max(0.0, min(_SLICE, end - time.monotonic())))
         self.stats["waited_s"] += time.monotonic() - began
         if thread.is_alive():
             with self._lock:
