@@ -59,6 +59,41 @@ def test_fsdp2_1d_sigkill_with_a_spare_recovers_from_the_buddys_snapshot(
     assert again[1]["nbytes"] == again[1]["local_bytes"]  # its shards, not the global tensors
 
 
+def test_fsdp2_1d_sigkill_with_snapshots_every_2_steps_recomputes_at_most_2(
+    tmp_path: Path, reference: list[str]
+) -> None:
+    # snapshots of steps 2, 4, 6: rank 1 killed at step 5 (its newest copy: step 4); rank 0
+    # finished step 5 (state 6, snapshot of 6, the one of 4 kept): both go to step 4
+    results = _run(tmp_path / "job", 3, [("kill", 1, 5)], snapshot_every=2)
+    values = sorted((r.get() for r in results if r.rank != 1), key=lambda v: v["rank"])
+    assert [v["digest"] for v in values] == reference
+    again = _round(values, int((tmp_path / "job" / "fault-0").read_text()) + 1)
+    for rec in again.values():
+        assert rec["live"] and rec["snapshot"] and rec["step"] == 4, rec
+        assert rec["recomputed"] == 2, rec
+
+
+def test_fsdp2_1d_snapshots_that_do_not_line_up_fall_back_saying_so(
+    tmp_path: Path, reference: list[str]
+) -> None:
+    # rank 1 killed in step 0, before any snapshot of its shards exists; rank 0 holds at
+    # most its own of step 1 (none if the restart struck before its copy began): no step
+    # at which both shards are held: the checkpoint path (a fresh start here), with why
+    results = _run(tmp_path / "job", 3, [("kill", 1, 0)], snapshot_every=1)
+    values = sorted((r.get() for r in results if r.rank != 1), key=lambda v: v["rank"])
+    assert [v["digest"] for v in values] == reference
+    again = _round(values, int((tmp_path / "job" / "fault-0").read_text()) + 1)
+    assert sorted(again) == [0, 1]
+    for rec in again.values():
+        assert not rec["live"] and "no untorn replica" in rec["fallback"], rec
+        why = rec["fallback"].split("; ", 1)[1]
+        assert why in (
+            "no rank holds a peer snapshot",
+            "the peer snapshots do not line up: no step at which every replica group's "
+            "shards are held (snapshot steps held: [1])",
+        ), rec
+
+
 def test_fsdp2_1d_a_torn_step_rolls_every_rank_back_one_snapshot(
     tmp_path: Path, reference: list[str]
 ) -> None:
