@@ -212,3 +212,18 @@ def test_the_snapshot_plan_takes_the_newest_step_every_shard_is_held_at() -> Non
     records[0] = _rec(0, 5, False, 10, own_step=5, own_key=10, prev_step=4, prev_key=10, every=1)
     why = snapshot_plan(records)
     assert isinstance(why, str) and "do not line up" in why
+
+
+def test_tensor_parallel_a_torn_step_rolls_back_to_the_snapshots(tmp_path: Path) -> None:
+    # tensor parallel on 2 ranks without data parallelism (Shard(0), Shard(1), a replicated
+    # bias): no rank holds the other's shards; rank 1 is torn in step 3, both go back to
+    # their own snapshots of step 3
+    ref = [r.get() for r in _run(tmp_path / "ref", 2, [], tp=True)]
+    faults = [("torn", 1, 3)]
+    values = [r.get() for r in _run(tmp_path / "job", 2, faults, tp=True, snapshot_every=1)]
+    assert [v["digest"] for v in values] == [v["digest"] for v in ref]
+    again = _round(values, int((tmp_path / "job" / "fault-0").read_text()) + 1)
+    assert sorted(again) == [0, 1]
+    for rec in again.values():
+        assert rec["live"] and rec["snapshot"] and rec["step"] == 3, rec
+        assert rec["recomputed"] == 1 and rec["receivers"] == [], rec
