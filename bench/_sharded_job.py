@@ -18,7 +18,10 @@ parameter group updated, then a failure, once the others finished the step) and 
 newest step any rank had finished (an all-reduce) and the step it resumed from, as a line of
 ``records.jsonl`` (written at once: a rank killed later keeps its records). At the end of the round
 after the kill, donor and receiver time a plain ``dist.send`` of the same bytes over the
-same group (median of 3).
+same group (median of 3). With peer snapshots (``snapshot_every``) the live state copies
+every rank's shards to host memory and to a buddy (no replica exists under FSDP2 1-D); each
+rank also records how long its fault-free steps of the first round took (``step_s``, steps
+1 to the first fault, without the checkpoint saves) for the snapshots' per-step cost.
 """
 
 from __future__ import annotations
@@ -160,6 +163,7 @@ def _outcome(got: Any) -> dict[str, Any]:
         "received_from": got.received_from,
         "receivers": list(got.receivers),
         "transfer_s": got.transfer_seconds,
+        "snapshot": got.snapshot,
     }
 
 
@@ -209,9 +213,11 @@ def job(
     live_on: bool,
     ckpt_every: int,
     soft_timeout: float,
+    snapshot_every: int | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` steps on ``active`` ranks (the others are spares), as the module
-    docstring says. Returns the digest of this rank's shards and its final rank."""
+    docstring says; ``snapshot_every``: the live state's peer snapshots. Returns the digest
+    of this rank's shards and its final rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import trainguard.restart as tr
@@ -219,7 +225,7 @@ def job(
 
     out, root = Path(out_dir), Path(out_dir, "ckpt")
     root.mkdir(exist_ok=True)
-    live = LiveState(model=None, optimizer=None) if live_on else None
+    live = LiveState(model=None, optimizer=None, snapshot_every=snapshot_every) if live_on else None
     names = ("replicate", "shard")[-len(mesh_shape) :]
     dim = width(mib, mesh_shape[-1])
     dist_rank = [-1]
@@ -251,7 +257,9 @@ def job(
             newest = torch.tensor([max(got.newest, int(newest.item()))])
         rec.update(first=first, newest=int(newest.item()), recomputed=int(newest.item()) - first)
         pending = [i for i in range(len(faults)) if not (out / f"fault-{i}").exists()]
+        times: list[float] = []  # the fault-free steps before the first fault, round 0
         for step in range(first, steps):
+            began = time.monotonic()
             fault = ("", -1)
             for i in pending:
                 kind, victim, at = faults[i]
@@ -265,12 +273,20 @@ def job(
             if step == first:
                 rec["first_step_done"] = time.time()
                 _append(out, rec)
+            if call.round == 0 and 0 < step < faults[0][2]:
+                times.append(time.monotonic() - began)  # without the checkpoint saves
+                if step + 1 == faults[0][2]:
+                    snaps = live._snapshots() if live is not None else None
+                    stats = dict(snaps.stats) if snaps is not None else {}
+                    _append(out, {"round": 0, "rank": call.rank, "step_s": times, **stats})
             if (step + 1) % ckpt_every == 0:
                 _save(net, opt, root, step + 1)
             call.ping()
         if got is not None and got.receivers:  # the last round's transfer against a plain send
             _send_baseline(got, call.rank, call.world_size, call.round, out)
         result = digest(net, opt)
+        if live is not None:
+            live.flush()
         dist_rank[0] = call.rank
         dist.destroy_process_group()
         return result

@@ -25,8 +25,10 @@ every 5 steps in both runs). Per fault: steps recomputed, fault -> every rank fi
 first step again (a hang's minus its soft timeout), what the state came from; the final local
 shards of both runs compared per rank. The killed rank's transfer is timed against a plain
 ``dist.send`` of the same bytes between the same two ranks on the same group, in the same run.
-Peer snapshots (issue 39, item 2) are not built: FSDP2 1-D torn and kill rows show the
-fallback.
+FSDP2 1-D also runs a third time with peer snapshots (``LiveState(snapshot_every=1)``,
+issue 39 item 2): the torn and killed ranks' shards come from snapshots (at most 1 step
+recomputed) instead of the checkpoint; its fault-free steps before the first fault are timed
+against the same steps of the run without snapshots (same invocation, same machine).
 
 Run: ``.venv/bin/python bench/zero_loss.py [--models 0 256] [--ranks 4] [--big-ranks 2]``;
 sharded rows only: ``.venv/bin/python bench/zero_loss.py --models --sharded 16`` (written to
@@ -123,14 +125,25 @@ SHARDED_FAULTS = [("exception", 2, 7), ("hang", 1, 13), ("torn", 1, 18), ("kill"
 SHARDED_STEPS, CKPT_EVERY, SOFT = 30, 5, 10.0
 
 
-def sharded_run(mesh: tuple[int, ...], mib: int, live: bool, out: Path) -> dict[str, Any]:
-    """One sharded job (4 ranks + 1 spare): per fault its round's records; final digests."""
+def sharded_run(
+    mesh: tuple[int, ...], mib: int, live: bool, out: Path, snapshot_every: int | None = None
+) -> dict[str, Any]:
+    """One sharded job (4 ranks + 1 spare): per fault its round's records; final digests;
+    the fault-free steps' seconds of every rank before the first fault."""
     out.mkdir(parents=True)
     args = (SHARDED_STEPS, 4, mesh, SHARDED_FAULTS, str(out), mib, live, CKPT_EVERY, SOFT)
+    args += (snapshot_every,)
     results = run_ranks(_sharded_job.job, 5, args=args, timeout=560)
     values = [r.get() for r in results if r.exitcode != -9]  # the killed rank returns nothing
     lines = (out / "records.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
+    step_s = [t for r in records for t in r.get("step_s", [])]
+    snaps = [r for r in records if r.get("snapshots")]  # per rank: its snapshots' totals
+    per = {
+        k: sum(r[k] for r in snaps) / max(1, sum(r["snapshots"] for r in snaps))
+        for k in ("copy_s", "transfer_s", "waited_s")
+    }
+    records = [r for r in records if "step_s" not in r]
     sent = {r["round"]: r["plain_send_s"] for r in records if "plain_send_s" in r}
     for r in records:
         if r.get("receivers") and r.get("received_from") is not None and r["round"] in sent:
@@ -142,7 +155,7 @@ def sharded_run(mesh: tuple[int, ...], mib: int, live: bool, out: Path) -> dict[
         again = max(rec["first_step_done"] for rec in recs) - float((out / f"t-{i}").read_text())
         faults.append({"kind": kind, "round": round_, "again_s": again, "records": recs})
     digests = {v["rank"]: v["digest"] for v in values}
-    return {"faults": faults, "digests": digests}
+    return {"faults": faults, "digests": digests, "step_s": step_s, "per_snapshot": per}
 
 
 def sharded_rows(name: str, path: str, run: dict[str, Any]) -> list[list[Any]]:
@@ -155,6 +168,8 @@ def sharded_rows(name: str, path: str, run: dict[str, Any]) -> list[list[Any]]:
         elif all(r["live"] for r in recs):
             got = sorted(r["rank"] for r in recs if r.get("received_from") is not None)
             how, source = "live", f"peers -> {got}" if got else "own shards"
+            if any(r.get("snapshot") for r in recs):
+                how, source = "live: peer snapshots", f"snapshots, buddy -> {got}"
         else:
             reason = next(r["fallback"] for r in recs if r.get("fallback"))
             reason = re.sub(r" \d{4,}", "", reason).split(" (")[0]
@@ -163,19 +178,32 @@ def sharded_rows(name: str, path: str, run: dict[str, Any]) -> list[list[Any]]:
     return rows
 
 
-def sharded(mib: int, tmp: Path, results: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+def sharded(mib: int, tmp: Path, results: dict[str, Any]) -> tuple[list[Any], list[Any], list[Any]]:
     rows: list[list[Any]] = []
     transfer_rows: list[list[Any]] = []
+    cost_rows: list[list[Any]] = []
     for mesh, name in (((4,), "FSDP2 1-D 4+1"), ((2, 2), "HSDP 2x2+1")):
         runs = {}
-        for path in ("live", "checkpoint"):
+        paths = ("live", "snapshots", "checkpoint") if len(mesh) == 1 else ("live", "checkpoint")
+        for path in paths:
             print(f"{name}, {mib} MiB/rank: {path} ...", flush=True)
-            runs[path] = sharded_run(mesh, mib, path == "live", tmp / f"{name}-{path}")
+            every = 1 if path == "snapshots" else None
+            runs[path] = sharded_run(mesh, mib, path != "checkpoint", tmp / f"{name}-{path}", every)
             results["sharded"][f"{name}/{path}"] = runs[path]
-        same = runs["live"]["digests"] == runs["checkpoint"]["digests"]
+        same = all(runs[p]["digests"] == runs["checkpoint"]["digests"] for p in paths)
         results["sharded"][f"{name}/identical"] = same
-        for path in ("live", "checkpoint"):
-            rows += [[*r, "yes" if same else "NO"] for r in sharded_rows(name, path, runs[path])]
+        for path in paths:
+            label = f"{path} (snapshot_every=1)" if path == "snapshots" else path
+            rows += [[*r, "yes" if same else "NO"] for r in sharded_rows(name, label, runs[path])]
+        if "snapshots" in runs:
+            base = percentile(runs["live"]["step_s"], 50)
+            with_ = percentile(runs["snapshots"]["step_s"], 50)
+            added = (with_ - base) / base * 100 if base > 0 else float("nan")
+            per = runs["snapshots"]["per_snapshot"]
+            met = "yes" if added <= 5 else "no"
+            parts = [per["copy_s"] * 1e3, per["transfer_s"] * 1e3, per["waited_s"] * 1e3]
+            cost_rows.append([name, mib, base * 1e3, with_ * 1e3, added, "<=5", met, *parts])
+            results["snapshot_cost"] = {"step_s": base, "step_s_snapshots": with_, "added": added}
         sent = [
             r
             for f in runs["live"]["faults"]
@@ -188,7 +216,7 @@ def sharded(mib: int, tmp: Path, results: dict[str, Any]) -> tuple[list[Any], li
             mb, ms, base = r["nbytes"] / 2**20, r["transfer_s"] * 1e3, r["plain_send_s"] * 1e3
             transfer_rows.append([name, mb, ms, base, ratio, f"<={RATIO}", ok])
             results["transfer"][f"{name} kill"] = {"bytes": r["nbytes"], "ratio": ratio}
-    return rows, transfer_rows
+    return rows, transfer_rows, cost_rows
 
 
 def main() -> None:
@@ -207,6 +235,7 @@ def main() -> None:
     rows: list[list[Any]] = []
     transfer_rows: list[list[Any]] = []
     more: list[list[Any]] = []
+    cost: list[list[Any]] = []
     with tempfile.TemporaryDirectory(prefix="tg-zero-loss-") as tmp:
         for mib in args.models:
             ranks = args.big_ranks if mib else args.ranks
@@ -233,13 +262,21 @@ def main() -> None:
                     [model, nbytes / 2**20, seconds * 1e3, base * 1e3, ratio, f"<={RATIO}", ok]
                 )
         if args.sharded:
-            more, moved_rows = sharded(args.sharded, Path(tmp), results)
+            more, moved_rows, cost = sharded(args.sharded, Path(tmp), results)
             transfer_rows += moved_rows
     if args.sharded:
         print_table(
             f"sharded ({args.sharded} MiB of state per rank): live state vs the dcp checkpoint",
             ["model", "fault", "recovery", "recomputed", "training again ms", "from", "identical"],
             more,
+        )
+        print_table(
+            "peer snapshots every step: median fault-free step, same invocation",
+            [
+                *("model", "MiB/rank", "step ms", "with snapshots ms", "added %", "target"),
+                *("met", "copy ms", "transfer ms", "update waited ms"),
+            ],
+            cost,
         )
     if rows:
         print_table(

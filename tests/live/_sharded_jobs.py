@@ -123,6 +123,7 @@ def _step(
     loss = nn.functional.cross_entropy(net[4](net[3](net[2](hidden))), y)
     loss.backward()
     if fault in ("kill", "others-kill"):
+        live.flush()  # the last snapshot reached the buddy (a no-op without snapshots)
         dist.barrier()  # every rank is through backward's collectives when the victim dies
     if fault == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -145,19 +146,21 @@ def sharded_job(
     out_dir: str,
     tamper_rank: int | None = None,
     tp: bool = False,
+    snapshot_every: int | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` steps on ``active`` ranks (the others are spares) on a mesh of
     ``mesh_shape`` (``(n,)``: FSDP2, or tensor parallel with ``tp``; ``(r, s)``: HSDP, ``r``
     replicas of ``s`` shards; ``()``: FSDP2 over the round's world). Each
     fault ``(kind, rank, step)`` strikes once (file ``fault-<i>`` holds its round). In the
     round after the first fault, rank ``tamper_rank`` flips a bit of everything it sends as
-    a donor. Returns the digest, the final step and every round's recovery."""
+    a donor. ``snapshot_every``: peer snapshots (``LiveState(snapshot_every=...)``).
+    Returns the digest, the final step and every round's recovery."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import trainguard.restart as tr
     from trainguard.live import LiveState
 
-    live = LiveState(model=None, optimizer=None)
+    live = LiveState(model=None, optimizer=None, snapshot_every=snapshot_every)
     recoveries: list[dict[str, Any]] = []
     names = ("replicate", "shard")[-len(mesh_shape or (1,)) :]
 
@@ -191,6 +194,7 @@ def sharded_job(
                 "received_from": got.received_from,
                 "receivers": list(got.receivers),
                 "recomputed": got.recomputed,
+                "snapshot": got.snapshot,
                 "nbytes": got.nbytes,
                 "local_bytes": _bytes(live._outgoing()),  # this rank's shards and the rest
                 "global_bytes": _bytes(live.state_dict()),
@@ -211,6 +215,7 @@ def sharded_job(
             _step(net, opt, live, step, call, fault, tp)
             call.ping()
         out = digest(net, opt)
+        live.flush()
         dist.destroy_process_group()
         return out
 

@@ -43,7 +43,12 @@ in the same order, after ``init_process_group`` and before any other collective 
    group lost, nobody trained yet), or the groups' newest steps differ, or every donor's
    transfer failed, ``recover()`` returns ``fallback`` (the reason) on every rank: load the
    checkpoint as without live state, then call ``live.restored(step)``. It is logged (a
-   warning) and emitted as an event.
+   warning) and emitted as an event. With peer snapshots (``LiveState(snapshot_every=k)``,
+   :mod:`._snapshot`) a round that the replicas cannot repair first looks for the newest step
+   at which every rank's shards are held (live, in a rank's own snapshot, or in the copy its
+   buddy holds): the lost shards come from there, every other rank loads its own snapshot
+   of that step (``Recovery.snapshot``; at most ``k`` steps recomputed); only when the
+   snapshots do not line up does it fall back, saying so.
 
 Events: ``live_recover`` (every rank, every round: ``outcome`` live/fallback, ``step``,
 ``newest``, ``recomputed``, ``receivers``, ``nbytes``, ``reason``) and ``live_restored``

@@ -27,6 +27,9 @@ class Recovery:
         seconds: how long the recovery took on this rank (from its call: waiting for the
             other ranks to call it too is counted).
         transfer_seconds: the transfer passes on this rank (0 when nobody received).
+        snapshot: whether the state came from peer snapshots (``LiveState(snapshot_every=)``):
+            no replica held some rank's shards, every rank went back to the newest step
+            that a snapshot holds for every rank (``recomputed`` steps run again).
     """
 
     step: int | None
@@ -40,6 +43,7 @@ class Recovery:
     problems: tuple[str, ...] = ()
     seconds: float = 0.0
     transfer_seconds: float = 0.0
+    snapshot: bool = False
 
     @property
     def live(self) -> bool:

@@ -11,7 +11,16 @@ import dataclasses
 #: what names a replica group: ranks with equal keys hold replicas of the same state
 GroupKey = int | str
 
-__all__ = ["FIRST_START", "NO_STEP", "Plan", "Record", "no_holder", "plan"]
+__all__ = [
+    "FIRST_START",
+    "NO_STEP",
+    "Plan",
+    "Record",
+    "SnapPlan",
+    "no_holder",
+    "plan",
+    "snapshot_plan",
+]
 
 NO_STEP = -1  #: a record's step when the rank holds no live state (a spare, a new process)
 FIRST_START = "no rank holds live state yet (a first start)"  #: the fallback of a first start
@@ -35,11 +44,27 @@ class Record:
     step: int
     torn: bool
     group: int
+    #: peer snapshots (:mod:`._snapshot`): the step and group key of this rank's own
+    #: snapshot, of the one before it and of the one it holds for its buddy (``NO_STEP``:
+    #: none); its host's id; its ``snapshot_every`` (0: off)
+    own_step: int = NO_STEP
+    own_key: int = 0
+    prev_step: int = NO_STEP
+    prev_key: int = 0
+    held_step: int = NO_STEP
+    held_key: int = 0
+    host: int = 0
+    every: int = 0
 
     @property
     def holder(self) -> bool:
         """Whether this rank's state can be given to others."""
         return self.step != NO_STEP and not self.torn
+
+    @property
+    def owns(self) -> set[tuple[int, int]]:
+        """(step, key) of this rank's own snapshots."""
+        return {(self.own_step, self.own_key), (self.prev_step, self.prev_key)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,3 +132,63 @@ def plan(records: list[Record], *, round: int | None = None) -> Plan:
     }
     receivers = sorted(r.rank for r in records if not (r.holder and r.step == step))
     return Plan(step, newest, None, donors, receivers, groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapPlan:
+    """A recovery from peer snapshots: every rank goes to ``step``. ``actions``: rank ->
+    ``("keep", -1, "")`` (its live state is at the step), ``("own", -1, "")`` (it loads its
+    own snapshot) or ``("recv", donor, what)``: it receives from ``donor`` that donor's
+    ``what`` (``live`` state, ``own`` snapshot or the ``held`` copy of a buddy's)."""
+
+    step: int
+    newest: int
+    actions: dict[int, tuple[str, int, str]]
+
+    @property
+    def receivers(self) -> list[int]:
+        return sorted(r for r, (kind, *_) in self.actions.items() if kind == "recv")
+
+
+def _sources(records: list[Record], key: int, step: int) -> list[tuple[int, str]]:
+    """Who holds the state of replica group ``key`` at ``step``, and as what (live state
+    first, then own snapshots, then buddies' copies)."""
+    live = [(r.rank, "live") for r in records if r.holder and r.group == key and r.step == step]
+    own = [(r.rank, "own") for r in records if (step, key) in r.owns]
+    held = [(r.rank, "held") for r in records if r.held_step == step and r.held_key == key]
+    return live + own + held
+
+
+def _actions(records: list[Record], step: int) -> dict[int, tuple[str, int, str]] | None:
+    """How every rank gets to ``step``, or None when some rank's shards are held nowhere."""
+    actions: dict[int, tuple[str, int, str]] = {}
+    for r in records:
+        if r.holder and r.step == step:
+            actions[r.rank] = ("keep", -1, "")
+        elif (step, r.group) in r.owns:
+            actions[r.rank] = ("own", -1, "")
+        else:
+            others = [s for s in _sources(records, r.group, step) if s[0] != r.rank]
+            if not others:
+                return None
+            actions[r.rank] = ("recv", *others[0])
+    return actions
+
+
+def snapshot_plan(records: list[Record]) -> SnapPlan | str:
+    """The newest step at which every replica group's state is held somewhere (live, in an
+    own snapshot or in a buddy's copy), and how every rank gets to it; or why there is none."""
+    newest = max((r.step for r in records if r.step != NO_STEP), default=0)
+    steps = {s for r in records for s in (r.own_step, r.prev_step, r.held_step)}
+    steps |= {r.step for r in records if r.holder}
+    for step in sorted(steps - {NO_STEP}, reverse=True):
+        actions = _actions(records, step)
+        if actions is not None:
+            return SnapPlan(step, newest, actions)
+    held = sorted({s for r in records for s in (r.own_step, r.prev_step, r.held_step)})
+    if held == [NO_STEP]:
+        return "no rank holds a peer snapshot"
+    return (
+        "the peer snapshots do not line up: no step at which every replica group's shards "
+        f"are held (snapshot steps held: {[s for s in held if s != NO_STEP]})"
+    )

@@ -16,6 +16,7 @@ on ``group``:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Protocol
@@ -25,9 +26,19 @@ import torch.distributed as dist
 import xxhash
 
 from trainguard import events
-from trainguard.live import _transfer
+from trainguard.checkpoint.local.replication import this_host
+from trainguard.live import _snapshot, _transfer
 from trainguard.live._outcome import Recovery
-from trainguard.live._plan import FIRST_START, NO_STEP, GroupKey, Plan, Record, plan
+from trainguard.live._plan import (
+    FIRST_START,
+    NO_STEP,
+    GroupKey,
+    Plan,
+    Record,
+    SnapPlan,
+    plan,
+    snapshot_plan,
+)
 
 __all__ = ["report", "run"]
 
@@ -58,6 +69,10 @@ class LiveState(Protocol):
 
     def _received(self, got: Any, step: int) -> str | None: ...
 
+    def _snapshots(self) -> Any: ...
+
+    def _restore_own(self, step: int) -> str | None: ...
+
 
 def _key(key: GroupKey) -> int:
     if isinstance(key, int):
@@ -76,11 +91,18 @@ def _records(live: LiveState, group: Any) -> tuple[int, list[Record]]:
         step, torn = None, True
     key: GroupKey = live.group_key(rank, world)
     layout = live._layout()
+    snaps = live._snapshots()
+    if snaps is not None:
+        snaps.wait(_snapshot.JOIN_TIMEOUT)  # the last round's snapshot, done or given up
+    held = snaps.record() if snaps else [NO_STEP, 0] * 3
     mine = torch.tensor(
         [
             NO_STEP if step is None else step,
             int(torn),
             _key(f"{key!r}|{layout}") if layout else _key(key),
+            *held,
+            _key(this_host()),
+            snaps.every if snaps else 0,
         ],
         dtype=torch.int64,
         device=_transfer.wire_device(group),  # NCCL alone: collectives of CUDA tensors only
@@ -88,7 +110,27 @@ def _records(live: LiveState, group: Any) -> tuple[int, list[Record]]:
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
     rows = torch.stack(gathered).tolist()  # one copy to the host
-    return rank, [Record(r, int(t[0]), bool(t[1]), int(t[2])) for r, t in enumerate(rows)]
+    return rank, [Record(r, int(t[0]), bool(t[1]), *map(int, t[2:])) for r, t in enumerate(rows)]
+
+
+def _bind_snapshots(live: LiveState, rank: int, records: list[Record], group: Any) -> None:
+    """Where any rank takes snapshots, every rank makes the round's snapshot group (a
+    collective) and this rank's snapshots learn its buddy (:func:`._snapshot.ring`)."""
+    if not any(r.every for r in records) or len(records) < 2:
+        return
+    snap_group = _snapshot.new_group(group)
+    order = _snapshot.ring([r.host for r in records])
+    at = order.index(rank)
+    to, frm = order[(at + 1) % len(order)], order[at - 1]
+    snaps = live._snapshots()
+    if snaps is not None:
+        snaps.bind(
+            snap_group,
+            _global(to, group),
+            _global(frm, group),
+            records[rank].group,
+            records[frm].group,
+        )
 
 
 def run(live: LiveState, group: Any) -> Recovery:
@@ -101,7 +143,14 @@ def run(live: LiveState, group: Any) -> Recovery:
             "torch.distributed.init_process_group() first"
         )
     rank, records = _records(live, group)
+    _bind_snapshots(live, rank, records, group)
     agreed = plan(records, round=events.get_log().round)  # the round the Wrapper runs now
+    tried = any(r.every for r in records) and any(r.step != NO_STEP or r.torn for r in records)
+    if agreed.fallback is not None and tried:
+        snap = snapshot_plan(records)
+        if isinstance(snap, SnapPlan):
+            return _from_snapshots(live, snap, rank, group)
+        agreed = dataclasses.replace(agreed, fallback=f"{agreed.fallback}; {snap}")
     live._begin(agreed.fallback is None and rank not in agreed.receivers)
     if agreed.fallback is not None:
         return Recovery(None, agreed.fallback, agreed.newest, None)
@@ -186,6 +235,73 @@ def _pass(
     return problem, nbytes
 
 
+def _from_snapshots(live: LiveState, snap: SnapPlan, rank: int, group: Any) -> Recovery:
+    """Every rank to ``snap.step``: keepers keep, ranks with their own snapshot of it load it,
+    the others receive their shards from a holder (its live state, own snapshot or the copy it
+    holds for a buddy), checksummed as any transfer; a refused one falls back on every rank."""
+    kind, donor, _ = snap.actions[rank]
+    live._begin(kind == "keep")
+    t0 = time.monotonic()
+    wire = _transfer.wire_device(group, live._outgoing())  # by the live state, on every rank
+    outs: dict[str, _transfer.Outgoing] = {}
+    works: list[Any] = []
+    for r in snap.receivers:
+        _, d, what = snap.actions[r]
+        if d == rank:
+            if what not in outs:
+                held = None if what == "live" else live._snapshots().find(snap.step, what)
+                state = live._outgoing() if held is None else held.state
+                outs[what] = _transfer.prepare(state, snap.step, device=wire)
+            works += _transfer.send(outs[what], _global(r, group), group=group)
+    problem: str | None = None
+    nbytes = 0
+    if kind == "own":
+        problem = live._restore_own(snap.step)
+    elif kind == "recv":
+        into = _transfer.own_bytes(live._outgoing())
+        got = _transfer.receive(
+            _global(donor, group), snap.step, group=group, into=into, device=wire
+        )
+        problem, nbytes = got.problem, got.nbytes
+        if problem is None:
+            problem = live._received(got.state, snap.step)
+    for work in works:
+        work.wait()
+    flags = torch.zeros(len(snap.actions), dtype=torch.int64)
+    flags[rank] = int(problem is not None)
+    flags = flags.to(_transfer.wire_device(group))
+    dist.all_reduce(flags, group=group)
+    flags = flags.cpu()
+    seconds = time.monotonic() - t0
+    if int(flags.sum()):
+        live._writing()  # every rank loads a checkpoint next
+        failed = [r for r in range(len(flags)) if flags[r]]
+        why = problem or f"ranks {failed} refused what they got"
+        reason = f"the recovery from peer snapshots failed ({why})"
+        return Recovery(
+            None,
+            reason,
+            snap.newest,
+            None,
+            tuple(snap.receivers),
+            attempts=1,
+            problems=(why,),
+            transfer_seconds=seconds,
+        )
+    return Recovery(
+        snap.step,
+        None,
+        snap.newest,
+        snap.newest - snap.step,
+        tuple(snap.receivers),
+        donor if kind == "recv" else None,
+        nbytes,
+        1,
+        transfer_seconds=seconds,
+        snapshot=True,
+    )
+
+
 def _global(rank: int, group: Any) -> int:
     """``rank`` of ``group`` as a rank of the default group (what send/recv take)."""
     return rank if group is None else int(dist.get_global_rank(group, rank))
@@ -198,6 +314,7 @@ def report(got: Recovery) -> None:
         duration=got.seconds,
         outcome="live" if got.live else "fallback",
         source="live" if got.live else None,
+        snapshot=got.snapshot,
         step=got.step,
         newest=got.newest,
         recomputed=got.recomputed,

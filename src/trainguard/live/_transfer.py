@@ -293,6 +293,7 @@ def receive(
     group: Any = None,
     into: dict[str, torch.Tensor] | None = None,
     device: torch.device | None = None,
+    ready: Callable[[], None] | None = None,
 ) -> Received:
     """Receive a state that rank ``src`` sends with :func:`send` and check it; ``step`` is the
     step the round agreed on (the donor must be at it). ``into``: entry name -> this rank's
@@ -300,9 +301,12 @@ def receive(
     received into, in place, saving a copy (this rank's state is being replaced anyway; on a
     failed check the caller takes another donor or loads a checkpoint); only those on
     ``device`` (the wire device the donor prepared for; default the CPU) are. Every receive is
-    posted at once; each chunk is checksummed while the next ones arrive."""
+    posted at once; each chunk is checksummed while the next ones arrive. ``ready`` is called
+    once the header arrived, before anything is received into ``into``."""
     wire = torch.device("cpu") if device is None else torch.device(device)
     header = _header(src, group, wire)
+    if ready is not None:
+        ready()
     how = header["checksum"]
     pack = torch.empty(header["pack"], dtype=torch.uint8, device=wire)
     pack_work = _irecv(pack, src, group) if pack.numel() else None

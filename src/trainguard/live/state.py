@@ -67,12 +67,36 @@ class LiveState:
             ``replica_group`` only splits them further). Objects rebuilt every round on the
             round's mesh are given to :meth:`recover` instead; register their names with None
             here (``LiveState(model=None, optimizer=None)``).
+        snapshot_every: peer snapshots (:mod:`._snapshot`), for state that no replica holds
+            (FSDP2 on a 1-D mesh, tensor parallelism without data parallelism): every this
+            many completed updates each rank copies its local state into host memory, in a
+            background thread overlapped with the next step, and the same bytes go to a
+            buddy rank on another host. After a fault that no replica can repair, the lost
+            shards come from the buddy's copy and every rank goes back to the snapshot's
+            step: at most ``snapshot_every`` steps run again. None or 0 (the default): off.
+            The same on every rank. Nothing may write into the registered state outside
+            :meth:`update` (the copy reads it until the next update begins).
+        snapshot_memory_limit: the host bytes the snapshots may take on each rank (two copies
+            of its own local state, the newest and the one before, and one of its buddy's);
+            None: no limit. Checked when the first
+            snapshot is sized: over it, :meth:`update` raises a ``ConfigError``.
 
     Raises :class:`~trainguard.errors.ConfigError` when nothing is registered, an object lacks
     ``state_dict``/``load_state_dict``, or ``replica_group`` is of another type.
     """
 
-    def __init__(self, *, rng: bool = True, replica_group: ReplicaGroup = None, **objects: Any):
+    def __init__(
+        self,
+        *,
+        rng: bool = True,
+        replica_group: ReplicaGroup = None,
+        snapshot_every: int | None = None,
+        snapshot_memory_limit: int | None = None,
+        **objects: Any,
+    ):
+        from trainguard.live import _snapshot
+
+        every = _snapshot.check_options(snapshot_every, snapshot_memory_limit)
         if not objects:
             raise ConfigError(
                 "LiveState() needs the objects to keep: LiveState(model=net, optimizer=opt)"
@@ -96,6 +120,7 @@ class LiveState:
         self._pending_newest: int | None = None  # a fallback's newest step, until restored()
         #: test hook (see :mod:`trainguard.live._transfer`): corrupts what this rank sends
         self._tamper: Any = None
+        self._snaps = _snapshot.Snapshots(every, snapshot_memory_limit) if every else None
 
     @property
     def step(self) -> int | None:
@@ -121,11 +146,23 @@ class LiveState:
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"live.update({step!r}): give the step's number, an int >= 0")
+        if self._snaps is not None:
+            self._snaps.wait()  # the last snapshot read the state until now
         with call.atomic() if call is not None else contextlib.nullcontext():
             self._torn = True
             yield
             self._step = step + 1
             self._torn = False
+        if self._snaps is not None and self._snaps.due(step + 1):
+            self._snaps.take(self._outgoing(), step + 1)
+
+    def flush(self) -> None:
+        """Wait until the peer snapshot in flight is complete (its copy and its transfer to
+        the buddy). Call it at the end of a round that takes snapshots, before
+        ``destroy_process_group()`` (a transfer needs the round's groups); without
+        snapshots it does nothing."""
+        if self._snaps is not None:
+            self._snaps.wait()
 
     def restored(self, step: int) -> None:
         """The caller put the state at ``step`` itself (loaded a checkpoint after a fallback,
@@ -299,6 +336,20 @@ class LiveState:
             self._load_into(self._incoming, state)
         self._objects = self._target()
         self._incoming = None
+
+    def _snapshots(self) -> Any:
+        """This state's :class:`._snapshot.Snapshots`, None without snapshots."""
+        return self._snaps
+
+    def _restore_own(self, step: int) -> str | None:
+        """Load this rank's own snapshot of ``step`` (its tensors are handed to the state and
+        not reused by the next snapshot); why not, if it does not fit."""
+        snap = None if self._snaps is None else self._snaps.find(step, "own")
+        if self._snaps is None or snap is None:
+            return f"no own snapshot of step {step}"
+        problem = self._received(snap.state, step)
+        self._snaps.forget(snap)
+        return problem
 
     def _outgoing(self) -> dict[str, Any]:
         """What a donor sends (and a receiver receives into): the state's local form."""
