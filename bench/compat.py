@@ -37,7 +37,8 @@ from bench._common import RESULTS, print_table, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 #: torch releases of the matrix: the floor (pyproject.toml; also the pinned one) and the newest
-#: release. 2.6.0, 2.7.1, 2.8.0, 2.10.0 and 2.11.0 fail it (docs/compat.md; ``--versions`` reruns them)
+#: release. 2.6.0, 2.7.1, 2.8.0, 2.10.0, 2.11.0 and 2.12.0 fail it, 2.14.0 passes (docs/compat.md;
+#: ``--versions`` reruns them)
 VERSIONS = ("2.13.0", "2.15.0")
 #: what the suite needs besides torch and the project (installed without its dependencies)
 EXTRA = ("xxhash>=3.0", "numpy>=1.24", "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100")
