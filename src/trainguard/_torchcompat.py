@@ -36,6 +36,7 @@ import importlib
 import logging
 import os
 import re
+import sys
 import warnings
 from datetime import timedelta
 from typing import Any, NamedTuple, TypeVar, cast
@@ -50,6 +51,7 @@ __all__ = [
     "check_torch",
     "clone_store",
     "connects_in_constructor",
+    "dcp_async_executor",
     "has_cuda_backend",
     "host_store",
     "is_group",
@@ -129,6 +131,11 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "torch:_foreach_copy_",
         "checkpoint.staging",
         "one batched copy of many tensors into the staging buffers",
+    ),
+    PrivateApi(
+        "torch.distributed.checkpoint.state_dict_saver:async_save",
+        "_torchcompat.dcp_async_executor (checkpoint.dcp.async_stager)",
+        "its frame's local async_checkpointer_type: the executor a stager's stage() serves",
     ),
     PrivateApi(
         "torch._C._distributed_c10d:Store",
@@ -273,6 +280,27 @@ def clone_store(store: _S) -> _S | None:
         tcp: Any = store  # torch's stubs lack the timeout property
         new = dist.TCPStore(tcp.host, tcp.port, is_master=False, timeout=tcp.timeout)
         return cast(_S, new)
+    return None
+
+
+_ASYNC_SAVE = ("async_save", "torch.distributed.checkpoint.state_dict_saver")
+_ASYNC_SAVE_DEPTH = 8  # frames between an AsyncStager.stage and the async_save calling it
+
+
+def dcp_async_executor() -> str | None:
+    """The executor (``"thread"`` or ``"process"``, the value of its
+    ``async_checkpointer_type`` argument) of the ``torch.distributed.checkpoint.async_save``
+    call that the caller (an ``AsyncStager.stage``) runs under; None outside one. DCP tells a
+    stager its executor nowhere else: this reads the argument from the local variables of
+    ``async_save``'s frame, at most 8 frames above the caller's."""
+    frame = sys._getframe(1).f_back
+    for _ in range(_ASYNC_SAVE_DEPTH):
+        if frame is None:
+            return None
+        if (frame.f_code.co_name, frame.f_globals.get("__name__")) == _ASYNC_SAVE:
+            kind = frame.f_locals.get("async_checkpointer_type")
+            return None if kind is None else str(getattr(kind, "value", kind))
+        frame = frame.f_back
     return None
 
 
