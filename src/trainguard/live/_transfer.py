@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from trainguard.checkpoint import layout
+from trainguard.checkpoint.format import layout
 from trainguard.errors import CheckpointCorruptError
 
 __all__ = ["CHUNK", "PACK", "Outgoing", "Received", "own_bytes", "prepare", "receive", "send"]

@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor
 from trainguard import _timeouts, _torchcompat, events
 from trainguard.checkpoint.dcp import _items
 from trainguard.checkpoint.dcp.storage_writer import StorageWriter
-from trainguard.checkpoint.fileformat import place
-from trainguard.checkpoint.layout import Entry
+from trainguard.checkpoint.format.layout import Entry
+from trainguard.checkpoint.format.write import place
 from trainguard.checkpoint.staging import Stager
 from trainguard.errors import CheckpointError, ConfigError
 

@@ -28,7 +28,7 @@ from trainguard.checkpoint import _commit, _overwrite, _thread_writer
 from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint._load import part_name
 from trainguard.checkpoint.dcp import _items, _metadata
-from trainguard.checkpoint.fileformat import PlacedEntry, place
+from trainguard.checkpoint.format.write import PlacedEntry, place
 from trainguard.checkpoint.staging import Stager, StagingBuffer
 from trainguard.checkpoint.writer import WriteJob, WriterProcess
 from trainguard.errors import CheckpointError, CheckpointWriteError, ConfigError, WriterDied
