@@ -33,8 +33,9 @@ does not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from trainguard import _lazy, _torchcompat
 
 if TYPE_CHECKING:
     from trainguard.checkpoint.async_save import (
@@ -63,18 +64,22 @@ __all__ = [
     "load",
 ]
 
-_LOCAL = ("CliqueReplication", "LocalCheckpointManager", "LocalOptions")
+_HOMES = {
+    "AsyncCheckpointer": "trainguard.checkpoint.async_save",
+    "AsyncOptions": "trainguard.checkpoint.options",
+    "CliqueReplication": "trainguard.checkpoint.local",
+    "LocalCheckpointManager": "trainguard.checkpoint.local",
+    "LocalOptions": "trainguard.checkpoint.local",
+    "SaveHandle": "trainguard.checkpoint.async_save",
+    "SaveInfo": "trainguard.checkpoint.async_save",
+    "latest": "trainguard.checkpoint.async_save",
+    "load": "trainguard.checkpoint.async_save",
+}
 
 
-def __getattr__(name: str) -> Any:
-    if name == "AsyncOptions":  # needs no torch
-        return getattr(importlib.import_module("trainguard.checkpoint.options"), name)
-    if name in _LOCAL or name in __all__:
-        from trainguard import _torchcompat
-
+def _check_torch(name: str) -> None:
+    if name != "AsyncOptions":  # needs no torch
         _torchcompat.check_torch()
-    if name in _LOCAL:
-        return getattr(importlib.import_module("trainguard.checkpoint.local"), name)
-    if name in __all__:
-        return getattr(importlib.import_module("trainguard.checkpoint.async_save"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__getattr__ = _lazy.exports(__name__, _HOMES, before=_check_torch)
