@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import pathlib
+import re
 
 import pytest
 
@@ -176,7 +177,8 @@ def test_no_import_circle(every: bool) -> None:
     assert _cycles(graph) == []
 
 
-# The layers of DESIGN.md ("Layers"), as the units each unit may import. A unit is a package
+# The layers of docs/design.md (its table says the same in prose), as the units each unit may
+# import. A unit is a package
 # directly under trainguard/ (its subpackages included) or a root module; ``trainguard`` is the
 # root package's face. Nothing may import a unit that is not listed for it, at module level,
 # lazily in a function or under TYPE_CHECKING.
@@ -302,18 +304,36 @@ def test_packages_import_only_downward() -> None:
     """Every import in src/ (module level, lazy and TYPE_CHECKING) follows :data:`MAY_IMPORT`
     and reaches another package only through its face or public modules."""
     breaks = _layering_breaks(_modules())
-    assert not breaks, "imports against DESIGN.md's layers:\n" + "\n".join(breaks)
+    assert not breaks, "imports against docs/design.md's layers:\n" + "\n".join(breaks)
 
 
 def test_the_layer_table_names_every_unit() -> None:
     units = {_unit(m) for m in _modules()}
     assert units == set(MAY_IMPORT), (
         f"new units {units - set(MAY_IMPORT)}, gone {set(MAY_IMPORT) - units}: "
-        "update MAY_IMPORT after DESIGN.md"
+        "place them in MAY_IMPORT and in docs/design.md's table"
     )
     for target, importers in PRIVATE_ALLOWED.items():
         assert target in _modules(), f"PRIVATE_ALLOWED names {target}, which is gone"
         assert importers <= set(_modules()), f"{target}: {importers - set(_modules())} are gone"
+
+
+def test_docs_design_describes_every_unit_of_the_layer_table() -> None:
+    """docs/design.md is the layer table's prose: every unit of :data:`MAY_IMPORT` is named
+    there (in backticks), and it names no unit that is gone."""
+    text = (SRC.parents[1] / "docs" / "design.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`([A-Za-z_]+)`", text))
+    missing = set(MAY_IMPORT) - named
+    assert not missing, f"describe {sorted(missing)} in docs/design.md's table of floors"
+    table = {
+        cell
+        for line in text.splitlines()
+        if line.startswith("| ")
+        for cell in re.findall(r"`([A-Za-z_]+)`", line.split("|")[2])
+    }
+    assert table <= set(MAY_IMPORT), (
+        f"docs/design.md names units that are gone: {table - set(MAY_IMPORT)}"
+    )
 
 
 def test_the_layering_check_sees_every_kind_of_import(tmp_path: pathlib.Path) -> None:
