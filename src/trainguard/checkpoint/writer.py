@@ -45,7 +45,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from trainguard.checkpoint._writing import WriteJob, WriteResult, Writing
 from trainguard.checkpoint.format import tmpfile
@@ -277,8 +277,11 @@ class WriterProcess(Writing):
 
     def attach(self, buffer_id: int, fd: int, nbytes: int) -> None:
         assert self._conn is not None and self._proc is not None
-        self._conn.send(("attach", buffer_id, nbytes))
-        multiprocessing.reduction.send_handle(self._conn, fd, self._proc.pid)
+        try:
+            self._conn.send(("attach", buffer_id, nbytes))
+            multiprocessing.reduction.send_handle(self._conn, fd, self._proc.pid)
+        except OSError:  # it died since the caller's prepare() found it alive
+            self._died()
         self._attached.add(buffer_id)
 
     def is_attached(self, buffer_id: int) -> bool:
@@ -294,8 +297,8 @@ class WriterProcess(Writing):
         assert self._conn is not None
         try:
             self._conn.send(("write", job))
-        except OSError as exc:
-            raise WriterDied(f"the checkpoint writer is gone ({exc})") from exc
+        except OSError:
+            self._died()
 
     def result(self, timeout: float | None = None) -> WriteResult | None:
         """The next job's result; None after ``timeout``; :class:`WriterDied` if it died."""
@@ -311,7 +314,15 @@ class WriterProcess(Writing):
                     return result
         except (EOFError, OSError):
             pass
+        self._died()
+
+    def _died(self) -> NoReturn:
+        """Reap the writer, found dead, and raise :class:`WriterDied` with how it ended."""
+        assert self._proc is not None
         self._proc.join(1)
+        if self._proc.is_alive():  # its pipe broke, yet it runs: end it
+            self._proc.kill()
+            self._proc.join(5)
         code = self._proc.exitcode
         self._reap()
         raise WriterDied(
