@@ -83,7 +83,6 @@ def test_host_store_serves_clients_on_our_listening_socket() -> None:
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
         client.set("k", "v")
         assert server.get("k") == b"v"
-        assert _torchcompat.libuv_takes_listen_fd() is not None  # probed by now
         del client
     finally:
         del server
@@ -129,3 +128,50 @@ def test_gloo_waits_for_a_peer_to_connect_at_most_the_factor_times_its_timeout()
     assert out["raised"] is not None, out
     assert "Connect timeout" in out["raised"], out
     assert timeout <= out["waited"] <= GLOO_CONNECT_FACTOR * timeout + 1.5, out
+
+
+class _ExecutorSeen(Exception):
+    """Raised by :class:`_Peek` to end the save once its stage() has looked."""
+
+
+class _Peek:
+    """An async stager (DCP's protocol) whose stage() records what
+    ``_torchcompat.dcp_async_executor`` finds, then ends the save."""
+
+    should_synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self.seen: list[str | None] = []
+
+    def stage(self, state_dict: dict[str, object]) -> dict[str, object]:
+        self.seen.append(_torchcompat.dcp_async_executor())
+        raise _ExecutorSeen
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_dcp_async_executor_reads_the_executor_of_the_async_save_calling_a_stager(
+    tmp_path,
+) -> None:
+    # checkpoint.dcp.async_stager refuses the PROCESS executor through this: the argument of
+    # torch's async_save, read from its frame while it calls the stager's stage()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    peek = _Peek()
+    for kind in (AsyncCheckpointerType.THREAD, AsyncCheckpointerType.PROCESS):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP's warning that no process group is set up
+            with pytest.raises(_ExecutorSeen):
+                dcp.async_save(
+                    {"w": torch.zeros(2)},
+                    checkpoint_id=str(tmp_path / kind.value),
+                    async_stager=peek,
+                    async_checkpointer_type=kind,
+                )
+    assert peek.seen == ["thread", "process"]
+    assert _torchcompat.dcp_async_executor() is None  # outside an async_save

@@ -7,14 +7,12 @@ called where trainguard first uses torch (the restart wrapper, the checkpoint pa
 launcher): an older torch raises :class:`~trainguard.errors.UnsupportedTorchError` naming the
 version needed, a newer one warns once (:class:`~trainguard.errors.UntestedTorchWarning`).
 
-**Version differences**, probed by feature where torch allows it:
+**Torch's parts, wrapped once** (every torch from :data:`FLOOR` on has them):
 
-- :func:`host_store`: libuv's ``TCPStore`` server takes a listening socket of ours
-  (``master_listen_fd``, bound to one interface) in newer releases but not in torch 2.6; there
-  the server binds the port itself, on every interface (probed at the first store, then
-  remembered).
-- :func:`clone_store`: a new client of a store's server (``Store.clone()``, which torch 2.6's
-  ``TCPStore`` lacks: there a client is made anew from its host, port and timeout).
+- :func:`host_store`: libuv's ``TCPStore`` server on a listening socket of ours
+  (``master_listen_fd``, bound to one interface); :func:`clone_store`: a new client of a
+  store's server (``Store.clone()``).
+- :func:`dcp_async_executor`: the executor of the ``dcp.async_save`` a stager serves.
 - :func:`has_cuda_backend`: whether a process group runs a CUDA backend (NCCL).
 - :func:`connects_in_constructor`: whether a backend connects its ranks in the group's
   constructor (gloo, unless ``TORCH_GLOO_LAZY_INIT``), and :func:`set_group_timeout`, which
@@ -33,9 +31,9 @@ This module imports torch only inside its functions.
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import re
+import sys
 import warnings
 from datetime import timedelta
 from typing import Any, NamedTuple, TypeVar, cast
@@ -50,6 +48,7 @@ __all__ = [
     "check_torch",
     "clone_store",
     "connects_in_constructor",
+    "dcp_async_executor",
     "has_cuda_backend",
     "host_store",
     "is_group",
@@ -58,7 +57,6 @@ __all__ = [
     "set_group_timeout",
 ]
 
-logger = logging.getLogger(__name__)
 
 #: the oldest torch release that passes the compatibility suite (also in pyproject.toml)
 FLOOR = (2, 13)
@@ -131,6 +129,11 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "one batched copy of many tensors into the staging buffers",
     ),
     PrivateApi(
+        "torch.distributed.checkpoint.state_dict_saver:async_save",
+        "_torchcompat.dcp_async_executor (checkpoint.dcp.async_stager)",
+        "its frame's local async_checkpointer_type: the executor a stager's stage() serves",
+    ),
+    PrivateApi(
         "torch._C._distributed_c10d:Store",
         "coord, checkpoint (type annotations only)",
         "the store type (torch.distributed.Store is its public alias)",
@@ -188,65 +191,25 @@ def check_torch(version: str | None = None) -> None:
         )
 
 
-# version differences --------------------------------------------------------------------
-_libuv_listen_fd: bool | None = None  # None: not probed yet
+# stores ----------------------------------------------------------------------------------
 
 
 def host_store(host: str, fd: int, *, timeout: timedelta, multi_tenant: bool = False) -> Any:
     """A ``TCPStore`` server (libuv backend) on the listening socket ``fd`` (from
     :func:`trainguard.coord._bind.listen`; the server owns it from then on), advertised as
-    ``host``. Where libuv cannot take a listening socket (torch 2.6) the socket is closed and
-    the server binds its port itself, on every interface (logged once): torch 2.6's classic
-    server, which could take the socket, leaves gloo's group set-up waiting in the restart
-    rounds (measured with ``trainguard demo``)."""
-    global _libuv_listen_fd
+    ``host``."""
     import torch.distributed as dist
 
-    port = _port_of(fd)
-    if _libuv_listen_fd is not False:
-        try:
-            store = dist.TCPStore(
-                host,
-                port,
-                is_master=True,
-                use_libuv=True,
-                wait_for_workers=False,
-                multi_tenant=multi_tenant,
-                timeout=timeout,
-                master_listen_fd=fd,
-            )
-        except NotImplementedError as exc:  # torch 2.6: libuv takes no listen fd
-            logger.warning(
-                "torch %s: its TCPStore cannot listen on one interface only (%s); the stores "
-                "listen on every interface: upgrade torch to listen on MASTER_ADDR's only",
-                _version(),
-                exc,
-            )
-            _libuv_listen_fd = False
-        else:
-            _libuv_listen_fd = True
-            return store
-    os.close(fd)  # the server binds the port itself (torch never took the descriptor)
     return dist.TCPStore(
         host,
-        port,
+        _port_of(fd),
         is_master=True,
         use_libuv=True,
         wait_for_workers=False,
         multi_tenant=multi_tenant,
         timeout=timeout,
+        master_listen_fd=fd,
     )
-
-
-def _version() -> str:
-    import torch
-
-    return str(torch.__version__)
-
-
-def libuv_takes_listen_fd() -> bool | None:
-    """What :func:`host_store` found (None before its first store)."""
-    return _libuv_listen_fd
 
 
 def _port_of(fd: int) -> int:
@@ -261,18 +224,30 @@ _S = TypeVar("_S")  # a store client
 
 
 def clone_store(store: _S) -> _S | None:
-    """A new client connection to ``store``'s server: ``store.clone()`` where it has one, a
-    ``TCPStore`` client made anew for a ``TCPStore`` without it (torch 2.6); None for any other
-    store (it cannot be cloned)."""
+    """A new client connection to ``store``'s server (``store.clone()``); None for a store
+    that cannot be cloned."""
     clone = getattr(store, "clone", None)
-    if callable(clone):
-        return cast(_S, clone())  # the same kind of client as ``store``
-    import torch.distributed as dist
+    return cast(_S, clone()) if callable(clone) else None  # the same kind of client as store
 
-    if isinstance(store, dist.TCPStore):
-        tcp: Any = store  # torch's stubs lack the timeout property
-        new = dist.TCPStore(tcp.host, tcp.port, is_master=False, timeout=tcp.timeout)
-        return cast(_S, new)
+
+_ASYNC_SAVE = ("async_save", "torch.distributed.checkpoint.state_dict_saver")
+_ASYNC_SAVE_DEPTH = 8  # frames between an AsyncStager.stage and the async_save calling it
+
+
+def dcp_async_executor() -> str | None:
+    """The executor (``"thread"`` or ``"process"``, the value of its
+    ``async_checkpointer_type`` argument) of the ``torch.distributed.checkpoint.async_save``
+    call that the caller (an ``AsyncStager.stage``) runs under; None outside one. DCP tells a
+    stager its executor nowhere else: this reads the argument from the local variables of
+    ``async_save``'s frame, at most 8 frames above the caller's."""
+    frame = sys._getframe(1).f_back
+    for _ in range(_ASYNC_SAVE_DEPTH):
+        if frame is None:
+            return None
+        if (frame.f_code.co_name, frame.f_globals.get("__name__")) == _ASYNC_SAVE:
+            kind = frame.f_locals.get("async_checkpointer_type")
+            return None if kind is None else str(getattr(kind, "value", kind))
+        frame = frame.f_back
     return None
 
 

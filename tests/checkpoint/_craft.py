@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import xxhash
 
-from trainguard.checkpoint.fileformat import ALIGN, checksum, encode_header, place
-from trainguard.checkpoint.layout import flatten
+from trainguard.checkpoint.format.layout import flatten
+from trainguard.checkpoint.format.write import ALIGN, checksum, encode_header, place
 
 
 def file_bytes(state: Any, *, pickle: bool = False) -> bytes:

@@ -20,7 +20,7 @@ from tests._dist import run_ranks
 from tests.checkpoint.conftest import no_leaks  # noqa: F401 (fixture)
 from trainguard.checkpoint import latest, load
 from trainguard.checkpoint.dcp import AsyncStager, StorageReader, StorageWriter
-from trainguard.checkpoint.fileformat import read_header
+from trainguard.checkpoint.format.read import read_header
 from trainguard.errors import (
     CheckpointError,
     CheckpointUncommittedError,

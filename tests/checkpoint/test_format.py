@@ -12,8 +12,9 @@ import torch
 
 from tests.checkpoint.conftest import assert_same, sample_state
 from trainguard.checkpoint import AsyncCheckpointer, load
-from trainguard.checkpoint.fileformat import ALIGN, read_header
-from trainguard.checkpoint.layout import flatten
+from trainguard.checkpoint.format.layout import flatten
+from trainguard.checkpoint.format.read import read_header
+from trainguard.checkpoint.format.write import ALIGN
 from trainguard.errors import (
     CheckpointCorruptError,
     CheckpointError,

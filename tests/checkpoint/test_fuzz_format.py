@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.checkpoint._craft import file_bytes, join, raw_bytes, split, with_skeleton
-from trainguard.checkpoint.fileformat import load_buffer
+from trainguard.checkpoint.format.read import load_buffer
 from trainguard.errors import CheckpointCorruptError, CheckpointPickleError
 
 _SEED_SALT = 0  # part of every example's key under derandomize: bump it to explore afresh

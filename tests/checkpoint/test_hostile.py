@@ -22,7 +22,7 @@ from tests.checkpoint._craft import (
     with_skeleton,
 )
 from trainguard.checkpoint import load
-from trainguard.checkpoint.fileformat import load_buffer, read_header
+from trainguard.checkpoint.format.read import load_buffer, read_header
 from trainguard.errors import CheckpointCorruptError, CheckpointError
 
 _GiB = 1 << 30
@@ -146,7 +146,7 @@ def test_unknown_dtype_imports_nothing() -> None:
     code = (
         "import json, sys, torch\n"
         "from tests.checkpoint._craft import file_bytes, rewrite, with_skeleton\n"
-        "from trainguard.checkpoint.fileformat import load_buffer\n"
+        "from trainguard.checkpoint.format.read import load_buffer\n"
         "from trainguard.errors import CheckpointCorruptError\n"
         "sys.modules.pop('torch.onnx', None)\n"
         "t = {'T': 'w', 'dtype': 'onnx', 'shape': [1]}\n"

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.checkpoint import latest, load
 from trainguard.checkpoint.dcp import StorageReader
-from trainguard.checkpoint.fileformat import check_file, load_file, verify_path
+from trainguard.checkpoint.format.read import check_file, load_file, verify_path
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's single-process notice
 

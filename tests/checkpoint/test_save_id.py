@@ -17,7 +17,7 @@ from torch.distributed import TCPStore
 
 from tests.checkpoint._craft import rewrite
 from trainguard.checkpoint import AsyncCheckpointer, load
-from trainguard.checkpoint.fileformat import read_header
+from trainguard.checkpoint.format.read import read_header
 from trainguard.errors import CheckpointCorruptError
 
 _PART = "rank00000.safetensors"

@@ -1,4 +1,4 @@
-"""Box math of sharded tensors, the fileformat's range reads, and the index of saved chunks
+"""Box math of sharded tensors, the file format's range reads, and the index of saved chunks
 (single process; the multi-rank tests are in test_sharded.py)."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainguard.checkpoint.fileformat import (
+from trainguard.checkpoint.format.layout import flatten
+from trainguard.checkpoint.format.read import (
     header_bytes,
     parse_header_bytes,
     read_header,
     read_range,
 )
 from trainguard.checkpoint.format.shards import Box, copy_overlap, dtensor_box, local_view
-from trainguard.checkpoint.layout import flatten
 from trainguard.errors import CheckpointCorruptError
 
 
@@ -97,8 +97,8 @@ def _part(path: Path, skeleton: object, tensors: dict[str, torch.Tensor]) -> Non
     import json
     from types import SimpleNamespace
 
-    from trainguard.checkpoint.fileformat import place, write_file
     from trainguard.checkpoint.format.kinds import SAFETENSORS_DTYPES
+    from trainguard.checkpoint.format.write import place, write_file
 
     entries = [
         SimpleNamespace(
@@ -161,7 +161,7 @@ def _index(root: Path):  # type: ignore[no-untyped-def]
 def test_sharded_parts_fill_a_plain_target(tmp_path: Path) -> None:
     from trainguard.checkpoint import load
     from trainguard.checkpoint._reshard import file_reader, fill
-    from trainguard.checkpoint.fileformat import check_file
+    from trainguard.checkpoint.format.read import check_file
     from trainguard.errors import CheckpointError
 
     root = _sharded(tmp_path, (2, 4))
@@ -213,7 +213,7 @@ def test_coverage_problems_overlap_and_gap(
 
 def test_corrupt_chunk_and_malformed_node(tmp_path: Path) -> None:
     from trainguard.checkpoint import load
-    from trainguard.checkpoint.fileformat import check_file
+    from trainguard.checkpoint.format.read import check_file
 
     root = _sharded(tmp_path, (2, 4))
     part = root / "rank00001.safetensors"

@@ -105,7 +105,7 @@ def _fsdp_round_trip(root: str) -> dict[str, Any]:
     from trainguard import events
     from trainguard.checkpoint import load
     from trainguard.checkpoint._reshard import Index
-    from trainguard.checkpoint.fileformat import read_header
+    from trainguard.checkpoint.format.read import read_header
     from trainguard.errors import CheckpointCorruptError
 
     dist = _setup()
@@ -224,7 +224,7 @@ def _two_d_round_trip(root: str) -> dict[str, Any]:
 
 def test_two_d_dtensor_round_trip_writes_replicas_once(tmp_path: Path) -> None:
     from trainguard.checkpoint import load
-    from trainguard.checkpoint.fileformat import read_header
+    from trainguard.checkpoint.format.read import read_header
     from trainguard.errors import CheckpointError
 
     results = [r.get() for r in run_ranks(_two_d_round_trip, 4, args=(str(tmp_path),), timeout=120)]
@@ -256,7 +256,7 @@ def _compare_load(root: str, source: str, mesh: Any, group: Any) -> tuple[Any, A
 
     from trainguard.checkpoint import load
     from trainguard.checkpoint._reshard import Index
-    from trainguard.checkpoint.fileformat import read_header
+    from trainguard.checkpoint.format.read import read_header
 
     rank = torch.distributed.get_rank()
     _, ours = _fsdp(2, train=False, mesh=mesh)

@@ -10,20 +10,19 @@
         ckpt.poll()                               # callbacks and errors, never blocks
     state = load(latest("ckpt"))
 
-Modules: :mod:`.layout` (state <-> entries + JSON skeleton), :mod:`.fileformat`
-(safetensors-compatible files with checksums; both are faces of the :mod:`.format` package,
-which holds the file format's write, read, validation and layout sides), :mod:`.staging`
-(shared-memory buffers),
-:mod:`.writer` (the writer process), :mod:`.async_save` (the checkpointer, load, latest).
+Modules: :mod:`.format` (the file format: :mod:`.format.layout`, state <-> entries + JSON
+skeleton; :mod:`.format.write` and :mod:`.format.read`, safetensors-compatible files with
+checksums), :mod:`.staging` (shared-memory buffers), :mod:`.writer` (the writer process),
+:mod:`.async_save` (the checkpointer, load, latest).
 
 Building blocks for other checkpoint kinds (local checkpoints with replication reuse them):
-:func:`.layout.flatten` gives entries and a skeleton; :func:`.fileformat.place` gives each entry
-its offset in the data section; :class:`.staging.Stager` copies the entries to those offsets in a
-shared-memory :class:`.staging.StagingBuffer` (whose ``tensor[:nbytes]`` is then exactly the
-file's data section, ready to send in one message); a :class:`.writer.WriterProcess` given a
-:class:`.writer.WriteJob` writes it durably with :func:`.fileformat.write_file`, which accepts
-any buffer holding a data section (a received copy too); :func:`.fileformat.read_header`,
-:func:`.fileformat.verify_entries` and :func:`.fileformat.load_file` check and read files.
+:func:`.format.layout.flatten` gives entries and a skeleton; :func:`.format.write.place` gives
+each entry its offset in the data section; :class:`.staging.Stager` copies the entries to those
+offsets in a shared-memory :class:`.staging.StagingBuffer` (whose ``tensor[:nbytes]`` is then
+exactly the file's data section, ready to send in one message); a :class:`.writer.WriterProcess`
+given a :class:`.writer.WriteJob` writes it durably with :func:`.format.write.write_file`, which
+accepts any buffer holding a data section (a received copy too); :func:`.format.read.read_header`,
+:func:`.format.read.verify_entries` and :func:`.format.read.load_file` check and read files.
 
 Local checkpoints with replication (:class:`LocalCheckpointManager`, :class:`CliqueReplication`)
 live in :mod:`.local`.
@@ -34,8 +33,9 @@ does not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from trainguard import _lazy, _torchcompat
 
 if TYPE_CHECKING:
     from trainguard.checkpoint.async_save import (
@@ -64,18 +64,22 @@ __all__ = [
     "load",
 ]
 
-_LOCAL = ("CliqueReplication", "LocalCheckpointManager", "LocalOptions")
+_HOMES = {
+    "AsyncCheckpointer": "trainguard.checkpoint.async_save",
+    "AsyncOptions": "trainguard.checkpoint.options",
+    "CliqueReplication": "trainguard.checkpoint.local",
+    "LocalCheckpointManager": "trainguard.checkpoint.local",
+    "LocalOptions": "trainguard.checkpoint.local",
+    "SaveHandle": "trainguard.checkpoint.async_save",
+    "SaveInfo": "trainguard.checkpoint.async_save",
+    "latest": "trainguard.checkpoint.async_save",
+    "load": "trainguard.checkpoint.async_save",
+}
 
 
-def __getattr__(name: str) -> Any:
-    if name == "AsyncOptions":  # needs no torch
-        return getattr(importlib.import_module("trainguard.checkpoint.options"), name)
-    if name in _LOCAL or name in __all__:
-        from trainguard import _torchcompat
-
+def _check_torch(name: str) -> None:
+    if name != "AsyncOptions":  # needs no torch
         _torchcompat.check_torch()
-    if name in _LOCAL:
-        return getattr(importlib.import_module("trainguard.checkpoint.local"), name)
-    if name in __all__:
-        return getattr(importlib.import_module("trainguard.checkpoint.async_save"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__getattr__ = _lazy.exports(__name__, _HOMES, before=_check_torch)

@@ -46,7 +46,7 @@ import signal
 from trainguard import _env
 from trainguard.checkpoint import _exchange
 from trainguard.checkpoint._commit import MARKER, refuse_overwrite
-from trainguard.checkpoint.fileformat import fsync_dir
+from trainguard.checkpoint.format.write import fsync_dir
 
 __all__ = [
     "committed",

@@ -23,14 +23,12 @@ from trainguard import events
 from trainguard.checkpoint import _commit, _overwrite, _rebind
 from trainguard.checkpoint._saves import Job
 from trainguard.checkpoint._unchanged import UnchangedWatch
-from trainguard.checkpoint.format import tmpfile
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.writer import WriteJob, WriteResult, WriterProcess
 from trainguard.errors import CheckpointWriteError, WriterDied
 
 logger = logging.getLogger(__name__)
 
-_SLICE = 0.25  # seconds between looks at a close() that gives up, while the writer works
 _J = TypeVar("_J")
 
 
@@ -155,28 +153,25 @@ class SaveWorker:
         if self._slot.distributed and not self._overwrite:
             _commit.refuse_overwrite(job.handle.path)
         retired, job.retired = job.retired, None
-        self._writer.prepare(job.buffer, retired=retired)
+        self._writer.prepare(retired=retired)
         meta = {"rank": str(self._slot.rank), "world_size": str(self._slot.world_size)}
         committer = self._committer
         job.save_id = committer.save_id(job.commit_key) if committer else secrets.token_hex(8)
         meta["save_id"] = job.save_id
         meta["skeleton"] = json.dumps(job.flat.skeleton, separators=(",", ":"))
-        self._writer.submit(
-            WriteJob(
-                job_id=job.handle.seq,
-                path=file,
-                buffer_id=job.buffer.id,
-                placed=job.placed,
-                metadata=meta,
-                format=job.format,
-                skeleton=job.flat.skeleton if job.format == "torch" else None,
-                fsync=self._fsync,
-            )
+        write = WriteJob(
+            job_id=job.handle.seq,
+            path=file,
+            buffer_id=job.buffer.id,
+            placed=job.placed,
+            metadata=meta,
+            format=job.format,
+            skeleton=job.flat.skeleton if job.format == "torch" else None,
+            fsync=self._fsync,
         )
-        try:
-            result = self._result(file)
+        try:  # no bound while open, but once close() gives up the writer is killed
+            result = self._writer.write(write, job.buffer, give_up=self._gave_up)
         except WriterDied:
-            tmpfile.remove_leftovers(file)
             if self._giving_up.is_set():
                 raise
             try:  # replace it now, so the next save does not wait for a start
@@ -184,22 +179,13 @@ class SaveWorker:
             except WriterDied as exc:
                 logger.warning("restarting the checkpoint writer failed (%s); will retry", exc)
             raise
-        assert result is not None and result.job_id == job.handle.seq
+        assert result.job_id == job.handle.seq
         return result
 
-    def _result(self, file: str) -> WriteResult:
-        """The writer's answer for ``file``; no bound while open (a write takes what the
-        storage needs), but once close() gives up the writer is killed (WriterDied)."""
-        while True:
-            result = self._writer.result(timeout=_SLICE)
-            if result is not None:
-                return result
-            if self._giving_up.is_set():
-                self._writer.kill()
-                raise WriterDied(
-                    f"the checkpoint writer did not finish {file} within close_timeout="
-                    f"{self._close_timeout:g} s and was killed"
-                )
+    def _gave_up(self) -> str | None:
+        if not self._giving_up.is_set():
+            return None
+        return f"within close_timeout={self._close_timeout:g} s and was killed"
 
     def _report(self, job: Job, error: str | None) -> _commit.Report:
         def done(causes: dict[int, str]) -> None:

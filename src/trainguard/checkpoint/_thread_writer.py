@@ -16,10 +16,10 @@ import logging
 import mmap
 import multiprocessing
 import os
-from typing import Any
 
 from trainguard.checkpoint import writer as _writer
-from trainguard.checkpoint.writer import WriteJob, WriteResult, WriterProcess
+from trainguard.checkpoint._writing import WriteJob, WriteResult, Writing
+from trainguard.checkpoint.writer import WriterProcess
 
 __all__ = ["ThreadWriter", "make_writer"]
 
@@ -34,7 +34,7 @@ def make_writer(*, nice: int, start_timeout: float) -> WriterProcess | ThreadWri
     return WriterProcess(nice=nice, start_timeout=start_timeout)
 
 
-class ThreadWriter:
+class ThreadWriter(Writing):
     """Writes jobs in one thread of this process; the interface of :class:`WriterProcess`."""
 
     def __init__(self) -> None:
@@ -53,16 +53,6 @@ class ThreadWriter:
     def start(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "trainguard-writer")
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, "trainguard-hash")
-
-    def prepare(self, buffer: Any = None, *, retired: Any = None) -> None:
-        """As :meth:`WriterProcess.prepare`."""
-        if retired is not None:
-            self.detach(retired.id)
-            retired.close()
-        if self._pool is None:
-            self.start()
-        if buffer is not None and not self.is_attached(buffer.id):
-            self.attach(buffer.id, buffer.fd, buffer.nbytes)
 
     def attach(self, buffer_id: int, fd: int, nbytes: int) -> None:
         self._maps[buffer_id] = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)

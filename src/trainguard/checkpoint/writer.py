@@ -18,8 +18,11 @@ Protocol, over one duplex pipe (parent -> writer, then the writer's reply)::
 
 Jobs are answered in order. If the parent dies, the writer finishes the job at hand (its bytes
 are a consistent snapshot) and exits when it reads end-of-file. If the writer dies, the parent
-sees its sentinel; :meth:`WriterProcess.result` raises :class:`WriterDied` and the caller removes
-the partial file and starts a new writer for the next save.
+sees its sentinel; :meth:`WriterProcess.result` raises :class:`WriterDied`.
+
+Every caller sends its jobs and waits for their answers through the methods this handle
+inherits from :class:`~trainguard.checkpoint._writing.Writing` (``send``, ``wait``, or both as
+``write``), whose docstring holds the one wait policy.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ import atexit
 import concurrent.futures
 import contextlib
 import ctypes
-import dataclasses
 import errno
 import logging
 import mmap
@@ -42,44 +44,17 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
+from trainguard.checkpoint._writing import WriteJob, WriteResult, Writing
 from trainguard.checkpoint.format import tmpfile
-from trainguard.checkpoint.format.write import PlacedEntry, fsync_dir, write_file
+from trainguard.checkpoint.format.write import fsync_dir, write_file
 from trainguard.errors import WriterDied
 
 __all__ = ["WriteJob", "WriteResult", "WriterDied", "WriterProcess"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class WriteJob:
-    """One file to write from a staging buffer (``buffer_id``) whose bytes are the data section.
-
-    ``format`` is ``"trainguard"`` (see :mod:`fileformat`) or ``"torch"`` (``torch.save`` of the
-    state rebuilt from ``skeleton``; needs torch in the writer).
-    """
-
-    job_id: int
-    path: str
-    buffer_id: int
-    placed: Sequence[PlacedEntry]
-    metadata: dict[str, str]
-    format: str = "trainguard"
-    skeleton: Any = None
-    fsync: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
-class WriteResult:
-    job_id: int
-    ok: bool
-    nbytes: int = 0
-    seconds: float = 0.0
-    error: str = ""
-    errno: int | None = None
 
 
 # --------------------------------------------------------------------------- writer side
@@ -246,7 +221,7 @@ def _end_at_exit() -> None:
                 proc.join(5)
 
 
-class WriterProcess:
+class WriterProcess(Writing):
     """Handle on one writer process (see the module docstring for the protocol).
 
     Args:
@@ -300,25 +275,13 @@ class WriterProcess:
         self._attached = set()
         logger.debug("checkpoint writer started, pid %d", proc.pid)
 
-    def prepare(self, buffer: Any = None, *, retired: Any = None) -> None:
-        """Get ready for the next job: release ``retired`` (a StagingBuffer that a larger one
-        replaced; closed here), start a new writer if the last one died, and attach ``buffer``
-        (a StagingBuffer) if it is not attached yet. Called by the checkpointer's own thread."""
-        if retired is not None:  # the writer is done with it: unmap on both sides
-            self.detach(retired.id)
-            retired.close()
-        if not self.alive():
-            if self.pid is not None:
-                self.kill()
-            logger.info("starting a new checkpoint writer process")
-            self.start()
-        if buffer is not None and not self.is_attached(buffer.id):
-            self.attach(buffer.id, buffer.fd, buffer.nbytes)
-
     def attach(self, buffer_id: int, fd: int, nbytes: int) -> None:
         assert self._conn is not None and self._proc is not None
-        self._conn.send(("attach", buffer_id, nbytes))
-        multiprocessing.reduction.send_handle(self._conn, fd, self._proc.pid)
+        try:
+            self._conn.send(("attach", buffer_id, nbytes))
+            multiprocessing.reduction.send_handle(self._conn, fd, self._proc.pid)
+        except OSError:  # it died since the caller's prepare() found it alive
+            self._died()
         self._attached.add(buffer_id)
 
     def is_attached(self, buffer_id: int) -> bool:
@@ -334,8 +297,8 @@ class WriterProcess:
         assert self._conn is not None
         try:
             self._conn.send(("write", job))
-        except OSError as exc:
-            raise WriterDied(f"the checkpoint writer is gone ({exc})") from exc
+        except OSError:
+            self._died()
 
     def result(self, timeout: float | None = None) -> WriteResult | None:
         """The next job's result; None after ``timeout``; :class:`WriterDied` if it died."""
@@ -351,7 +314,15 @@ class WriterProcess:
                     return result
         except (EOFError, OSError):
             pass
+        self._died()
+
+    def _died(self) -> NoReturn:
+        """Reap the writer, found dead, and raise :class:`WriterDied` with how it ended."""
+        assert self._proc is not None
         self._proc.join(1)
+        if self._proc.is_alive():  # its pipe broke, yet it runs: end it
+            self._proc.kill()
+            self._proc.join(5)
         code = self._proc.exitcode
         self._reap()
         raise WriterDied(

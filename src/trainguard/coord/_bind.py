@@ -4,8 +4,7 @@ A ``TCPStore`` server listens on every interface (``::``) whatever host it is gi
 library creates the listening socket itself, bound to the address of the host the ranks use
 (``MASTER_ADDR``: the loopback interface when that is a loopback address), and hands it to
 ``TCPStore(master_listen_fd=...)``, which owns it from then on (through
-:func:`trainguard._torchcompat.host_store`: torch 2.6 cannot take it, and listens on every
-interface).
+:func:`trainguard._torchcompat.host_store`).
 """
 
 from __future__ import annotations

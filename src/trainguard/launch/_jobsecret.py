@@ -27,7 +27,7 @@ import os
 import stat
 
 from trainguard import _env
-from trainguard.coord._bind import is_loopback
+from trainguard.coord import is_loopback
 from trainguard.errors import ConfigError
 
 __all__ = ["establish", "several_hosts"]

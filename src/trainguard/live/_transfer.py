@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from trainguard.checkpoint import layout
+from trainguard.checkpoint.format import layout
 from trainguard.errors import CheckpointCorruptError
 
 __all__ = [

@@ -16,8 +16,7 @@ from typing import Any
 
 from trainguard import _env, _torchcompat, events
 from trainguard._addr import is_local_address
-from trainguard.coord import _bind, _secret, barrier
-from trainguard.coord._startfail import StartNotice
+from trainguard.coord import StartNotice, _secret, barrier, bind_host
 from trainguard.coord.keys import Keyspace
 from trainguard.coord.store import StoreLike, StoreProcess, connect, parse_addr
 from trainguard.errors import CoordinationError, RestartError
@@ -214,7 +213,7 @@ class Session:
             coord_port=port,
             host_coord=own,
             advertise_host=advertise,
-            bind_host=_bind.bind_host(advertise, local=local),
+            bind_host=bind_host(advertise, local=local),
             world_size=self.world,
             timeout=self.cfg.store_timeout,
             new_session=_env.settings().agent is not None,  # see StoreProcess

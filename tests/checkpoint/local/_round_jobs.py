@@ -16,7 +16,7 @@ import trainguard.restart as tr
 from tests.checkpoint.conftest import assert_same, sample_state, snapshot
 from trainguard import events
 from trainguard.checkpoint import AsyncCheckpointer, CliqueReplication, LocalCheckpointManager
-from trainguard.checkpoint.fileformat import load_file
+from trainguard.checkpoint.format.read import load_file
 from trainguard.checkpoint.local import _inventory
 
 

@@ -259,7 +259,7 @@ def test_both_copies_lost_falls_back_then_nothing(saved: Path, tmp_path: Path) -
 
 
 def test_corrupt_copy_is_skipped_for_the_other(saved: Path, tmp_path: Path) -> None:
-    from trainguard.checkpoint.fileformat import read_header
+    from trainguard.checkpoint.format.read import read_header
 
     roots = _copy(saved, tmp_path)
     own = Path(roots[0], "iter_000000000003", "owner00000.h00000.safetensors")

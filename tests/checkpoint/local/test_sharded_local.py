@@ -130,7 +130,7 @@ def _save_phase(roots: list[str], dcp_dir: str) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from trainguard.checkpoint.fileformat import read_header
+    from trainguard.checkpoint.format.read import read_header
 
     rank = _init()
     try:
@@ -163,7 +163,7 @@ def _part(root: str, iteration: int, owner: int, holder: int) -> Path:
 def _rot(path: Path) -> None:
     """Flip a byte in the middle of the data, keeping size, inode and modification time: a
     copy that went bad after it was verified (the scan does not hash it again)."""
-    from trainguard.checkpoint.fileformat import read_header
+    from trainguard.checkpoint.format.read import read_header
 
     header, st = read_header(path), path.stat()
     with open(path, "r+b") as f:

@@ -151,7 +151,7 @@ def test_retention_keeps_complete_iterations_and_never_grows(tmp_path: Path) -> 
 
 def test_silently_corrupted_own_copy_is_caught_at_load(tmp_path: Path) -> None:
     """A copy that changes without a new mtime (bit rot) is caught by load's own re-hash."""
-    from trainguard.checkpoint.fileformat import read_header
+    from trainguard.checkpoint.format.read import read_header
 
     root = tmp_path / "root"
     with LocalCheckpointManager(root, keep=3) as mgr:

@@ -20,9 +20,9 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
-from trainguard.checkpoint.fileformat import PlacedEntry
-from trainguard.checkpoint.layout import Entry, dtype_name
-from trainguard.checkpoint.layout import tensor_entry as layout_entry
+from trainguard.checkpoint.format.layout import Entry, dtype_name
+from trainguard.checkpoint.format.layout import tensor_entry as layout_entry
+from trainguard.checkpoint.format.write import PlacedEntry
 from trainguard.checkpoint.staging import StagingBuffer
 from trainguard.errors import CheckpointError
 

@@ -24,9 +24,9 @@ import torch.distributed.checkpoint.metadata as _dcp_metadata
 from torch.distributed.checkpoint.metadata import Metadata
 
 from trainguard.checkpoint._regular import open_regular
-from trainguard.checkpoint.fileformat import fsync_dir
 from trainguard.checkpoint.format import tmpfile as _tmpfile
 from trainguard.checkpoint.format.kinds import TORCH_DTYPE_NAMES
+from trainguard.checkpoint.format.write import fsync_dir
 from trainguard.errors import CheckpointCorruptError, CheckpointError
 
 __all__ = ["ALLOWED", "NAME", "read", "write"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,11 +20,11 @@ import torch
 from torch.distributed.checkpoint import staging
 from torch.distributed.tensor import DTensor
 
-from trainguard import _timeouts, events
+from trainguard import _timeouts, _torchcompat, events
 from trainguard.checkpoint.dcp import _items
 from trainguard.checkpoint.dcp.storage_writer import StorageWriter
-from trainguard.checkpoint.fileformat import place
-from trainguard.checkpoint.layout import Entry
+from trainguard.checkpoint.format.layout import Entry
+from trainguard.checkpoint.format.write import place
 from trainguard.checkpoint.staging import Stager
 from trainguard.errors import CheckpointError, ConfigError
 
@@ -98,7 +97,7 @@ class AsyncStager(staging.AsyncStager):
         DTensors with the same mesh and placements); non-tensor values are deep-copied."""
         if self._closed:
             raise CheckpointError("this AsyncStager is closed; create a new one")
-        _refuse_process_executor()
+        _refuse_process_executor(_torchcompat.dcp_async_executor())
         started = time.monotonic()
         if not self.writer._wait_free(self.busy_timeout):
             raise CheckpointError(
@@ -152,29 +151,18 @@ class AsyncStager(staging.AsyncStager):
         self.close()
 
 
-def _refuse_process_executor() -> None:
+def _refuse_process_executor(executor: str | None) -> None:
     """:class:`ConfigError` when ``dcp.async_save`` called :meth:`AsyncStager.stage` for
-    ``AsyncCheckpointerType.PROCESS``: the staged shared memory cannot go to DCP's background
-    process (it would fail there with a bad file descriptor). Looks at the calling frames of
-    ``async_save`` (its argument), the only place DCP says which executor it uses."""
-    frame = sys._getframe(1)
-    for _ in range(8):
-        frame = frame.f_back  # type: ignore[assignment]
-        if frame is None:
-            return
-        if (
-            frame.f_code.co_name == "async_save"
-            and frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict_saver"
-        ):
-            kind = frame.f_locals.get("async_checkpointer_type")
-            if str(getattr(kind, "value", kind)) == "process":
-                raise ConfigError(
-                    "trainguard's AsyncStager stages into this process's shared memory, which "
-                    "DCP's background process cannot map: pass async_checkpointer_type="
-                    "AsyncCheckpointerType.THREAD (the default) with it, or leave out "
-                    "async_stager to use AsyncCheckpointerType.PROCESS"
-                )
-            return
+    ``AsyncCheckpointerType.PROCESS`` (``executor``, as :func:`_torchcompat.dcp_async_executor`
+    finds it): the staged shared memory cannot go to DCP's background process (it would fail
+    there with a bad file descriptor)."""
+    if executor == "process":
+        raise ConfigError(
+            "trainguard's AsyncStager stages into this process's shared memory, which "
+            "DCP's background process cannot map: pass async_checkpointer_type="
+            "AsyncCheckpointerType.THREAD (the default) with it, or leave out "
+            "async_stager to use AsyncCheckpointerType.PROCESS"
+        )
 
 
 def _by_name(entries: list[Entry], placed: list[Any]) -> list[Any]:

@@ -36,10 +36,10 @@ from trainguard import events
 from trainguard.checkpoint import _commit, _load, _overwrite
 from trainguard.checkpoint.dcp import _metadata
 from trainguard.checkpoint.dcp.storage_writer import checkpoint_path, local_path
-from trainguard.checkpoint.fileformat import FileHeader, checksum, read_range
 from trainguard.checkpoint.format import validate as _validate
-from trainguard.checkpoint.format.read import header_of, open_file
-from trainguard.checkpoint.layout import unflatten
+from trainguard.checkpoint.format.layout import unflatten
+from trainguard.checkpoint.format.read import FileHeader, header_of, open_file, read_range
+from trainguard.checkpoint.format.write import checksum
 from trainguard.errors import (
     CheckpointCorruptError,
     CheckpointError,

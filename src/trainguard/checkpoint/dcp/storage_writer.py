@@ -28,8 +28,7 @@ from trainguard.checkpoint import _commit, _overwrite, _thread_writer
 from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint._load import part_name
 from trainguard.checkpoint.dcp import _items, _metadata
-from trainguard.checkpoint.fileformat import PlacedEntry, place
-from trainguard.checkpoint.format import tmpfile as _tmpfile
+from trainguard.checkpoint.format.write import PlacedEntry, place
 from trainguard.checkpoint.staging import Stager, StagingBuffer
 from trainguard.checkpoint.writer import WriteJob, WriterProcess
 from trainguard.errors import CheckpointError, CheckpointWriteError, ConfigError, WriterDied
@@ -361,19 +360,16 @@ class StorageWriter(storage.StorageWriter, Closing):
             old.close()
         self._retired.clear()
         try:
-            self._writer.prepare(buffer)
+            self._writer.prepare()
         except WriterDied as exc:
             raise CheckpointWriteError(f"{exc}; the save of {file} failed") from exc
         meta = {"rank": str(self.rank), "dcp": "1"}
         meta["skeleton"] = json.dumps(_items.skeleton(entries), separators=(",", ":"))
         job = WriteJob(next(self._seq), file, buffer.id, placed, meta, fsync=self.fsync)
-        try:
-            self._writer.submit(job)
-            result = self._writer.result()
-        except WriterDied as exc:  # the next save starts a new writer (prepare)
-            _tmpfile.remove_leftovers(file)
+        try:  # a failed save's next one starts a new writer (prepare)
+            result = self._writer.write(job, buffer)
+        except WriterDied as exc:
             raise CheckpointWriteError(f"{exc} while writing {file}; that save failed") from exc
-        assert result is not None
         if not result.ok:
             raise CheckpointWriteError(f"writing {file} failed: {result.error}")
         return result.nbytes

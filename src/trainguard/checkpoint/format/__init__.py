@@ -12,8 +12,7 @@ structure of the state lives as a JSON skeleton in its header. The modules, bott
 - :mod:`.layout`: flattening a state into entries and a skeleton, and building it back
   (:mod:`._unflatten`, with :mod:`._skelbase` shared by both directions).
 
-Internal machinery: users import the same names from the faces
-:mod:`trainguard.checkpoint.fileformat` (write and read) and :mod:`trainguard.checkpoint.layout`.
+Users and the rest of trainguard import from these modules (the one path to each name).
 This package imports nothing itself, so the torch-free writer process can use its write side.
 """
 

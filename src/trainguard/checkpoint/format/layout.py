@@ -24,7 +24,7 @@ This module (with :mod:`._unflatten`) is the only one that knows the skeleton's 
 :mod:`.read` and :mod:`.write` store it, and the writer process rebuilds a state from it only for ``format="torch"``. Flattening lives here;
 building back (:func:`unflatten`, :func:`largest_leaf`) in :mod:`._unflatten`, and the
 primitives both share (dtype names, key paths) in :mod:`._skelbase`; all are re-exported here,
-and :mod:`trainguard.checkpoint.layout` is the public face.
+the public place to import them from.
 """
 
 from __future__ import annotations

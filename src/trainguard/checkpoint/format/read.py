@@ -19,8 +19,7 @@ Writing lives in :mod:`.write`; this module reads: parsing a header, verifying c
 loading. Header parsing and checking need no torch (the writer process starts without it);
 :func:`load_file` maps a file and :func:`load_buffer` takes one held in memory (tensors are
 views). The header's checks are in :mod:`.validate`; the skeleton is rebuilt by :mod:`.layout`
-(imported here only to load). :mod:`trainguard.checkpoint.fileformat` is the public face of
-both sides.
+(imported here only to load).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Writing a checkpoint file: placing entries, hashing, encoding the header, durable writes.
 
 The file's layout is described in :mod:`.read`, the reading side (parsing, verifying,
-loading); :mod:`trainguard.checkpoint.fileformat` is the public face of both. Needs no torch:
-the writer process starts without it.
+loading). Needs no torch: the writer process starts without it.
 """
 
 from __future__ import annotations

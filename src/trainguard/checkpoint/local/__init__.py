@@ -26,8 +26,9 @@ Names are imported on first use: importing this package does not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from trainguard import _lazy
 
 if TYPE_CHECKING:
     from trainguard.checkpoint.local.manager import LocalCheckpointManager
@@ -36,14 +37,11 @@ if TYPE_CHECKING:
 
 __all__ = ["CliqueReplication", "LocalCheckpointManager", "LocalOptions"]
 
-_WHERE = {
-    "CliqueReplication": "trainguard.checkpoint.local.replication",
-    "LocalCheckpointManager": "trainguard.checkpoint.local.manager",
-    "LocalOptions": "trainguard.checkpoint.local.options",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        return getattr(importlib.import_module(_WHERE[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = _lazy.exports(
+    __name__,
+    {
+        "CliqueReplication": "trainguard.checkpoint.local.replication",
+        "LocalCheckpointManager": "trainguard.checkpoint.local.manager",
+        "LocalOptions": "trainguard.checkpoint.local.options",
+    },
+)

@@ -35,7 +35,6 @@ from trainguard import _aborts, events
 from trainguard._errtext import brief
 from trainguard._threads import serve
 from trainguard.checkpoint._link import StoreLink
-from trainguard.checkpoint.format import tmpfile
 from trainguard.checkpoint.format.write import PlacedEntry
 from trainguard.checkpoint.local import _inventory, _root
 from trainguard.checkpoint.local._replicate import Received, exchange_parts
@@ -43,7 +42,7 @@ from trainguard.checkpoint.local._transfer import Channel
 from trainguard.checkpoint.staging import StagingBuffer
 from trainguard.checkpoint.writer import WriteJob, WriterProcess
 from trainguard.coord.commit import COMMITTED, FAILED, CommitRound, Outcome
-from trainguard.errors import CheckpointWriteError, WriterDied
+from trainguard.errors import CheckpointWriteError
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -309,12 +308,7 @@ class SavePipeline:
                 )
         errors = []
         for path in paths:
-            try:
-                result = self._writer.result()
-            except WriterDied:
-                tmpfile.remove_leftovers(path)
-                raise
-            assert result is not None
+            result = self._writer.wait(path)
             if not result.ok:
                 errors.append(result.error)
             else:
@@ -344,9 +338,7 @@ class SavePipeline:
         placed: list[PlacedEntry],
         meta: dict[str, str],
     ) -> None:
-        if not self._writer.is_attached(buffer.id):
-            self._writer.attach(buffer.id, buffer.fd, buffer.nbytes)
-        self._writer.submit(
+        self._writer.send(
             WriteJob(
                 job_id=job.seq,
                 path=path,
@@ -354,7 +346,8 @@ class SavePipeline:
                 placed=placed,
                 metadata=meta,
                 fsync=self.place.fsync,
-            )
+            ),
+            buffer,
         )
 
     def _replicate(

@@ -52,7 +52,7 @@ class Remembered:
         )
 
     def restore(self, into: RestoreBuffer, *, allow_pickle: bool) -> Any:
-        """The state, as :func:`~trainguard.checkpoint.fileformat.load_file` would rebuild it:
+        """The state, as :func:`~trainguard.checkpoint.format.read.load_file` would rebuild it:
         each tensor a view of ``into`` with a storage of its own that starts at its first byte
         (some torch functions, ``torch.set_rng_state`` among them, ignore storage offsets)."""
         job = self.job
