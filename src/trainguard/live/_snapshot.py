@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard import _aborts
-from trainguard.checkpoint import layout
+from trainguard.checkpoint.format import layout
 from trainguard.errors import ConfigError
 from trainguard.live import _transfer
 

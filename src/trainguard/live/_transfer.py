@@ -1,6 +1,6 @@
 """Moving one rank's live state to another over the round's process group, checksummed.
 
-The donor flattens its state (:func:`trainguard.checkpoint.layout.flatten`: tensors become
+The donor flattens its state (:func:`trainguard.checkpoint.format.layout.flatten`: tensors become
 entries, everything else a JSON skeleton) and sends, point to point:
 
 1. a meta tensor (int64): the header's length and its xxh3-64 checksum;
@@ -18,7 +18,7 @@ one arrives (a plain send of the same bytes is the baseline the transfer is meas
 
 The receiver takes everything the header announces (so both sides stay in step even when
 something does not match), then checks every entry's checksums and the step; only then does it
-build the state (:func:`trainguard.checkpoint.layout.unflatten`, which checks every node of a
+build the state (:func:`trainguard.checkpoint.format.layout.unflatten`, which checks every node of a
 skeleton nobody vouches for). Checksums are computed by the donor from its live tensors as it
 sends them, so a flipped bit anywhere between that moment and the receiver's check is caught.
 
