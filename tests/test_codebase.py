@@ -259,9 +259,6 @@ PRIVATE_ALLOWED: dict[str, set[str]] = {
         "trainguard.restart.sidecar._node",
         "trainguard.restart.sidecar.agent_service",
     },
-    # binding a store to one interface: public in coord's face (bind_host, listen, ...); the
-    # launcher's store module still reaches the module (left to whoever edits launch/ next)
-    "trainguard.coord._bind": {"trainguard.launch._coordstore"},
     # the front ends (the CLI and the demo, on the top floor) render what the packages keep
     # off their public surface: the checkpoint subcommands, the report's plot and its
     # recovery line
@@ -344,7 +341,7 @@ def test_the_layering_check_sees_every_kind_of_import(tmp_path: pathlib.Path) ->
         "__init__.py": "",
         "errors.py": "",
         "coord/__init__.py": "",
-        "coord/_bind.py": "",
+        "coord/_sockets.py": "",
         "coord/_hidden.py": "",
         "stragglers/__init__.py": (
             "from typing import TYPE_CHECKING\n"
@@ -357,15 +354,15 @@ def test_the_layering_check_sees_every_kind_of_import(tmp_path: pathlib.Path) ->
         ),
         "launch/__init__.py": "",
         "launch/worker.py": "from trainguard.restart import state\n",
-        "launch/_coordstore.py": "from trainguard.coord import _bind\n",
-        "launch/_jobsecret.py": "from trainguard.coord._bind import is_loopback\n",
+        "restart/abort.py": "from trainguard.coord import _sockets\n",
+        "restart/monitor.py": "from trainguard.coord._sockets import sockets\n",
     }
     root = tmp_path / "trainguard"
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     assert _layering_breaks(_modules(root)) == [
-        "trainguard.launch._jobsecret:1 (module): launch imports trainguard.coord._bind, "
+        "trainguard.restart.monitor:1 (module): restart imports trainguard.coord._sockets, "
         "private to coord",
         "trainguard.restart.state:2 (module): restart imports trainguard.coord._hidden, "
         "private to coord",

@@ -9,8 +9,9 @@ with :func:`escalate`.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from trainguard import _lazy
 
 if TYPE_CHECKING:
     from trainguard.launch.agent import TrainguardAgent
@@ -22,15 +23,12 @@ __all__ = ["LaunchOptions", "TrainguardAgent", "escalate", "main"]
 
 #: where each public name lives: imported at first use, so that a worker's ``escalate`` or
 #: ``python -m trainguard.launch.slurm`` does not import torch.distributed.elastic
-_HOMES = {
-    "LaunchOptions": "trainguard.launch.options",
-    "TrainguardAgent": "trainguard.launch.agent",
-    "escalate": "trainguard.launch.worker",
-    "main": "trainguard.launch.cli",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'trainguard.launch' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name]), name)
+__getattr__ = _lazy.exports(
+    __name__,
+    {
+        "LaunchOptions": "trainguard.launch.options",
+        "TrainguardAgent": "trainguard.launch.agent",
+        "escalate": "trainguard.launch.worker",
+        "main": "trainguard.launch.cli",
+    },
+)

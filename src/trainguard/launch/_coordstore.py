@@ -29,7 +29,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from trainguard import _torchcompat
-from trainguard.coord import _bind
+from trainguard.coord import bind_host, is_loopback, listen
 from trainguard.coord.escalation import escalate, escalation_reason
 from trainguard.coord.store import StoreLike, as_store, connect, parse_addr
 from trainguard.errors import CoordinationError
@@ -80,14 +80,14 @@ class CoordStore:
         rank, and the address of this machine that the others reach (agent 0's store binds to
         that interface only, or to loopback for a job on one machine)."""
         advertise = group.master_addr or socket.getfqdn()
-        local = bool(group.spec.local_addr) or _bind.is_loopback(advertise)
+        local = bool(group.spec.local_addr) or is_loopback(advertise)
         assert group.store is not None, "torch's rendezvous gave the worker group no store"
         return self.join(
             as_store(group.store),
             group_rank=group.group_rank or 0,
             run_id=run_id,
             advertise=advertise,
-            bind=_bind.bind_host(advertise, local=local),
+            bind=bind_host(advertise, local=local),
         )
 
     def join(
@@ -146,7 +146,7 @@ class CoordStore:
         if self.server is None:
             self.server = _torchcompat.host_store(
                 advertise,
-                _bind.listen(bind, 0),
+                listen(bind, 0),
                 timeout=timedelta(seconds=self.timeout),
                 multi_tenant=True,
             )

@@ -178,11 +178,7 @@ def run(live: LiveState, group: Any) -> Recovery:
         nbytes += got
         if rank in pending and failed is None:
             source = agreed.donor(rank, attempt)
-        flags = torch.zeros(len(records), dtype=torch.int64)
-        flags[rank] = int(failed is not None)
-        flags = flags.to(_transfer.wire_device(group))
-        dist.all_reduce(flags, group=group)
-        flags = flags.cpu()
+        flags = _failed(failed is not None, rank, len(records), group)
         if failed is not None:
             problems.append(failed)
         # every rank learns every failure's presence; the reasons stay with the receivers
@@ -221,18 +217,30 @@ def _pass(
         donor = agreed.donor(rank, attempt)
         assert donor is not None
         # torn since the plan (live._begin): its own tensors take the bytes in place
-        state = live._outgoing()
-        into = _transfer.own_bytes(state)
-        wire = _transfer.wire_device(group, state)
-        got = _transfer.receive(
-            _global(donor, group), agreed.step, group=group, into=into, device=wire
-        )
-        problem, nbytes = got.problem, got.nbytes
-        if problem is None:
-            problem = live._received(got.state, agreed.step)
+        problem, nbytes = _take(live, donor, agreed.step, group)
     for work in works:
         work.wait()
     return problem, nbytes
+
+
+def _take(live: LiveState, donor: int, step: int, group: Any) -> tuple[str | None, int]:
+    """Receive the state at ``step`` from ``donor`` (a rank of ``group``) into this rank's own
+    tensors and hand it to ``live``: why it was refused (None: taken) and the bytes received."""
+    state = live._outgoing()
+    into = _transfer.own_bytes(state)
+    wire = _transfer.wire_device(group, state)
+    got = _transfer.receive(_global(donor, group), step, group=group, into=into, device=wire)
+    problem = got.problem if got.problem is not None else live._received(got.state, step)
+    return problem, got.nbytes
+
+
+def _failed(mine: bool, rank: int, world: int, group: Any) -> torch.Tensor:
+    """Every rank's flag of a refused transfer (a collective over ``group``), on the host."""
+    flags = torch.zeros(world, dtype=torch.int64)
+    flags[rank] = int(mine)
+    flags = flags.to(_transfer.wire_device(group))
+    dist.all_reduce(flags, group=group)
+    return flags.cpu()
 
 
 def _from_snapshots(live: LiveState, snap: SnapPlan, rank: int, group: Any) -> Recovery:
@@ -258,20 +266,10 @@ def _from_snapshots(live: LiveState, snap: SnapPlan, rank: int, group: Any) -> R
     if kind == "own":
         problem = live._restore_own(snap.step)
     elif kind == "recv":
-        into = _transfer.own_bytes(live._outgoing())
-        got = _transfer.receive(
-            _global(donor, group), snap.step, group=group, into=into, device=wire
-        )
-        problem, nbytes = got.problem, got.nbytes
-        if problem is None:
-            problem = live._received(got.state, snap.step)
+        problem, nbytes = _take(live, donor, snap.step, group)
     for work in works:
         work.wait()
-    flags = torch.zeros(len(snap.actions), dtype=torch.int64)
-    flags[rank] = int(problem is not None)
-    flags = flags.to(_transfer.wire_device(group))
-    dist.all_reduce(flags, group=group)
-    flags = flags.cpu()
+    flags = _failed(problem is not None, rank, len(snap.actions), group)
     seconds = time.monotonic() - t0
     if int(flags.sum()):
         live._writing()  # every rank loads a checkpoint next
