@@ -5,10 +5,12 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch on this machine's disk; installed before the package so that pip never
 # resolves the package's `torch>=2.6` range to a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
-# every test but the soak on two pytest-xdist workers (tests/conftest.py keeps the emulated-host
-# tests on one of them), then the soak alone: its leak counts are only clean without another
-# test beside it. About 14 min here (about 19 serially: PYTEST_ARGS=, empty).
-PYTEST_ARGS ?= -n 2 --dist loadgroup
+# every test but the soak on three pytest-xdist workers (tests/conftest.py keeps the
+# emulated-host tests on one of them), then the soak alone: its leak counts are only clean
+# without another test beside it. Most tests wait on processes, sockets and timeouts: on two
+# workers the suite used 0.86 of this machine's 2 cores and took 19.9 min; a third worker
+# fills the wait.
+PYTEST_ARGS ?= -n 3 --dist loadgroup
 
 .PHONY: test lint format bench demo clean soak-test compat gpu-check
 
