@@ -8,8 +8,8 @@ TORCH_PIN ?= torch==2.13.0
 # every test but the soak on three pytest-xdist workers (tests/conftest.py keeps the
 # emulated-host tests on one of them), then the soak alone: its leak counts are only clean
 # without another test beside it. Most tests wait on processes, sockets and timeouts: on two
-# workers the suite used 0.86 of this machine's 2 cores and took 19.9 min; a third worker
-# fills the wait.
+# workers the suite used 0.86 of this machine's 2 cores and took 19.9 min; on three, 16.5 min
+# (then the soak, 45 s).
 PYTEST_ARGS ?= -n 3 --dist loadgroup
 
 .PHONY: test lint format bench demo clean soak-test compat gpu-check

@@ -1,9 +1,11 @@
-"""One rank of a wrapped job on an emulated host, for the quarantine test: 3 ranks, 2 active,
-the rank on the second host raises whenever it is active.
+"""One rank of a wrapped job on an emulated host, for the quarantine tests: 3 ranks. ``flaky``:
+2 active, the rank on the second host raises whenever it is active; ``software``: all 3
+active, every rank raises the same error at the same place, every round (a bug, no host's).
 
-Run as ``python tests/cluster/_quarantine_rank.py OUT_DIR`` with RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR and MASTER_PORT set; writes ``OUT_DIR/result-<rank>.json`` (the rounds its function
-ran in, its last value). The host name is the host's own (``socket.gethostname()``)."""
+Run as ``python tests/cluster/_quarantine_rank.py OUT_DIR [flaky|software]`` with RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set; writes ``OUT_DIR/result-<rank>.json``
+(the rounds its function ran in, its last value or the error that ended the job). The host
+name is the host's own (``socket.gethostname()``)."""
 
 from __future__ import annotations
 
@@ -17,13 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, mode: str = "flaky") -> None:
     import socket
 
     import torch
     import torch.distributed as dist
 
     import trainguard.restart as tr
+    from trainguard.errors import RetryLimitError
 
     rank = int(os.environ["RANK"])
     out = Path(out_dir)
@@ -31,24 +34,31 @@ def main(out_dir: str) -> None:
 
     @tr.Wrapper(
         rank_assignment=tr.FillGaps(),
-        rank_filter=tr.MaxActiveWorldSize(2),
+        rank_filter=tr.MaxActiveWorldSize(2 if mode == "flaky" else 3),
         quarantine=tr.Quarantine(after=2, probes=[], file=out / "exclude"),
         barrier_timeout=60,
         store_timeout=20,
     )
     def train(call: tr.CallWrapper) -> dict[str, Any]:
         rounds.append(call.round)
-        call.ping()
+        if mode == "flaky":
+            call.ping()  # progress: the software bug makes none, so its repeats end the job
         dist.init_process_group("gloo")
         ones = torch.ones(1)
         dist.all_reduce(ones)
+        if mode == "software":
+            raise ValueError("index out of range in the data loader")
         if socket.gethostname() == "h2":
             raise OSError("the NIC dropped the link")
         return {"round": call.round, "rank": call.rank, "sum": int(ones.item())}
 
-    value = train()
-    out.joinpath(f"result-{rank}.json").write_text(json.dumps({"rounds": rounds, "value": value}))
+    result: dict[str, Any] = {"rounds": rounds}
+    try:
+        result["value"] = train()
+    except RetryLimitError as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    out.joinpath(f"result-{rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

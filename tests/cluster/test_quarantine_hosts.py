@@ -1,7 +1,8 @@
 """Quarantine on emulated hosts: three hosts (network namespaces with their own host names),
-one rank each, two active. The second host's rank raises whenever it is active: after its
-second fault the host is quarantined, the spare on the third host takes its rank number and
-the job completes at full active size; the quarantine file names the host."""
+one rank each. A flaky host: two ranks active, the second host's rank raises whenever it is
+active; after its second fault the host is quarantined, the spare on the third host takes its
+rank number and the job completes at full active size; the quarantine file names the host.
+A software bug: every rank raises the same error at the same place; no host is blamed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,10 +24,9 @@ pytestmark = pytest.mark.timeout(150)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_a_flaky_host_is_quarantined_and_a_spare_on_another_host_takes_its_place(
-    cluster: Callable[[int], Cluster], tmp_path: Path
-) -> None:
-    c = cluster(3)
+def _run(c: Cluster, tmp_path: Path, mode: str) -> tuple[list[dict[str, Any]], Path]:
+    """The three ranks of ``_quarantine_rank.py`` in ``mode``, one per host, to their end: their
+    results and the events' directory."""
     out, events = tmp_path / "out", tmp_path / "events"
     out.mkdir()
     env = dict(
@@ -41,11 +42,18 @@ def test_a_flaky_host_is_quarantined_and_a_spare_on_another_host_takes_its_place
     procs = {}
     for rank, host in enumerate(c.hosts):
         rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": "0"}
-        argv = [sys.executable, str(ROOT / "tests/cluster/_quarantine_rank.py"), str(out)]
+        argv = [sys.executable, str(ROOT / "tests/cluster/_quarantine_rank.py"), str(out), mode]
         procs[rank] = c.start(host, argv, log=tmp_path / f"rank{rank}.log", env=rank_env)
     for rank, proc in procs.items():
         assert proc.wait(120) == 0, (tmp_path / f"rank{rank}.log").read_text()[-3000:]
-    results = [json.loads((out / f"result-{r}.json").read_text()) for r in range(3)]
+    return [json.loads((out / f"result-{r}.json").read_text()) for r in range(3)], events
+
+
+def test_a_flaky_host_is_quarantined_and_a_spare_on_another_host_takes_its_place(
+    cluster: Callable[[int], Cluster], tmp_path: Path
+) -> None:
+    results, events = _run(cluster(3), tmp_path, "flaky")
+    out = tmp_path / "out"
     assert results[1] == {"rounds": [0, 1], "value": None}  # h2: never active again
     assert results[0]["value"] == {"round": 2, "rank": 0, "sum": 2}
     assert results[2]["value"] == {"round": 2, "rank": 1, "sum": 2}  # h3's spare, h2's number
@@ -55,3 +63,23 @@ def test_a_flaky_host_is_quarantined_and_a_spare_on_another_host_takes_its_place
     assert blamed == [("h2", True), ("h2", True)], blamed
     taken = [e for e in seen if e["kind"] == "host_quarantined"]
     assert [e["quarantined_host"] for e in taken] == ["h2"], taken
+
+
+def test_the_same_error_at_the_same_place_on_every_host_is_blamed_on_none(
+    cluster: Callable[[int], Cluster], tmp_path: Path
+) -> None:
+    """Every rank, one per host, raises the same ValueError at the same line each round: a
+    software bug. No host is quarantined and the repeat detection ends the job as before."""
+    results, events = _run(cluster(3), tmp_path, "software")
+    for res in results:
+        assert res["rounds"] == [0, 1, 2], res
+        assert res["error"].startswith("RetryLimitError: "), res  # not HostQuarantinedError
+        assert "3 rounds in a row failed with the same error" in res["error"], res
+    exclude = tmp_path / "out" / "exclude"
+    assert not exclude.exists() or exclude.read_text() == ""
+    seen = read_events(events)
+    assert [e for e in seen if e["kind"] == "host_quarantined"] == []
+    blamed = [e for e in seen if e["kind"] == "fault_attributed"]
+    assert len(blamed) == 3, blamed  # rounds 0, 1 and 2, reported on entering the next
+    assert {e["fault_host"] for e in blamed} <= {"h1", "h2", "h3"}, blamed  # real host names
+    assert not any(e["counted"] for e in blamed[1:]), blamed  # seen on other hosts by then
