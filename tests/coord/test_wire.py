@@ -202,3 +202,70 @@ def test_a_trickling_reply_fails_at_the_calls_deadline() -> None:
         with pytest.raises(CoordinationError, match="unusable"):
             wire.add("k", 1)
         wire.close()
+
+
+@contextlib.contextmanager
+def _late_proxy(port: int, delay: float) -> Iterator[int]:
+    """A TCP relay to ``127.0.0.1:port`` that holds the server's first answer back ``delay``
+    seconds, as a server on a loaded host answers late. Yields the relay's port."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    stop = threading.Event()
+
+    def pump(src: socket.socket, dst: socket.socket, hold: float) -> None:
+        src.settimeout(0.1)
+        held = False
+        while not stop.is_set():
+            try:
+                data = src.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            if not held:
+                held = True
+                if stop.wait(hold):
+                    return
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            client, _ = listener.accept()
+            upstream = socket.create_connection(("127.0.0.1", port))
+            with client, upstream:
+                back = threading.Thread(target=pump, args=(upstream, client, delay))
+                back.start()
+                pump(client, upstream, 0.0)
+                stop.set()
+                back.join(10)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        listener.close()
+        thread.join(10)
+
+
+def test_a_late_validation_answer_is_not_a_rejection(server: Any) -> None:
+    # the validation ping answered 1 s late (a loaded store host) by a client whose per-call
+    # timeout is 0.3 s: it connects, and the short timeout still holds for its calls
+    with _late_proxy(server.port, 1.0) as port:
+        start = time.monotonic()
+        short = WireStore("127.0.0.1", port, timeout=0.3)
+        assert time.monotonic() - start >= 0.9
+        server.set("late", "v")
+        assert short.get("late") == b"v"
+        begun = time.monotonic()
+        with pytest.raises(StoreTimeoutError):
+            short.wait(["never-set"], 0.3)
+        assert time.monotonic() - begun < 5.0
+        short.close()

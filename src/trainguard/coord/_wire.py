@@ -51,6 +51,9 @@ __all__ = ["WireStore", "activate", "active", "connect"]
 MAGIC = 0x3C85F7CE  # the validation number of torch's TCPStore protocol
 _PREFIX = b"/"  # torch's TCPStore client puts this before every key
 _HANDSHAKE_S = 10.0  # the longest the server may take to answer the validation ping
+#: the least time the validation ping gets, whatever the client's timeout: a loaded server
+#: answers late, and a short per-call timeout must not read as "not a TCPStore server"
+_HANDSHAKE_MIN_S = 3.0
 _READY = 0  # CHECK's answer when every key is set (1: not ready)
 _STOP_WAITING = 0  # WAIT's answer when every key is set
 _WAIT_CANCELED = 1  # CANCEL_WAIT's answer
@@ -191,13 +194,14 @@ class WireStore:
 
     def _validate(self, sock: socket.socket) -> None:
         nonce = os.getpid() & 0xFFFFFFFF
-        sock.settimeout(min(self._timeout, _HANDSHAKE_S))
+        budget = min(_HANDSHAKE_S, max(self._timeout, _HANDSHAKE_MIN_S))
+        sock.settimeout(budget)
         hello = bytes((_Query.VALIDATE,)) + struct.pack("<I", MAGIC)
         hello += bytes((_Query.PING,)) + struct.pack("<I", nonce)
         why = None
         try:
             sock.sendall(hello)
-            echo = _recv_exact(sock, 4, time.monotonic() + min(self._timeout, _HANDSHAKE_S))
+            echo = _recv_exact(sock, 4, time.monotonic() + budget)
             if struct.unpack("<I", echo)[0] != nonce:
                 why = f"it answered the ping with {echo.hex()}"
         except TimeoutError:
