@@ -2,6 +2,10 @@
 worker SIGKILLed (respawned, rejoins), a whole node SIGKILLed (agent and workers), a
 replacement node admitted, and the result still bit-identical to the fault-free run.
 
+Respawned workers start slow here (a ``sitecustomize`` that sleeps in every process of an
+incarnation > 0, as a loaded node would): the node must not go before the respawned worker
+waits to be admitted, or the job is left with one live rank (a CI failure the demo had).
+
 The demo runs in a session of its own with a marker in its environment (every process of the
 job inherits it); whatever outlives the command, or the hard limit, is killed by group and pid.
 """
@@ -20,7 +24,14 @@ from pathlib import Path
 from tests.launch._agents import kill_all, leftovers
 
 ROOT = Path(__file__).resolve().parents[2]
-LIMIT = 150.0  # seconds: the whole demo (about 60 s here)
+LIMIT = 150.0  # seconds: the whole demo (about 70 s here)
+SLOW_START_S = 4.0  # longer than the job takes from the worker's kill to the node's step
+
+_SLOW_START = f"""\
+import os, time
+if int(os.environ.get("TRAINGUARD_INCARNATION") or 0) > 0:
+    time.sleep({SLOW_START_S})
+"""
 
 
 def test_launch_demo_survives_a_worker_and_a_node_bit_identically(tmp_path: Path) -> None:
@@ -28,7 +39,11 @@ def test_launch_demo_survives_a_worker_and_a_node_bit_identically(tmp_path: Path
     marker = f"tg-launch-demo-{uuid.uuid4().hex}"
     env = dict(os.environ, TRAINGUARD_JOB_ID=marker)
     src = str(ROOT / "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    slow = tmp_path / "slow-start"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(_SLOW_START)
+    paths = (src, str(slow), env.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     cmd = [sys.executable, "-m", "trainguard", "demo", "--launch", "--steps", "150"]
     cmd += ["--out", str(out), "--timeout", str(LIMIT - 20)]
     proc = subprocess.Popen(
@@ -52,8 +67,12 @@ def test_launch_demo_survives_a_worker_and_a_node_bit_identically(tmp_path: Path
     assert re.search(r"! SIGKILL worker process 1 \(rank 1, pid \d+\)", text), text
     assert re.search(r"> process 1 respawned by its agent: pid \d+, incarnation [1-9]", text)
     assert re.search(r"> process 1 \(pid \d+, incarnation [1-9]\) admitted at round \d+", text)
-    # the node: its agent and workers killed, declared lost by the other agent
-    assert re.search(r"! node 1 lost: SIGKILL its agent \(pid \d+\)", text), text
+    # the node: its agent and workers killed, declared lost by the other agent; only once
+    # the respawned worker waits to be admitted (it then takes the lost node's rank)
+    lost = re.search(r"! node 1 lost: SIGKILL its agent \(pid \d+\)", text)
+    assert lost, text
+    waits = re.search(r"process 1 \(pid \d+, incarnation [1-9]\) waits to be admitted", text)
+    assert waits and waits.start() < lost.start(), text
     assert "node 1 declared lost by the agent of node 0" in text
     # the replacement: same rendezvous id, its workers admitted as newcomers
     assert "+ replacement node started" in text

@@ -191,7 +191,7 @@ class LaunchRun(_Run):
                 workers = ", ".join(f"{p} (pid {self.procs[p].pid})" for p in mine)
                 self.show.line(f"  node {n}: agent pid {agent}, worker processes {workers}")
         elif incarnation > 0 and process == self.victim and self.stage == "respawn":
-            self.stage = "kill node"
+            self.stage = "rejoin"
             self.show.line(
                 f"  > process {process} respawned by its agent: pid {pid}, incarnation "
                 f"{incarnation}, {time.time() - self.killed_at:.2f} s after the kill; it "
@@ -235,6 +235,11 @@ class LaunchRun(_Run):
             process = self._process_of(event)
             if process is None:
                 return
+            if process == self.victim and self.stage == "rejoin":
+                # the respawned worker waits to be admitted: the node may go now (killed
+                # before, the job would be left with one live rank: too few to go on)
+                self.stage = "kill node"
+                _faults.release(self.cfg.out, self.node_step)
             if kind == "join_wait" and process not in self.waiting:
                 self.waiting.add(process)
                 self.show.line(
@@ -277,6 +282,9 @@ class LaunchRun(_Run):
         self.victim = process
         self.killed.add(process)
         self.stage = "respawn"
+        # the job waits before the node's step until the respawned worker waits to be
+        # admitted (on a busy machine it may start slower than the job trains)
+        _faults.hold(self.cfg.out, self.node_step)
         self._fault(
             "kill",
             rank,
@@ -330,7 +338,7 @@ class LaunchRun(_Run):
         if fault.step >= self.cfg.steps:
             return
         _faults.request(self.cfg.out, fault)
-        _faults.release(self.cfg.out)
+        _faults.release(self.cfg.out, self.hold_step)
         self.show.line(
             f"  + the job runs at full size, so the replacement's workers wait for the next "
             f"round boundary: the demo asks for {fault.label}"

@@ -134,24 +134,26 @@ def request(run_dir: str | os.PathLike[str], fault: Fault) -> None:
 
 
 def hold(run_dir: str | os.PathLike[str], step: int) -> None:
-    """Make every rank of a running demo wait before step ``step`` until :func:`release`."""
+    """Make every rank of a running demo wait before step ``step`` until :func:`release` of
+    that step (several steps may be held, each released on its own)."""
     folder = Path(run_dir) / "faults" / "requested"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"hold@{step}").touch()
 
 
-def release(run_dir: str | os.PathLike[str]) -> None:
-    """End the wait that :func:`hold` asked for."""
-    (Path(run_dir) / "faults" / "requested" / "release").touch()
+def release(run_dir: str | os.PathLike[str], step: int) -> None:
+    """End the wait that :func:`hold` asked for at ``step`` (before or after it began)."""
+    folder = Path(run_dir) / "faults" / "requested"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"release@{step}").touch()
 
 
 @dataclasses.dataclass(frozen=True)
 class Requests:
-    """What a running demo was asked so far: faults, the step to hold at, the release."""
+    """What a running demo was asked so far: faults, and the held steps not released yet."""
 
     faults: tuple[Fault, ...] = ()
-    hold: int | None = None
-    released: bool = False
+    held: frozenset[int] = frozenset()
 
 
 def requested(run_dir: str | os.PathLike[str]) -> Requests:
@@ -160,14 +162,15 @@ def requested(run_dir: str | os.PathLike[str]) -> Requests:
         names = os.listdir(Path(run_dir) / "faults" / "requested")
     except FileNotFoundError:
         return Requests()
-    found, held = [], None
+    found, held, released = [], set(), set()
     for name in names:
         m = _ITEM.match(name)
+        kind, _, at = name.partition("@")
         if m:
             found.append(Fault(int(m.group(2)), int(m.group(3)), m.group(1)))
-        elif name.startswith("hold@") and name[5:].isdigit():
-            held = int(name[5:])
-    return Requests(tuple(found), held, "release" in names)
+        elif kind in ("hold", "release") and at.isdigit():
+            (held if kind == "hold" else released).add(int(at))
+    return Requests(tuple(found), frozenset(held - released))
 
 
 def inject(fault: Fault) -> None:

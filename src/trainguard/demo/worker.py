@@ -338,9 +338,9 @@ class _Guarded:
 
     def _maybe_inject(self, call: Any, step: int) -> None:
         asked = _faults.requested(self.cfg.out)
-        if asked.hold == step and not asked.released:  # every rank waits here, pinging
+        if step in asked.held:  # every rank waits here, pinging
             deadline = time.monotonic() + 120
-            while not asked.released and time.monotonic() < deadline:
+            while step in asked.held and time.monotonic() < deadline:
                 time.sleep(0.05)
                 call.ping()
                 asked = _faults.requested(self.cfg.out)
