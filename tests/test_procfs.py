@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -46,3 +47,28 @@ def test_a_command_name_with_spaces_and_parentheses_is_skipped_whole(tmp_path) -
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_descendants_are_children_and_grandchildren_not_siblings() -> None:
+    # a child that starts a grandchild and prints its pid; a sibling that is no descendant
+    code = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
+        "print(p.pid, flush=True); time.sleep(30)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.stdout is not None
+        grandchild = int(child.stdout.readline())
+        assert sorted(_procfs.descendants(child.pid)) == [grandchild]
+        found = _procfs.descendants(os.getpid())
+        assert {child.pid, grandchild, other.pid} <= set(found)
+        assert _procfs.descendants(other.pid) == []
+    finally:
+        for proc in (child, other):
+            proc.kill()
+            proc.wait()
+        child.stdout.close()  # type: ignore[union-attr]
+        with contextlib.suppress(ProcessLookupError, NameError):
+            os.kill(grandchild, signal.SIGKILL)

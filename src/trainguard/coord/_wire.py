@@ -51,9 +51,7 @@ __all__ = ["WireStore", "activate", "active", "connect"]
 MAGIC = 0x3C85F7CE  # the validation number of torch's TCPStore protocol
 _PREFIX = b"/"  # torch's TCPStore client puts this before every key
 _HANDSHAKE_S = 10.0  # the longest the server may take to answer the validation ping
-#: the least time the validation ping gets, whatever the client's timeout: a loaded server
-#: answers late, and a short per-call timeout must not read as "not a TCPStore server"
-_HANDSHAKE_MIN_S = 3.0
+_HANDSHAKE_MIN_S = 3.0  # the least it gets, whatever the call timeout: loaded servers answer late
 _READY = 0  # CHECK's answer when every key is set (1: not ready)
 _STOP_WAITING = 0  # WAIT's answer when every key is set
 _WAIT_CANCELED = 1  # CANCEL_WAIT's answer

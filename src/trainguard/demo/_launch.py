@@ -9,10 +9,10 @@ the agents' events. It drives the faults itself:
 1. after a fifth of the steps it SIGKILLs the worker holding the last rank: a spare takes the
    rank at once and the worker's agent respawns it (same ``RANK``, incarnation 1); the new
    process joins the job as a spare;
-2. after two fifths (once the respawned process is up) it SIGKILLs node 1, the node that does
-   not host the coordination store: its agent and every process under it, and deletes that
-   node's local checkpoints; the other node's agent declares it lost and its ranks gone, and
-   the survivors go on (the respawned process takes the free rank);
+2. after two fifths (held until the respawned process waits to be admitted, else one live
+   rank would be left) it SIGKILLs node 1, the one without the store: its agent, every process
+   under it, its local checkpoints; the other node's agent declares it lost and its ranks gone,
+   and the survivors go on (the respawned process takes the free rank);
 3. once they train again it starts a replacement agent with the same rendezvous id: it takes
    the lost node's place and its workers start as newcomers. The job holds a few steps on
    until they wait to be admitted (they may start slower than the job trains); as the job
@@ -39,13 +39,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import trainguard
-from trainguard import events
+from trainguard import _procfs, events
 from trainguard.demo import faults as _faults
 from trainguard.demo._channel import JsonlTail
 from trainguard.demo._run import _free_port, _Run
 from trainguard.demo.worker import DemoConfig
 
-__all__ = ["NODES", "NPROC", "RANKS", "LaunchRun", "descendants"]
+__all__ = ["NODES", "NPROC", "RANKS", "LaunchRun"]
 
 NODES, NPROC, RANKS = 2, 2, 2
 #: the events of the agents and workers that the demo shows
@@ -53,26 +53,6 @@ _SHOWN = ("launch_node_lost", "launch_admitted", "join_wait", "launch_escalated"
           "launch_generation")  # fmt: skip
 #: the node whose loss the demo simulates (group rank 0 hosts the coordination store).
 LOST_NODE = 1
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes under ``pid`` (children, their children, ...), read from ``/proc``."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(entry.name))
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 class _Agent:
@@ -92,7 +72,7 @@ class _Agent:
         own); returns their pids. The agent is stopped first so that it starts nothing more."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGSTOP)
-        doomed = descendants(self.pid)
+        doomed = _procfs.descendants(self.pid)
         for pid in (self.pid, *doomed):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
@@ -192,10 +172,10 @@ class LaunchRun(_Run):
                 self.show.line(f"  node {n}: agent pid {agent}, worker processes {workers}")
         elif incarnation > 0 and process == self.victim and self.stage == "respawn":
             self.stage = "rejoin"
+            after = time.time() - self.killed_at
             self.show.line(
                 f"  > process {process} respawned by its agent: pid {pid}, incarnation "
-                f"{incarnation}, {time.time() - self.killed_at:.2f} s after the kill; it "
-                "joins as a spare"
+                f"{incarnation}, {after:.2f} s after the kill; it joins as a spare"
             )
         elif self.replacement is not None and parent == self.replacement.pid:
             self.show.line(
@@ -235,9 +215,7 @@ class LaunchRun(_Run):
             process = self._process_of(event)
             if process is None:
                 return
-            if process == self.victim and self.stage == "rejoin":
-                # the respawned worker waits to be admitted: the node may go now (killed
-                # before, the job would be left with one live rank: too few to go on)
+            if process == self.victim and self.stage == "rejoin":  # the node may go now
                 self.stage = "kill node"
                 _faults.release(self.cfg.out, self.node_step)
             if kind == "join_wait" and process not in self.waiting:
@@ -281,9 +259,7 @@ class LaunchRun(_Run):
             os.kill(info.pid, signal.SIGKILL)
         self.victim = process
         self.killed.add(process)
-        self.stage = "respawn"
-        # the job waits before the node's step until the respawned worker waits to be
-        # admitted (on a busy machine it may start slower than the job trains)
+        self.stage = "respawn"  # the node's step waits for the respawned worker (module doc)
         _faults.hold(self.cfg.out, self.node_step)
         self._fault(
             "kill",
