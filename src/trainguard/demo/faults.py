@@ -162,7 +162,9 @@ def requested(run_dir: str | os.PathLike[str]) -> Requests:
         names = os.listdir(Path(run_dir) / "faults" / "requested")
     except FileNotFoundError:
         return Requests()
-    found, held, released = [], set(), set()
+    found: list[Fault] = []
+    held: set[int] = set()
+    released: set[int] = set()
     for name in names:
         m = _ITEM.match(name)
         kind, _, at = name.partition("@")
