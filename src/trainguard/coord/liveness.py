@@ -5,10 +5,9 @@ Two users, one protocol:
 - the rank sidecars (:class:`trainguard.restart.sidecar._watch.Watch`, ``name="rank"``): one
   member per rank of the current round, a window of 32, every member of the window judged, a
   look at the moment an observed member's clock runs out;
-- the node rings (:class:`trainguard.coord.node_ring.NodeRing`, ``name="node"``): one member
-  per node, of the launcher's agents and of the node watchers alike; their judgement is their
-  own (:func:`trainguard.coord.node_ring.judge`), on this module's beat, read, clocks and
-  starvation rule.
+- the node ring (:class:`trainguard.coord.node_ring.NodeRing`, ``name="node"``) of the
+  launcher's agents and of the node watchers alike: one member per node, on this module's
+  beat, read, clocks and starvation rule; its judgement and protocol are its own module's.
 
 Keys (the user names them, :attr:`RingWatch.key`): one per member, for example
 ``<round prefix>hb/<rank>`` or ``trainguard/launch/<run_id>/g<gen>/node/<node>``. A key holds
@@ -56,10 +55,6 @@ time (one more ``timeout`` per ``window`` ranks). Every observer that finds a ra
 reports it (``on_silent``; the sidecar's death notice is idempotent, the first counts the rank
 out). Per interval each member makes two store operations (``set``, ``multi_get`` of
 ``window`` keys), plus one ``multi_get`` at the moment an observed rank falls silent.
-
-The node ring (:mod:`trainguard.coord.node_ring`) reads its successors until its window holds
-enough members not gone, within the same beat (a lost target's backup is judged at once), and
-keeps reading the gone ones among them (a replacement node is seen beating again).
 
 No torch here: the sidecar process imports this module (it talks to the store through
 :mod:`trainguard.coord._wire`).
