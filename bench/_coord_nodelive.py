@@ -1,7 +1,7 @@
 """Node liveness in the scale simulation: one :class:`NodeRing` per simulated node.
 
 Under node arrival (``arrival=True``) the node watcher beats one key for its node and reads the
-node keys after it (:mod:`trainguard.restart.sidecar._nodering`), instead of a
+node keys after it (:mod:`trainguard.coord.node_ring`), instead of a
 :class:`~trainguard.restart.sidecar._watch.Watch` per rank beating and reading for its rank.
 :func:`members` builds, for the ranks of one worker, one :class:`Member` per node: the
 library's own :class:`NodeRing` on that node's one connection, shaped like the per-rank
@@ -32,17 +32,19 @@ class Member:
         n: int,
         roster: tuple[int, ...],
     ) -> None:
-        from trainguard.restart.sidecar._nodering import NodeRing
+        from trainguard.coord.node_ring import NodeRing
+        from trainguard.restart.sidecar._watch import WINDOW
 
         self.rank, self.ranks = min(ranks), ranks
         self.done = threading.Event()
         self.notices: list[threading.Thread] = []
         self.ring = NodeRing(
             store,
-            keys,
+            keys.node_heartbeat,
+            position=lambda: (ranks, n, roster),
             interval=times[0],
             timeout=times[1],
-            position=lambda: (ranks, n, roster),
+            window=WINDOW,
             on_silent=lambda *_: None,
         )
 

@@ -1,4 +1,4 @@
-"""Node liveness on emulated hosts (:mod:`trainguard.restart.sidecar._nodering`): two hosts
+"""Node liveness on emulated hosts (:mod:`trainguard.coord.node_ring`): two hosts
 of two ranks each, a node watcher on each (``TRAINGUARD_SIDECAR=node``,
 ``TRAINGUARD_NODE_ARRIVAL=1``), a real store on the first. The second host's watcher is
 stopped (SIGSTOP; its pid from its ranks' handshakes, never found by scanning): the first

@@ -219,10 +219,11 @@ def test_the_scheduler_looks_at_the_deadline_between_beats(store: Any) -> None:
 
 
 def test_the_ring_imports_no_torch() -> None:
-    # the sidecar process imports the ring; it talks to the store without torch
+    # the sidecar process imports the rings; it talks to the store without torch
     code = (
         "import sys\n"
         "import trainguard.coord.liveness, trainguard.restart.sidecar._watch\n"
+        "import trainguard.coord.node_ring, trainguard.restart.sidecar._node\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

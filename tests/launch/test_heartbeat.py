@@ -1,6 +1,8 @@
-"""NodeHeartbeat: one heartbeat per node, ring watching, O(nodes) store traffic.
+"""The agents' heartbeat: their node ring (:func:`trainguard.launch.heartbeat.node_ring`, a
+:class:`~trainguard.coord.node_ring.NodeRing` with lost marks): one heartbeat per node, ring
+watching, O(nodes) store traffic.
 
-Unit tests drive :meth:`NodeHeartbeat.beat` with a fake clock against a real TCPStore; the
+Unit tests drive :meth:`NodeRing.beat_and_look` with a fake clock against a real TCPStore; the
 process tests run one heartbeat per real process and SIGKILL some of them.
 """
 
@@ -18,10 +20,11 @@ import pytest
 import torch.distributed as dist
 
 from tests._dist import RankGroup
+from trainguard.coord.node_ring import NodeRing
 from trainguard.coord.store import connect
 from trainguard.errors import ConfigError, CoordinationError
 from trainguard.launch._keys import node_key, ranks_key
-from trainguard.launch.heartbeat import NodeHeartbeat, node_ranks, publish_ranks
+from trainguard.launch.heartbeat import node_ranks, node_ring, publish_ranks
 
 INTERVAL = 0.5
 TIMEOUT = 2.0
@@ -95,8 +98,8 @@ class Ring:
         self.hbs = [self.make(store, node, n, **kwargs) for node in range(n)]
         self.running = set(range(n))
 
-    def make(self, store: Any, node: int, n: int, **kwargs: Any) -> NodeHeartbeat:
-        return NodeHeartbeat(
+    def make(self, store: Any, node: int, n: int, **kwargs: Any) -> NodeRing:
+        return node_ring(
             store,
             run_id=self.run,
             generation=0,
@@ -115,13 +118,13 @@ class Ring:
         for _ in range(times):
             self.clock.now += INTERVAL
             for node in sorted(self.running):
-                self.hbs[node].beat()
+                self.hbs[node].beat_and_look()
 
 
 def test_validation_names_the_fix(server: Any, run: str) -> None:
-    def make(**kw: Any) -> NodeHeartbeat:
+    def make(**kw: Any) -> NodeRing:
         args: dict[str, Any] = dict(run_id=run, generation=0, node=0, nodes=2, on_lost=print)
-        return NodeHeartbeat(server, **{**args, **kw})
+        return node_ring(server, **{**args, **kw})
 
     with pytest.raises(ConfigError, match="raise timeout"):
         make(interval=1, timeout=2)
@@ -178,7 +181,7 @@ def test_clocks_start_afresh_when_this_process_saw_nothing(server: Any, run: str
     ring.running.discard(1)
     # node 0 itself gets no CPU for three timeouts: node 1's silence then says nothing yet
     ring.clock.now += 3 * TIMEOUT
-    ring.hbs[0].beat()
+    ring.hbs[0].beat_and_look()
     assert ring.lost == []
     ring.tick(DETECT)
     assert ring.lost == [(0, 1)]  # a real loss is still found, one timeout later
@@ -192,7 +195,7 @@ def test_a_slow_node_declared_lost_stops_and_a_replacement_comes_back(
     ring.running.discard(1)
     ring.tick(DETECT)
     assert ring.lost == [(0, 1)]
-    ring.hbs[1].beat()  # it was only slow: it finds the mark and stops, the mark stays
+    ring.hbs[1].beat_and_look()  # it was only slow: it finds the mark and stops, the mark stays
     assert ring.hbs[1].evicted and ring.evicted == [1]
     assert server.get(node_key(run, 0, 1)).startswith(b"lost/")
     # a replacement takes group rank 1: its watcher sees it live again, and lost again
@@ -217,7 +220,7 @@ def test_a_node_that_beats_before_the_mark_is_not_declared(server: Any, run: str
         def multi_get(self, keys: list[str]) -> Any:
             values = self.store.multi_get(keys)
             if self.armed:
-                ring.hbs[1].beat()
+                ring.hbs[1].beat_and_look()
             return values
 
     racing = Racing(server)
@@ -277,7 +280,7 @@ def _node_main(port: int, run: str, nodes: int, out: str) -> list[int]:
         with open(os.path.join(out, f"lost-{node}"), "a") as f:
             f.write(f"{lost} {time.time()}\n")
 
-    hb = NodeHeartbeat(
+    hb = node_ring(
         store,
         run_id=run,
         generation=0,

@@ -1,5 +1,6 @@
-"""Node liveness under node arrival (:mod:`trainguard.restart.sidecar._nodering`): each node
-beats one key for its ranks and watches the nodes after it. Real node processes, a real
+"""Node liveness under node arrival: the node watchers' node ring
+(:class:`trainguard.coord.node_ring.NodeRing` without lost marks): each node beats one key for
+its ranks and watches the nodes after it. Real node processes, a real
 TCPStore, a real SIGSTOP; the test reads the store's keys and counts each node's requests, so
 that it fails if the nodes beat a key per rank."""
 
@@ -14,9 +15,11 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from tests._dist import RankGroup, run_ranks
-from tests.restart import _nodering_jobs
+from tests.restart import _node_ring_jobs
 from trainguard.coord.keys import Keyspace
-from trainguard.restart.sidecar._nodering import NodeRing, parse_node_value
+from trainguard.coord.node_ring import NodeRing
+from trainguard.coord.ring_judge import parse_value
+from trainguard.restart.sidecar._watch import WINDOW
 
 PER_NODE, NODES, RUN_S = 4, 3, 5.0
 
@@ -31,7 +34,7 @@ def test_a_silent_node_gets_all_its_ranks_declared_and_live_nodes_none() -> None
     job = f"nodelive-{secrets.token_hex(4)}"
     keys = Keyspace(job)
     with RankGroup(
-        _nodering_jobs.node_job,
+        _node_ring_jobs.node_job,
         NODES,
         args=(server.port, job, PER_NODE, NODES, RUN_S),
         timeout=60,
@@ -60,7 +63,7 @@ def test_a_silent_node_gets_all_its_ranks_declared_and_live_nodes_none() -> None
         for leader in (0, 8):
             assert _declared(server, keys, by, leader) is None, (by, leader)
     # one key per node, none per rank: node 1's lists its ranks; the others said bye at the end
-    assert parse_node_value(server.get(keys.node_heartbeat(4)))[0] == [4, 5, 6, 7]
+    assert parse_value(server.get(keys.node_heartbeat(4)))[0] == [4, 5, 6, 7]
     assert server.get(keys.node_heartbeat(0)) == b"bye"
     assert server.get(keys.node_heartbeat(8)) == b"bye"
     assert not any(server.check([keys.heartbeat(r)]) for r in range(NODES * PER_NODE))
@@ -79,7 +82,7 @@ def test_the_node_watcher_beats_once_for_its_node_under_node_arrival(tmp_path) -
     """Real ranks, their node watcher, a real store: under node arrival no rank has a
     heartbeat key of its own; the node's key, under its leader, lists every rank."""
     results = run_ranks(
-        _nodering_jobs.keys_job,
+        _node_ring_jobs.keys_job,
         3,
         args=(str(tmp_path),),
         env={"TRAINGUARD_SIDECAR": "node", "TRAINGUARD_NODE_ARRIVAL": "1"},
@@ -89,7 +92,7 @@ def test_the_node_watcher_beats_once_for_its_node_under_node_arrival(tmp_path) -
         r.get()
     seen = json.loads((tmp_path / "keys.json").read_text())
     assert seen["ranks"] == [False, False, False], seen
-    ranks, counter = parse_node_value(seen["node"].encode())
+    ranks, counter = parse_value(seen["node"].encode())
     assert ranks == [0, 1, 2] and counter >= 2, seen
 
 
@@ -106,10 +109,11 @@ def test_the_node_key_moves_with_its_lowest_rank_and_a_silent_node_is_judged_onc
     rings = {
         name: NodeRing(
             server,
-            keys,
+            keys.node_heartbeat,
+            position=lambda name=name: (mine[name], 0, roster),
             interval=1.0,
             timeout=3.0,
-            position=lambda name=name: (mine[name], 0, roster),
+            window=WINDOW,
             on_silent=lambda leader, ranks, *_: declared.append((leader, ranks)),
             clock=lambda: now[0],
         )
@@ -123,7 +127,7 @@ def test_the_node_key_moves_with_its_lowest_rank_and_a_silent_node_is_judged_onc
     mine["b"] = (3, 4)  # rank 2 left node b: its key says bye, the node beats under 3
     rings["b"].beat_and_look()
     assert server.get(keys.node_heartbeat(2)) == b"bye"
-    assert parse_node_value(server.get(keys.node_heartbeat(3))) == ([3, 4], 4)
+    assert parse_value(server.get(keys.node_heartbeat(3))) == ([3, 4], 4)
     for _ in range(2):
         rings["a"].beat_and_look()  # a sees 2's bye (no notice) and b's beats under 3
         now[0] += 1.0

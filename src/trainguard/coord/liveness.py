@@ -5,9 +5,9 @@ Two users, one protocol:
 - the rank sidecars (:class:`trainguard.restart.sidecar._watch.Watch`, ``name="rank"``): one
   member per rank of the current round, a window of 32, every member of the window judged, a
   look at the moment an observed member's clock runs out;
-- the launcher's agents (:class:`trainguard.launch.heartbeat.NodeHeartbeat`, ``name="node"``):
-  one member per node, a window of two live nodes (the target it judges and a backup whose
-  clock it keeps), its own judgement (a lost mark written with ``compare_set``).
+- the node ring (:class:`trainguard.coord.node_ring.NodeRing`, ``name="node"``) of the
+  launcher's agents and of the node watchers alike: one member per node, on this module's
+  beat, read, clocks and starvation rule; its judgement and protocol are its own module's.
 
 Keys (the user names them, :attr:`RingWatch.key`): one per member, for example
 ``<round prefix>hb/<rank>`` or ``trainguard/launch/<run_id>/g<gen>/node/<node>``. A key holds
@@ -56,10 +56,6 @@ reports it (``on_silent``; the sidecar's death notice is idempotent, the first c
 out). Per interval each member makes two store operations (``set``, ``multi_get`` of
 ``window`` keys), plus one ``multi_get`` at the moment an observed rank falls silent.
 
-The node ring (:mod:`trainguard.launch.heartbeat`) reads its successors in chunks until it has
-two live ones, within the same beat (a lost target's backup is judged at once), and keeps
-reading the gone ones (a replacement node is seen beating again).
-
 No torch here: the sidecar process imports this module (it talks to the store through
 :mod:`trainguard.coord._wire`).
 """
@@ -75,7 +71,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from trainguard.coord.store import StoreLike
 from trainguard.errors import ConfigError
 
-__all__ = ["BYE", "MAX_DIGITS", "RingWatch", "read_counter", "ring_after"]
+__all__ = ["BYE", "MAX_DIGITS", "Clock", "RingWatch", "clock_after", "read_counter", "ring_after"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +88,19 @@ def read_counter(raw: bytes) -> int:
     if not raw:
         return 0
     return int(raw) if len(raw) <= MAX_DIGITS and raw.isdigit() else -1
+
+
+#: one member's clock: what it showed, and when (this process's monotonic clock) that last changed
+Clock = tuple[Hashable, float]
+
+
+def clock_after(previous: Clock | None, reading: Hashable, now: float) -> tuple[Clock, float]:
+    """A member's clock after it showed ``reading`` at ``now`` (``previous``: its clock before,
+    None: not seen yet), and how long it has shown that reading: 0.0 when it changed or is
+    seen for the first time (its clock starts)."""
+    if previous is None or previous[0] != reading:
+        return (reading, now), 0.0
+    return previous, now - previous[1]
 
 
 def ring_after(me: int, members: Iterable[int]) -> list[int]:
@@ -115,7 +124,8 @@ class RingWatch:
             silent.
         window: how many members after this one it observes.
         name: what a member is, for the log ("rank", "node").
-        blank: the value a key is created with before its member's first beat.
+        blank: the value a key is created with before its member's first beat (or the value
+            of a member: a function of it).
         prefix: what this member writes before its counter (guarded: unique to this writer).
         guarded: beat with ``compare_set`` from the own last value (see :meth:`beat`).
         members: for :meth:`look`: the ring's epoch (below 0: not judged yet) and its members;
@@ -135,7 +145,7 @@ class RingWatch:
         timeout: float,
         window: int,
         name: str = "member",
-        blank: bytes = b"0",
+        blank: bytes | Callable[[int], bytes] = b"0",
         prefix: bytes = b"",
         guarded: bool = False,
         members: Callable[[], tuple[int, tuple[int, ...]]] | None = None,
@@ -152,7 +162,7 @@ class RingWatch:
         #: this member's last value written (None before its first beat)
         self.mine: bytes | None = None
         #: the observed members' clocks: member -> (what it showed, when that last changed)
-        self.seen: dict[int, tuple[Hashable, float]] = {}
+        self.seen: dict[int, Clock] = {}
         #: members this watcher saw gone (ended or declared); :meth:`look` skips them
         self.gone: set[int] = set()
         #: when an observed member is late unless it moves (set by :meth:`look`)
@@ -184,7 +194,8 @@ class RingWatch:
         """Make the keys of ``members`` exist (``compare_set`` from ``""``: a missing key only)."""
         for m in members:
             if m not in self.ensured:
-                self.store.compare_set(self.key(m), "", self.blank)
+                blank = self.blank(m) if callable(self.blank) else self.blank
+                self.store.compare_set(self.key(m), "", blank)
                 self.ensured.add(m)
 
     def read(self, members: Sequence[int]) -> tuple[list[bytes], float]:
@@ -208,11 +219,8 @@ class RingWatch:
     def clock(self, member: int, reading: Hashable, now: float) -> float:
         """Seconds ``member`` has shown ``reading`` by this process's clock at ``now``; 0.0
         when it changed (or is seen for the first time): its clock starts."""
-        previous = self.seen.get(member)
-        if previous is None or previous[0] != reading:
-            self.seen[member] = (reading, now)
-            return 0.0
-        return now - previous[1]
+        self.seen[member], silent = clock_after(self.seen.get(member), reading, now)
+        return silent
 
     def forget(self, member: int) -> None:
         """Drop ``member``'s clock (it went; should it come back it starts afresh)."""
@@ -304,7 +312,7 @@ class RingWatch:
         """What is due now: ``beat`` (default :meth:`beat_and_look`) once ``next_beat`` is
         reached, else a :meth:`look` once :attr:`due` is. Returns the next beat's time, None
         when ``beat`` returned False (no more beats). A failure goes to ``on_error`` (default:
-        logged), and no deadline is looked at again before the next beat."""
+        :meth:`failed`), and no deadline is looked at again before the next beat."""
         now = time.monotonic()
         try:
             if now >= next_beat:
@@ -315,11 +323,13 @@ class RingWatch:
                 self.look()
         except Exception as exc:
             self.due = None
-            if on_error is None:
-                logger.warning("heartbeat failed: %s", exc)
-            else:
-                on_error(exc)
+            (on_error or self.failed)(exc)
         return next_beat
+
+    def failed(self, exc: Exception) -> None:
+        """A beat or a look failed (the store did not answer): logged; the next beat tries
+        again."""
+        logger.warning("heartbeat failed: %s", exc)
 
     def run(
         self,

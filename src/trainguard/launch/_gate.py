@@ -12,9 +12,9 @@ the restart's new rendezvous round, and until then they wait.
 *rendezvous* store (the only store a new node reaches before any rendezvous round), key
 ``trainguard/launch/<run_id>/vacant``:
 
-1. The agent that declared a node lost (:class:`~trainguard.launch.heartbeat.NodeHeartbeat`'s
-   ``on_lost`` runs on exactly one agent) calls :func:`mark_vacant` with the lost node's group
-   rank and what a newcomer needs to join the running generation.
+1. The agent that declared a node lost (its node ring's ``on_lost`` runs on exactly one
+   agent, :func:`trainguard.launch.heartbeat.node_ring`) calls :func:`mark_vacant` with the
+   lost node's group rank and what a newcomer needs to join the running generation.
 2. A node that starts while the job runs calls :func:`claim_vacancy` before it joins any
    rendezvous round: it gets one vacancy (each vacancy goes to exactly one claimer) or ``None``
    (then it goes to the rendezvous and waits behind the gate).

@@ -9,8 +9,9 @@ offers (:meth:`Place.vacancy`) and what a replacement node rebuilds (:func:`adop
 the generation in the admission gate, publishes its workers' ranks and (group rank 0) drops the
 vacancies of older generations (:meth:`NodeWatch.enter`); before its first rendezvous it claims
 a vacancy and, when it gets one, takes that node's place (:meth:`NodeWatch.take_vacancy`); its
-heartbeat (:meth:`NodeWatch.heartbeat`) calls :meth:`NodeWatch.lost`, :meth:`NodeWatch.back`
-and :meth:`NodeWatch.evicted`.
+heartbeat (:meth:`NodeWatch.heartbeat`, its member of the generation's node ring:
+:func:`trainguard.launch.heartbeat.node_ring`) calls :meth:`NodeWatch.lost`, :meth:`NodeWatch.back` and
+:meth:`NodeWatch.evicted`.
 
 **Exit barrier.** torch's agents wait for each other in the rendezvous store until *every* node
 arrived, so a node that was lost costs the survivors the whole exit-barrier timeout (and when
@@ -33,6 +34,7 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import Worker, WorkerGroup
 
 from trainguard import _torchcompat, events
+from trainguard.coord.node_ring import NodeRing
 from trainguard.coord.store import StoreLike
 from trainguard.errors import ConfigError
 from trainguard.launch import _compat
@@ -45,7 +47,7 @@ from trainguard.launch._gate import (
     mark_vacant,
 )
 from trainguard.launch._keys import escalate_key, exit_key, replaced_key
-from trainguard.launch.heartbeat import NodeHeartbeat, node_ranks, publish_ranks
+from trainguard.launch.heartbeat import node_ranks, node_ring, publish_ranks
 from trainguard.launch.options import LaunchOptions
 
 __all__ = [
@@ -262,11 +264,12 @@ class NodeWatch:
                 drop_vacancies(self.gate.store, self.run_id, before=joined.generation)
         return self.place
 
-    def heartbeat(self) -> NodeHeartbeat:
-        """This node's heartbeat in the current generation, calling back into this watch."""
+    def heartbeat(self) -> NodeRing:
+        """This node's heartbeat in the current generation
+        (:func:`~trainguard.launch.heartbeat.node_ring`), calling back into this watch."""
         place = self.place
         assert place is not None and self.coord.client is not None
-        return NodeHeartbeat(
+        return node_ring(
             self.coord.client,
             run_id=place.run_id,
             generation=place.generation,

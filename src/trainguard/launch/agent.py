@@ -18,7 +18,7 @@ and changes what one worker's death does:
    rendezvous again; the next round gets a new generation.
 
 Nodes (with the node heartbeat and, for the c10d rendezvous, the admission gate; see
-:mod:`trainguard.launch.heartbeat`, :mod:`trainguard.launch._gate`,
+:mod:`trainguard.coord.node_ring`, :mod:`trainguard.launch._gate`,
 :mod:`trainguard.launch._nodes`):
 
 4. After each rendezvous the agent follows the generation in the gate, publishes its workers'
@@ -68,6 +68,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from trainguard import _env, events
+from trainguard.coord.node_ring import NodeRing
 from trainguard.launch import _agenthooks, _compat, _escalation, _preempt
 from trainguard.launch._agenthooks import Heartbeat, Service
 from trainguard.launch._coordstore import CoordStore, Generation
@@ -79,7 +80,6 @@ from trainguard.launch._quarantine import NodeQuarantine
 from trainguard.launch._signals import SignalWatch
 from trainguard.launch._slots import Escalate, Respawn, SlotPolicy, SlotTable
 from trainguard.launch._warm import WarmPool
-from trainguard.launch.heartbeat import NodeHeartbeat
 from trainguard.launch.options import LaunchOptions
 from trainguard.restart.preempt import EXIT_PREEMPTED
 
@@ -381,7 +381,7 @@ class TrainguardAgent(LocalElasticAgent):
             self.heartbeat.start()
             self.partition.start(self.heartbeat)
 
-    def node_heartbeat(self) -> NodeHeartbeat:
+    def node_heartbeat(self) -> NodeRing:
         """This node's heartbeat in the current generation (the usual ``heartbeat_factory``):
         ``--tg-heartbeat-interval``/``--tg-heartbeat-timeout``; a node it declares lost is
         counted out (:class:`~trainguard.launch._nodes.NodeWatch`)."""

@@ -46,7 +46,7 @@ class SidecarConfig:
         node_arrival: the round's records are pooled (``TRAINGUARD_NODE_ARRIVAL=1``, see
             :mod:`trainguard.restart._book`): a notice appends its departure there, and the
             node watcher arrives for its ranks and beats once for its node
-            (:mod:`._nodering`).
+            (:mod:`trainguard.coord.node_ring`).
     """
 
     rank: int

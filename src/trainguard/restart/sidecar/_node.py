@@ -6,7 +6,9 @@ It does for each rank what a sidecar does (:class:`~trainguard.restart.sidecar._
 one per rank, each with its own store connection and heartbeat thread): the death notice as
 soon as the rank's process dies (its pidfd wakes), the hard timeout, the rank's heartbeats and
 judging the ranks it observes (under node arrival the node beats once for all of them and
-judges the nodes after it instead, :mod:`._nodering`). It never imports torch
+judges the nodes after it instead: its member of the node ring,
+:class:`trainguard.coord.node_ring.NodeRing`, named by its lowest live rank and listing its
+ranks; a silent node gets a death notice for each of its ranks). It never imports torch
 (:mod:`trainguard.coord._wire`).
 
 Protocol:
@@ -53,12 +55,12 @@ from typing import Any
 from trainguard import _private
 from trainguard.coord import _wire
 from trainguard.coord.keys import Keyspace
+from trainguard.coord.node_ring import NodeRing, Position
 from trainguard.restart.sidecar._arrival import NodeArrival
 from trainguard.restart.sidecar._config import SidecarConfig
-from trainguard.restart.sidecar._nodering import NodeLiveness
 from trainguard.restart.sidecar._notice import notify
 from trainguard.restart.sidecar._relay import Relay
-from trainguard.restart.sidecar._watch import Watch
+from trainguard.restart.sidecar._watch import WINDOW, Watch
 
 logger = logging.getLogger("trainguard.restart.sidecar")
 
@@ -167,7 +169,8 @@ class NodeWatcher:
         self.relay: Relay | None = None  # made with the first rank's store address
         self.arrival: NodeArrival | None = None  # likewise, under node arrival
         self.beats: Any = None  # the one connection of every watch's beats, made likewise
-        self.liveness: NodeLiveness | None = None  # the node's beat, under node arrival
+        self.ring: NodeRing | None = None  # the node's member of the node ring, under node arrival
+        self.watching: dict[Watch, None] = {}  # the watches whose ranks the ring beats for
 
     def serve(self) -> int:
         """Accept ranks until the last has left; the number of ranks served."""
@@ -187,8 +190,8 @@ class NodeWatcher:
             self.arrival.close()
         if self.relay is not None:
             self.relay.close()
-        if self.liveness is not None:
-            self.liveness.close()
+        if self.ring is not None:  # its beats are not waited for when stuck in a store call
+            self.ring.close(wait=1.0)
         if self.beats is not None:  # not close(): a beat stuck in a call would hold it up
             self.beats.interrupt()
             self.beats = None
@@ -272,7 +275,7 @@ class NodeWatcher:
             if pidfd < 0:  # gone before the accept: its notice, from what it sent
                 self._gone_before(cfg)
                 return
-            # under node arrival the node beats once for its ranks (:mod:`._nodering`)
+            # under node arrival the node beats once for its ranks (:meth:`_node_ring`)
             heartbeats = not cfg.node_arrival
             watch = Watch(
                 cfg, store=self._beats(cfg), shared=True, pidfd=pidfd, heartbeats=heartbeats
@@ -307,14 +310,8 @@ class NodeWatcher:
                             lambda n: relay.value("ready", n),
                         )
                     self.arrival.watch(watch)
-                    if self.liveness is None:
-                        self.liveness = NodeLiveness(
-                            self._beats(cfg),
-                            self.keys,
-                            interval=cfg.heartbeat_interval,
-                            timeout=cfg.heartbeat_timeout,
-                        )
-                    self.liveness.watch(watch)
+                    self._node_ring(cfg)
+                    self.watching[watch] = None
             with contextlib.suppress(OSError):  # it died already: the watch writes its notice
                 reply = {"ok": True, "pid": os.getpid(), "relay": True}
                 reply["arrival"] = cfg.node_arrival
@@ -323,6 +320,42 @@ class NodeWatcher:
             watch.run_piped(sock.fileno(), rest)
         finally:
             watch.stop()  # its threads end with it, also when it failed
-            if self.liveness is not None:
-                self.liveness.forget(watch)
+            with self.cond:  # no longer this node's rank
+                self.watching.pop(watch, None)
             watch.close()
+
+    # node liveness -----------------------------------------------------------------------
+    def _node_ring(self, cfg: SidecarConfig) -> None:
+        """The node's member of the node ring (under :attr:`cond`, once), beating on the
+        node's shared connection; its first beat, inline, finds no rank yet: no store call."""
+        if self.ring is None:
+            self.ring = NodeRing(
+                self._beats(cfg),
+                self.keys.node_heartbeat,
+                position=self._position,
+                interval=cfg.heartbeat_interval,
+                timeout=cfg.heartbeat_timeout,
+                window=WINDOW,
+                on_silent=self._silent,
+            )
+            self.ring.start()
+
+    def _position(self) -> Position:
+        """The node ring's position: the ranks of the live watches, and the newest round one
+        of them announced, with its roster."""
+        with self.cond:
+            live = [w for w in self.watching if not w.done.is_set()]
+        newest = max((w.position() for w in live), key=lambda p: p[0], default=(-1, ()))
+        return tuple(sorted(w.rank for w in live)), newest[0], newest[1]
+
+    def _silent(
+        self, leader: int, ranks: list[int], silent: float, n: int, roster: tuple[int, ...]
+    ) -> None:
+        """The node of ``leader`` is silent: a death notice for each of its ranks, each on a
+        connection of its own, through a live watch."""
+        cause = f"its node silent: no node heartbeat for {silent:.1f} s (heartbeat_timeout)"
+        logger.warning("node of rank %d is silent: ranks %s gone", leader, ranks)
+        with self.cond:
+            live = [w for w in self.watching if not w.done.is_set()]
+        for r in ranks if live else ():
+            live[0].notices.append(live[0].notice_thread(r, n, roster, cause))

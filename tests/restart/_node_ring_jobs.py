@@ -1,17 +1,17 @@
-"""Node processes for the node liveness tests (:mod:`trainguard.restart.sidecar._nodering`):
+"""Node processes for the node watchers' node ring tests (:mod:`trainguard.coord.node_ring`):
 module level so that the spawned children can import them."""
 
 from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from typing import Any
 
 from trainguard.coord import _wire
 from trainguard.coord.keys import Keyspace
-from trainguard.restart.sidecar._nodering import NodeRing
+from trainguard.coord.node_ring import NodeRing
+from trainguard.restart.sidecar._watch import WINDOW
 
 
 class Counting:
@@ -47,19 +47,16 @@ def node_job(port: int, job: str, per_node: int, nodes: int, run_s: float) -> di
 
     ring = NodeRing(
         store,
-        keys,
+        keys.node_heartbeat,
+        position=lambda: (mine, 0, roster),
         interval=0.1,
         timeout=1.0,
-        position=lambda: (mine, 0, roster),
+        window=WINDOW,
         on_silent=silent,
     )
-    stop = threading.Event()
-    thread = threading.Thread(target=ring.run, args=(stop,))
-    thread.start()
+    ring.start()
     time.sleep(run_s)
-    stop.set()
-    thread.join()
-    ring.bye()
+    ring.close()
     return {"requests": dict(store.requests), "beats": ring.sent}
 
 
