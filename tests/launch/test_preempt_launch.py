@@ -20,12 +20,38 @@ pytestmark = pytest.mark.timeout(240)
 STEPS = 60
 
 
-def _job(tmp_path: Path, out: Path, name: str) -> Agents:
+#: a sitecustomize for the launcher: at its exit, the names of the threads still alive
+#: (daemon threads; the non-daemon ones were joined) go to a file of its pid
+_THREADS_AT_EXIT = """\
+import atexit, os, sys, threading
+def _record():
+    if sys.argv and sys.argv[0].endswith(os.path.join("launch", "__main__.py")):
+        names = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+        with open(os.path.join({folder!r}, f"threads-{{os.getpid()}}"), "w") as f:
+            f.write("\\n".join(names))
+atexit.register(_record)
+"""
+
+
+def _job(tmp_path: Path, out: Path, name: str, env: dict[str, str] | None = None) -> Agents:
     folder = tmp_path / name
     folder.mkdir()
     return Agents(
-        folder, nodes=1, nproc=2, worker=["preempt", str(out), f"--steps={STEPS}"], timeout=110
+        folder,
+        nodes=1,
+        nproc=2,
+        worker=["preempt", str(out), f"--steps={STEPS}"],
+        env=env,
+        timeout=110,
     )
+
+
+def _threads_at_exit(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A folder the launcher writes its threads at exit into, and the env that asks it to."""
+    folder = tmp_path / "threads"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(_THREADS_AT_EXIT.format(folder=str(folder)))
+    return folder, {"PYTHONPATH": str(folder)}
 
 
 def test_sigterm_to_the_launcher_saves_one_step_exits_75_and_resumes_bit_identical(
@@ -39,7 +65,8 @@ def test_sigterm_to_the_launcher_saves_one_step_exits_75_and_resumes_bit_identic
     ]
     out = tmp_path / "out"
     out.mkdir()
-    with _job(tmp_path, out, "first") as job:
+    threads, env = _threads_at_exit(tmp_path)
+    with _job(tmp_path, out, "first", env) as job:
         job.wait_for(
             lambda: all(any(p["step"] >= 23 for p in progress(out, r)) for r in (0, 1)),
             timeout=60,
@@ -51,6 +78,10 @@ def test_sigterm_to_the_launcher_saves_one_step_exits_75_and_resumes_bit_identic
         assert codes == [EXIT_PREEMPTED], text
         assert leftovers(job.run_id) == []
     assert "preempted; the workers saved their state" in text
+    # torch's rendezvous keep-alive thread ended with the launcher's work: left running, its
+    # store call could be under way as the interpreter exits, which aborts the launcher
+    (left,) = [p.read_text().split() for p in threads.glob("threads-*")]
+    assert not [name for name in left if name.startswith("RendezvousKeepAlive")], left
     assert "Traceback" not in text and "DistNetworkError" not in text
     newest = latest(out / "ckpt")
     assert newest is not None

@@ -314,6 +314,15 @@ def launch_agent(
     finally:
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
+        else:  # the rendezvous stays open, but this node's keep-alive writes end here: a
+            # daemon thread inside a C++ store call while the interpreter exits aborts it
+            from trainguard.launch import _compat
+            from trainguard.launch._gate import AdmissionGate
+
+            handler = spec.rdzv_handler
+            _compat.stop_keepalive(
+                handler.handler if isinstance(handler, AdmissionGate) else handler
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
