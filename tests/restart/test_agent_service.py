@@ -21,6 +21,7 @@ import pytest
 
 from tests._dist import RankGroup, live_processes, proc_stat
 from tests.restart import _faults, _jobs
+from tests.restart._barrier_records import left_at, record_at
 from trainguard.coord import Keyspace
 from trainguard.coord.store import connect
 from trainguard.errors import CoordinationError
@@ -145,7 +146,7 @@ def test_hard_timeout_continues_and_kills_the_workers_group(store_addr, service,
     assert "killed by the launcher at the hard timeout (no progress" in log, log
     keys = Keyspace("hard", 0, config.secret)
     store = connect(*store_addr, timeout=10)
-    assert "hard timeout" in json.loads(bytes(store.get(keys.member(0, 0))))["leave"]
+    assert "hard timeout" in left_at(store, keys, 0, 0)
 
 
 def test_unannounced_process_is_refused(store_addr, service, tmp_path):
@@ -197,21 +198,8 @@ def test_gone_writes_the_notice_of_a_rank_of_a_lost_node(store_addr, service):
         assert hello["reply"]["ok"] is True
         service.gone(2, "its node was lost")
         store = connect(*store_addr, timeout=10)
-        key = Keyspace("gone", 0, config.secret).member(0, 2)
-        deadline = time.monotonic() + 20
-        while not store.check([key]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert json.loads(bytes(store.get(key)))["leave"] == "its node was lost"
-
-
-def _left_at(store: Any, keys: Keyspace, n: int, r: int, timeout: float = 20) -> str:
-    """Why rank ``r``'s record at round ``n``'s barrier says it left (waits for it)."""
-    key = keys.member(n, r)
-    deadline = time.monotonic() + timeout
-    while not store.check([key]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert store.check([key]), f"no notice of rank {r} at round {n}"
-    return str(json.loads(bytes(store.get(key)))["leave"])
+        keys = Keyspace("gone", 0, config.secret)
+        assert left_at(store, keys, 0, 2) == "its node was lost"
 
 
 def test_gone_before_any_worker_connected_is_written_once_one_connects(store_addr, service):
@@ -224,10 +212,11 @@ def test_gone_before_any_worker_connected_is_written_once_one_connects(store_add
     store.set(keys.latest, RoundLayout(round=3, active=[0, 1, 2], spare=[]).encode())
     service.gone(2, "its node was lost")
     time.sleep(0.5)
-    assert not store.check([keys.member(4, 2), keys.stop(3)])  # nothing to write it in yet
+    # nothing to write it in yet
+    assert record_at(store, keys, 4, 2) is None and not store.check([keys.stop(3)])
     with _worker(service, config, "sleep") as (_, hello):
         assert hello["reply"]["ok"] is True
-        assert _left_at(store, keys, 4, 2) == "its node was lost"
+        assert left_at(store, keys, 4, 2) == "its node was lost"
     assert "RankGone" in bytes(store.get(keys.stop(3))).decode()  # round 3 became a fault
 
 
@@ -243,8 +232,8 @@ def test_gone_while_the_only_worker_is_in_no_round_yet_starts_from_the_latest_ro
     with _worker(service, config, "sleep") as (_, hello):
         assert hello["reply"]["ok"] is True
         service.gone(1, "its node was lost")
-        assert _left_at(store, keys, 6, 1) == "its node was lost"
-    assert not store.check([keys.member(0, 1)])
+        assert left_at(store, keys, 6, 1) == "its node was lost"
+    assert record_at(store, keys, 0, 1) is None
 
 
 def test_gone_after_every_worker_said_goodbye_is_written_in_their_call(store_addr, service):
@@ -255,7 +244,7 @@ def test_gone_after_every_worker_said_goodbye_is_written_in_their_call(store_add
     sidecar.handshake(30)
     sidecar.stop(10)
     service.gone(2, "its node was lost")  # before any round: at round 0's barrier
-    assert _left_at(connect(*store_addr, timeout=10), keys, 0, 2) == "its node was lost"
+    assert left_at(connect(*store_addr, timeout=10), keys, 0, 2) == "its node was lost"
 
 
 def test_close_leaves_no_thread_socket_or_store_connection(store_addr, tmp_path):

@@ -14,6 +14,7 @@ import pytest
 
 from tests._dist import run_ranks
 from tests.restart import _faults
+from tests.restart._barrier_records import left_at
 from tests.restart.test_faults import _check_shrunk
 from trainguard.events import read_events
 
@@ -122,8 +123,7 @@ def test_a_rank_killed_before_it_read_the_reply_still_gets_its_notice(tmp_path) 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
     _rank_that_dies_unread(store.port, tmp_path, secret)
     keys = Keyspace("unread", 0, secret)
-    record = bytes(store.get(keys.member(0, 1)))  # waits for the notice (store timeout 30 s)
-    assert b"process died" in record, record
+    assert "process died" in left_at(store, keys, 0, 1, timeout=30)
     (log,) = tmp_path.glob("sidecar-node-*.log")
     pid = int(re.findall(r"node watcher pid (\d+) ", log.read_text())[0])
     deadline = time.monotonic() + 10
@@ -162,9 +162,9 @@ def test_a_rank_dead_before_its_watcher_accepted_it_still_gets_its_notice(tmp_pa
     finally:
         os.kill(watcher.watcher_pid, signal.SIGCONT)
     try:
-        record = bytes(store.get(keys.member(0, 1)))  # waits for the notice (30 s)
-        assert b"process died" in record, record
-        assert b"before its node watcher took it" in record, record
+        why = left_at(store, keys, 0, 1, timeout=30)
+        assert "process died" in why, why
+        assert "before its node watcher took it" in why, why
     finally:
         watcher.stop(10)
 
