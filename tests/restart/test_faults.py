@@ -214,8 +214,14 @@ def test_hard_timeout_kills_on_time_while_the_store_is_stopped(tmp_path) -> None
 def test_death_inside_the_barrier_does_not_hold_the_others(when: str, tmp_path) -> None:
     """Rank 2 arrives last at round 0's barrier and dies after writing its record: before
     its count, or after it (it would have published the round). Its sidecar completes the
-    arrival; the others start round 0 without it at once (barrier_timeout is 20 s)."""
-    results = run_ranks(_faults.barrier_death_job, 4, args=(2, when, str(tmp_path)), timeout=120)
+    arrival; the others start round 0 without it at once (barrier_timeout is 20 s).
+
+    The rank's own arrival (records of their own): under node arrival the watcher arrives for
+    it, and the same deaths are those of ``tests/restart/test_node_arrival.py`` (a rank killed
+    before or after it handed its record to the node)."""
+    env = {"TRAINGUARD_NODE_ARRIVAL": "0"}
+    args = (2, when, str(tmp_path))
+    results = run_ranks(_faults.barrier_death_job, 4, args=args, env=env, timeout=120)
     assert results[2].exitcode == -9
     died = float((tmp_path / "fault-2").read_text())
     expected = _jobs.reference(10, 4, switch=0, after=3)
