@@ -44,7 +44,8 @@ newest release trainguard was tested with.
 
 Not an error and not in this tree: ``trainguard.restart.RestartInterrupt`` (a
 ``BaseException``) is raised inside the wrapped function to unwind it when a round is aborted;
-the wrapper catches it.
+the wrapper catches it. Nor is ``trainguard._aborts.RoundOver``: a store call that a
+background thread did not send because its round was aborted; it never leaves the library.
 """
 
 from __future__ import annotations

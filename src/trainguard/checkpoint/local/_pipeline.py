@@ -111,8 +111,11 @@ class SavePipeline:
         self._aborts = _aborts.count()  # another count: the round was aborted
         # the background thread's client, connected here: a thread connecting for itself could
         # wait out the whole connect timeout on a store whose round ended meanwhile, and
-        # close() (the next round's re-bind) waits for that thread
-        self._bg_store: Store | None = link.client() if link is not None else None
+        # close() (the next round's re-bind) waits for that thread; its calls never wait and
+        # go through _aborts.bound: an abort's shutdown of the round's connections cuts none
+        self._bg_store: Store | None = (
+            _aborts.bound(link.client(), self._aborts) if link is not None else None
+        )
         # the caller's (``caller_store``: one the caller's thread uses for its own waits too)
         if link is not None and caller_store is None:
             caller_store = link.client()
