@@ -22,7 +22,7 @@ import pytest
 from tests.cluster._hosts import Cluster
 from tests.cluster._job import HostJob, records
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = pytest.mark.timeout(240)
 
 HB = ["--tg-heartbeat-interval=0.5", "--tg-heartbeat-timeout=3", "--tg-exit-barrier-timeout=20"]
 DELAY = 8.0  # seconds a replacement's worker sleeps before it imports torch and the Wrapper
@@ -52,7 +52,7 @@ def test_a_node_lost_while_the_declaring_agent_s_workers_start_is_counted_out(
     worker = ["wrapper", str(out), "--active=4", "--steps=20", "--step=0.1"]
     worker.append(f"--newcomer-delay={DELAY:g}")
     extra = [*HB, "--max-restarts=0"]
-    job = HostJob(c, tmp_path, nproc=2, worker=worker, extra=extra, hosts=[h1, h2, h3])
+    job = HostJob(c, tmp_path, nproc=2, worker=worker, extra=extra, hosts=[h1, h2, h3], timeout=220)
     job.start()
     job.wait_for(lambda: _trained(out, {0, 1, 2, 3}, -1), what="round 0 on 4 ranks", timeout=90)
     c.kill_host(h2)
@@ -68,14 +68,23 @@ def test_a_node_lost_while_the_declaring_agent_s_workers_start_is_counted_out(
     time.sleep(0.5)
     c.kill_host(h3)
     killed, killed_wall = time.monotonic(), time.time()
-    # h1's ranks train again (with h4's newcomers or without them), well within the barrier
-    # timeout (60 s) that they ran into before the fix
+    # h4 writes the notices once a worker of its own connects: after its 8 s sleep and its
+    # imports, which can take half a minute on a loaded machine
+    pids = {s["pid"] for s in newcomers()}
+
+    def connected() -> list[float]:
+        return [r["time"] for r in records(out / "ready.jsonl") if r["pid"] in pids]
+
+    job.wait_for(connected, what="h4's workers past their imports", timeout=100)
+    ready = time.monotonic()
+    # then h1's ranks train again (with h4's newcomers or without them), well within the
+    # barrier timeout (60 s from h3's loss) that they ran into before the fix
     (again, *_) = job.wait_for(
         lambda: _trained(out, {0, 1}, without_h2),
         what="h1's ranks training again after h3's loss",
-        timeout=40,
+        timeout=30,
     )
-    took = time.monotonic() - killed
+    took, after_ready = time.monotonic() - killed, time.monotonic() - ready
     (out / "hold").unlink()
     h4_log = (tmp_path / "agent-h4.log").read_text()
     assert "node 2 (ranks [4, 5]) is lost" in h4_log, job.output()
@@ -85,7 +94,9 @@ def test_a_node_lost_while_the_declaring_agent_s_workers_start_is_counted_out(
     assert {s["generation"] for s in records(out / "starts.jsonl")} == {"0"}, "job restarted"
     # h4 declared it (>= 2.5 s after the kill: its last beat, then the 3 s timeout) before
     # any of its workers was in a wrapped call (they finish importing only after that)
-    pids = {s["pid"] for s in newcomers()}
-    imported = [r["time"] for r in records(out / "ready.jsonl") if r["pid"] in pids]
+    imported = connected()
     assert len(imported) == 2 and min(imported) > killed_wall + 3.0, (imported, killed_wall)
-    print(f"h1's ranks trained again in round {again}, {took:.1f} s after h3 was killed")
+    print(
+        f"h1's ranks trained again in round {again}, {took:.1f} s after h3 was killed, "
+        f"{after_ready:.1f} s after h4's workers were past their imports"
+    )
