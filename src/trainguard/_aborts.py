@@ -17,13 +17,15 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Any
+from typing import Any, TypeVar, cast
 
 __all__ = ["RoundOver", "bound", "count", "note"]
 
 #: how long :func:`note` waits for bound calls in flight (they never wait on the store; one
 #: to a store whose host died is cut after this)
 IN_FLIGHT_WAIT_S = 0.5
+
+_S = TypeVar("_S")
 
 _counter = itertools.count(1)
 _count = 0
@@ -54,7 +56,7 @@ def count() -> int:
 class _Bound:
     """``store`` for a thread bound to the round whose abort count was ``n``."""
 
-    def __init__(self, store: Any, n: int) -> None:
+    def __init__(self, store: object, n: int) -> None:
         self._store = store
         self._n = n
 
@@ -80,9 +82,9 @@ class _Bound:
         return call
 
 
-def bound(store: Any, n: int) -> Any:
+def bound(store: _S, n: int) -> _S:
     """``store``, whose calls are refused once the round of abort count ``n`` is over and are
     waited for by :func:`note` while in flight. For calls that never wait (``get``, ``set``,
     ``add``, ``check``, ``compare_set``, ``delete_key``): a :func:`note` waits for a blocked
     ``wait`` only ``IN_FLIGHT_WAIT_S``."""
-    return _Bound(store, n)
+    return cast(_S, _Bound(store, n))
