@@ -16,7 +16,10 @@ def test_a_notice_that_lays_out_the_round_admits_a_waiting_newcomer() -> None:
     store, keys, cfg = _published_round_0(tr.MaxActiveWorldSize(2))  # active 0, 1; spare 2
     write_notice(store, cfg, 1, 0, (0, 1, 2), "killed")  # rank 1 out; spare 2 takes its place
     policies = cfg.round_policies()
-    books = {r: RoundBook(store, keys, 3, policies, store_timeout=5.0, writer=r) for r in (0, 2)}
+    books = {
+        r: RoundBook(store, keys, 3, policies, store_timeout=5.0, writer=r, pooled=cfg.node_arrival)
+        for r in (0, 2)
+    }
     for n in (1, 2):
         store.set(keys.pg_addr(n), "127.0.0.1:1")
     for r, book in books.items():

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.restart._barrier_records import left_at, record_at
 from trainguard.coord import Keyspace
 from trainguard.errors import CoordinationError
 from trainguard.restart.config import WrapperConfig
@@ -106,15 +107,18 @@ def test_garbage_in_a_heartbeat_key_does_not_stop_liveness_checks(store, watched
     try:
         assert sidecar.send({"round": 0, "roster": [0, 1, 2]})
         start = time.monotonic()
-        gone = [keys.member(1, 1), keys.member(1, 2)]  # both declared gone: departures
+
+        def gone() -> list[str]:  # both declared gone: departures at round 1's barrier
+            records = [record_at(store, keys, 1, r) for r in (1, 2)]
+            return [str(r.leave) for r in records if r is not None and r.leave]
+
         while time.monotonic() - start < 20:  # the watchdog's lines keep the hard timeout off
             sidecar.send({"hb": 1, "in_fn": True, "stall": 0.0})
-            if store.check(gone):
+            if len(gone()) == 2:
                 break
             time.sleep(0.1)
-        assert store.check(gone), "the sidecar stopped judging heartbeats"
-        records = [json.loads(bytes(store.get(k))) for k in gone]
-        assert all("no heartbeat" in r["leave"] for r in records), records
+        assert len(gone()) == 2, "the sidecar stopped judging heartbeats"
+        assert all("no heartbeat" in why for why in gone()), gone()
         outcome = json.loads(bytes(store.get(keys.stop(0))))
         assert outcome["type"] == "RankGone", outcome
     finally:
@@ -181,8 +185,7 @@ def test_the_sidecar_runs_without_torch_and_writes_the_death_notice(store, watch
         killed = time.monotonic()
         assert sidecar.proc.wait(30) == 0
         assert time.monotonic() - killed < 10  # the notice waits for no heartbeat timeout
-        record = json.loads(bytes(store.get(keys.member(1, 0))))
-        assert "process died" in record["leave"], record
+        assert "process died" in left_at(store, keys, 1, 0)
         outcome = json.loads(bytes(store.get(keys.stop(0))))
         assert outcome["type"] == "RankGone" and outcome["rank"] == 0, outcome
     finally:
