@@ -38,10 +38,11 @@ VARIABLES: dict[str, str] = {
     "the launcher",
     "TRAINGUARD_SIDECAR": "'node' (default: one watcher process per node, shared by its ranks) "
     "or 'process' (one sidecar process per rank); ignored under `trainguard launch`",
-    "TRAINGUARD_NODE_ARRIVAL": "'1': the node watcher arrives at each barrier for its ranks (one "
-    "append and one add per node per round, not two requests per rank) and beats once for its "
-    "node (two requests per node per heartbeat interval, not two per rank); the same on every "
-    "node; default '0'",
+    "TRAINGUARD_NODE_ARRIVAL": "'1' (default): the node watcher arrives at each barrier for its "
+    "ranks (one append and one add per node per round, not two requests per rank) and beats "
+    "once for its node (two requests per node per heartbeat interval, not two per rank); '0': "
+    "each rank arrives and beats by itself (the per-rank protocol, to be removed); the same on "
+    "every node",
     "TRAINGUARD_HOST_NAME": "the host name a rank reports for the placement of local checkpoint "
     "copies (CliqueReplication by host) and to in-process restart (fault attribution, "
     "Quarantine); default socket.gethostname()",
@@ -71,7 +72,7 @@ class Settings:
     incarnation: int = 0
     agent: str | None = None
     sidecar: str = "node"
-    node_arrival: bool = False
+    node_arrival: bool = True
     demo_model_mib: int = 0
     host_name: str | None = None
     overwrite_kill_at: str | None = None
@@ -197,7 +198,7 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
         incarnation=_count("TRAINGUARD_INCARNATION", incarnation) if incarnation else 0,
         agent=get("TRAINGUARD_AGENT"),
         sidecar=_sidecar(sidecar) if (sidecar := get("TRAINGUARD_SIDECAR")) else "node",
-        node_arrival=_flag("TRAINGUARD_NODE_ARRIVAL", get("TRAINGUARD_NODE_ARRIVAL")),
+        node_arrival=_flag("TRAINGUARD_NODE_ARRIVAL", get("TRAINGUARD_NODE_ARRIVAL") or "1"),
         demo_model_mib=_count("TRAINGUARD_DEMO_MODEL_MIB", mib, "trainguard demo --model-mib")
         if mib
         else 0,

@@ -43,9 +43,9 @@ class SidecarConfig:
             could not be pickled (lambdas): a notice that lays a round out then uses the
             defaults (:class:`ShiftRanks`, no filter, no retry limit).
         store_timeout ... heartbeat_timeout: the Wrapper's timeouts, in seconds.
-        node_arrival: the round's records are pooled (``TRAINGUARD_NODE_ARRIVAL=1``, see
-            :mod:`trainguard.restart._book`): a notice appends its departure there, and the
-            node watcher arrives for its ranks and beats once for its node
+        node_arrival: the round's records are pooled (the default; ``TRAINGUARD_NODE_ARRIVAL=0``
+            turns it off; see :mod:`trainguard.restart._book`): a notice appends its departure
+            there, and the node watcher arrives for its ranks and beats once for its node
             (:mod:`trainguard.coord.node_ring`).
     """
 
@@ -65,7 +65,7 @@ class SidecarConfig:
     termination_grace_time: float
     heartbeat_interval: float
     heartbeat_timeout: float
-    node_arrival: bool = False
+    node_arrival: bool = True
 
     @classmethod
     def build(
