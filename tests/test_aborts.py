@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -51,6 +52,20 @@ def server() -> Iterator[tuple[subprocess.Popen[str], int]]:
             proc.stdout.close()
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped: a thread still running
+    for a moment after the signal would answer the call."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        tasks = Path(f"/proc/{pid}/task")
+        states = [(t / "stat").read_text().rpartition(")")[2].split()[0] for t in tasks.iterdir()]
+        if all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} did not stop: {states}")
+
+
 def _in_flight(store: Any) -> tuple[threading.Thread, dict[str, Any]]:
     got: dict[str, Any] = {}
 
@@ -63,7 +78,7 @@ def _in_flight(store: Any) -> tuple[threading.Thread, dict[str, Any]]:
     thread = threading.Thread(target=call)
     thread.start()
     time.sleep(0.2)  # on the wire: the server is stopped
-    assert thread.is_alive()
+    assert thread.is_alive(), got
     return thread, got
 
 
@@ -74,7 +89,7 @@ def test_an_abort_waits_for_the_call_in_flight_then_refuses_the_next(
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
     store = _aborts.bound(client, _aborts.count())
     assert store.check(["k"]) is False  # a call of a live round goes through
-    os.kill(proc.pid, signal.SIGSTOP)
+    _stop(proc.pid)
     thread, got = _in_flight(store)
     threading.Timer(0.3, os.kill, (proc.pid, signal.SIGCONT)).start()
     start = time.monotonic()
@@ -94,7 +109,7 @@ def test_a_call_that_never_ends_holds_the_abort_only_so_long(
     proc, port = server
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
     store = _aborts.bound(client, _aborts.count())
-    os.kill(proc.pid, signal.SIGSTOP)  # a store host that stopped answering
+    _stop(proc.pid)  # a store host that stopped answering
     thread, got = _in_flight(store)
     start = time.monotonic()
     _aborts.note(wait=0.3)

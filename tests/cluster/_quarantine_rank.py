@@ -1,6 +1,8 @@
 """One rank of a wrapped job on an emulated host, for the quarantine tests: 3 ranks. ``flaky``:
 2 active, the rank on the second host raises whenever it is active; ``software``: all 3
-active, every rank raises the same error at the same place, every round (a bug, no host's).
+active, every rank raises the same error at the same place, every round (a bug, no host's);
+``software-skewed``: the same, but the ranks of the other hosts raise it 3 s after the first
+host's, so that its fault's abort interrupts them first while it takes part.
 
 Run as ``python tests/cluster/_quarantine_rank.py OUT_DIR [flaky|software]`` with RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set; writes ``OUT_DIR/result-<rank>.json``
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,7 @@ def main(out_dir: str, mode: str = "flaky") -> None:
     @tr.Wrapper(
         rank_assignment=tr.FillGaps(),
         rank_filter=tr.MaxActiveWorldSize(2 if mode == "flaky" else 3),
+        max_repeated_faults=4 if mode == "software-skewed" else 3,
         quarantine=tr.Quarantine(after=2, probes=[], file=out / "exclude"),
         barrier_timeout=60,
         store_timeout=20,
@@ -46,7 +50,9 @@ def main(out_dir: str, mode: str = "flaky") -> None:
         dist.init_process_group("gloo")
         ones = torch.ones(1)
         dist.all_reduce(ones)
-        if mode == "software":
+        if mode.startswith("software"):
+            if mode == "software-skewed" and socket.gethostname() != "h1":
+                time.sleep(3.0)  # interrupted here by h1's fault while h1 takes part
             raise ValueError("index out of range in the data loader")
         if socket.gethostname() == "h2":
             raise OSError("the NIC dropped the link")

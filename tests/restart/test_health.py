@@ -68,6 +68,22 @@ def test_a_cause_seen_on_another_host_counts_against_none() -> None:
     assert not other.out  # one counted fault only
 
 
+def test_a_host_out_for_a_cause_then_seen_elsewhere_is_let_go() -> None:
+    # the CI's run: rank 0's fault interrupted the others before they raised the same error
+    # (twice), so h1 went out for a software bug; h2 raises it in the next round
+    state = _judge(_judge(Health(), _blame("h1", 10), now=10), _blame("h1", 20), now=20)
+    assert list(state.out) == ["h1"]
+    state = _judge(state, _blame("h2", 30), now=30, raised={"h2": {_blame("h2", 0).cause}})
+    assert not state.out and state.freed == ("h1",) and state.back == ()
+    assert state.blame is not None and not state.blame.counted  # nor does it count against h2
+    assert Health.decode(state.encode()) == state
+    # a host out for two causes stays out while one of them was seen on no other host
+    state = _judge(Health(), _blame("h1", 10), now=10)
+    state = _judge(state, _blame("h1", 20, cause="OSError @ /job/io.py:3"), now=20)
+    state = _judge(state, _blame("h2", 30), now=30)
+    assert list(state.out) == ["h1"] and state.freed == ()
+
+
 def test_a_quarantined_host_comes_back_after_consecutive_passing_probes() -> None:
     state = _judge(_judge(Health(), _blame("h1", 1), now=1), _blame("h1", 2), now=2)
     state = _judge(state, None, now=3, probes={"h1": ["ok"]})

@@ -36,6 +36,8 @@ def summary(events: list[dict[str, Any]]) -> dict[str, Any]:
             out[str(e.get("quarantined_host"))] = str(e.get("why", ""))
         elif kind == "host_readmitted":
             back[str(e.get("quarantined_host"))] += 1
+        elif kind == "host_released":  # taken out for what proved a software bug
+            out.pop(str(e.get("quarantined_host")), None)
     hosts: list[dict[str, Any]] = []
     for host in sorted(set(faults) | set(out)):
         evs = faults.get(host, [])

@@ -7,12 +7,18 @@ Kept by whoever lays a round out (:mod:`._book`) and published with the round (t
 - ``hosts``: host -> the initial ranks seen on it (a gone rank's host is found here);
 - ``seen``: ``[host, cause, time, blamed]`` for each fault within the window: the round's
   attributed fault (``blamed``) and the causes the other ranks raised in that round;
-- ``out``: quarantined host -> ``{"since", "why", "passes"}`` (consecutive passing probes);
+- ``out``: quarantined host -> ``{"since", "why", "passes", "causes"}`` (consecutive passing
+  probes; the causes that took it out);
 - ``blame``: the fault that ended the round before, attributed (:class:`~._attribution.Blame`);
-- ``new``, ``back``: the hosts taken out, readmitted, at this round.
+- ``new``, ``back``, ``freed``: the hosts taken out, readmitted (their probes passed), and let
+  go (their causes were seen on other hosts since) at this round.
 
 A cause seen on two or more hosts within the window is a software bug: it counts against no
 host (the repeat detection, ``max_repeated_faults``, still ends a job that keeps failing so).
+That may become clear only after a host was taken out for it: the ranks elsewhere may have
+been interrupted by the first rank's fault before they reached the same error. A quarantined
+host all of whose causes were seen on another host since is let go (``freed``): it was the
+software, not the host.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class Health:
     blame: Blame | None = None
     new: tuple[str, ...] = ()
     back: tuple[str, ...] = ()
+    freed: tuple[str, ...] = ()
 
     def software(self) -> set[str]:
         """The causes seen on more than one host (within the window)."""
@@ -93,6 +100,7 @@ class Health:
             seen.append((blame.host, blame.cause, blame.time, True))
         out = {h: dict(v) for h, v in self.out.items()}
         back = self._probed(out, probes, readmit_after)
+        freed = _freed(out, seen)  # their causes go back into seen: they count against none
         state = dataclasses.replace(self, seen=tuple(seen))
         new = []
         if blame is not None and blame.host and blame.host not in out:
@@ -100,9 +108,9 @@ class Health:
             blame = dataclasses.replace(blame, counted=blame.cause in counted)
             if len(counted) >= after:
                 new.append(blame.host)
-                listed = ", ".join(sorted(set(counted)))
-                why = f"{len(counted)} faults within {window:g} s ({listed})"
-                out[blame.host] = {"since": now, "why": why, "passes": 0}
+                took = sorted(set(counted))
+                why = f"{len(counted)} faults within {window:g} s ({', '.join(took)})"
+                out[blame.host] = {"since": now, "why": why, "passes": 0, "causes": took}
         elif blame is not None:
             blame = dataclasses.replace(blame, counted=False)
         cleared = set(new) | set(back)  # a host starts afresh once out or back
@@ -114,6 +122,7 @@ class Health:
             blame=blame,
             new=tuple(new),
             back=tuple(back),
+            freed=tuple(freed),
         )
         return Verdict(health, tuple(new), tuple(back))
 
@@ -146,6 +155,7 @@ class Health:
             "blame": self.blame.encode() if self.blame is not None else None,
             "new": list(self.new),
             "back": list(self.back),
+            "freed": list(self.freed),
         }
 
     @classmethod
@@ -179,7 +189,24 @@ class Health:
             blame=Blame.decode(value.get("blame")),
             new=_strings(value.get("new")),
             back=_strings(value.get("back")),
+            freed=_strings(value.get("freed")),
         )
+
+
+def _freed(out: dict[str, dict[str, Any]], seen: list[tuple[str, str, float, bool]]) -> list[str]:
+    """Let go of (remove from ``out``, return) the quarantined hosts all of whose causes were
+    seen on another host within the window (``seen``): a software bug, not the host. Their
+    causes are added to ``seen`` (not blamed), so that they count against no host from now."""
+    freed = []
+    for host, state in out.items():
+        causes = _strings(state.get("causes"))
+        if causes and all(any(h != host and c == cause for h, c, _, _ in seen) for cause in causes):
+            freed.append(host)
+            since = float(state.get("since", 0.0))
+            seen.extend((host, cause, since, False) for cause in causes)
+    for host in freed:
+        del out[host]
+    return freed
 
 
 def _strings(value: object) -> tuple[str, ...]:

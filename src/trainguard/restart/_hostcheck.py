@@ -103,6 +103,10 @@ class HostCheck:
         for host in health.back:
             logger.warning("host %s passed its probes: back as a spare", host)
             events.emit("host_readmitted", quarantined_host=host)
+        for host in health.freed:
+            why = "the causes of its faults were seen on other hosts since: a software bug"
+            logger.warning("host %s let go: %s", host, why)
+            events.emit("host_released", quarantined_host=host, why=why)
         if self.quarantine is not None and ready.health is not None:
             try:
                 self.quarantine.write(sorted(health.out))
