@@ -66,6 +66,12 @@ def _stop(pid: int) -> None:
     raise AssertionError(f"pid {pid} did not stop: {states}")
 
 
+def _bound(port: int) -> Any:
+    """A client of the server on ``port``, bound to the current round (as a pipeline's)."""
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    return _aborts.bound(client, _aborts.count())
+
+
 def _in_flight(store: Any) -> tuple[threading.Thread, dict[str, Any]]:
     got: dict[str, Any] = {}
 
@@ -86,8 +92,7 @@ def test_an_abort_waits_for_the_call_in_flight_then_refuses_the_next(
     server: tuple[subprocess.Popen[str], int],
 ) -> None:
     proc, port = server
-    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
-    store = _aborts.bound(client, _aborts.count())
+    store = _bound(port)
     assert store.check(["k"]) is False  # a call of a live round goes through
     _stop(proc.pid)
     thread, got = _in_flight(store)
@@ -107,8 +112,7 @@ def test_a_call_that_never_ends_holds_the_abort_only_so_long(
     server: tuple[subprocess.Popen[str], int],
 ) -> None:
     proc, port = server
-    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
-    store = _aborts.bound(client, _aborts.count())
+    store = _bound(port)
     _stop(proc.pid)  # a store host that stopped answering
     thread, got = _in_flight(store)
     start = time.monotonic()
@@ -125,7 +129,6 @@ def test_a_store_bound_to_a_later_round_is_not_refused(
 ) -> None:
     _, port = server
     _aborts.note(wait=0)
-    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
-    store = _aborts.bound(client, _aborts.count())  # the next round's pipeline
+    store = _bound(port)  # the next round's pipeline
     store.set("k", "v")
     assert store.get("k") == b"v" and store.port == port  # attributes pass through
