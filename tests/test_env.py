@@ -66,3 +66,13 @@ def test_sidecar_mode_is_process_or_node() -> None:
     assert _env.settings({"TRAINGUARD_SIDECAR": "node"}).sidecar == "node"
     with pytest.raises(ConfigError, match=r"'process' .* or 'node'"):
         _env.settings({"TRAINGUARD_SIDECAR": "per-node"})
+
+
+def test_a_removed_variable_is_refused_unless_it_names_what_is_left(caplog) -> None:
+    """``TRAINGUARD_NODE_ARRIVAL=0`` asked for the per-key protocol, which is gone: refused
+    when the settings are read, with the fix; ``1`` (the only protocol) is accepted quietly."""
+    with pytest.raises(ConfigError, match=r"TRAINGUARD_NODE_ARRIVAL='0' is no longer .*unset it"):
+        _env.settings({"TRAINGUARD_NODE_ARRIVAL": "0"})
+    with caplog.at_level(logging.WARNING, logger="trainguard._env"):
+        _env.settings({"TRAINGUARD_NODE_ARRIVAL": "1"})
+    assert not caplog.records

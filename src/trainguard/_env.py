@@ -38,11 +38,6 @@ VARIABLES: dict[str, str] = {
     "the launcher",
     "TRAINGUARD_SIDECAR": "'node' (default: one watcher process per node, shared by its ranks) "
     "or 'process' (one sidecar process per rank); ignored under `trainguard launch`",
-    "TRAINGUARD_NODE_ARRIVAL": "'1' (default): the node watcher arrives at each barrier for its "
-    "ranks (one append and one add per node per round, not two requests per rank) and beats "
-    "once for its node (two requests per node per heartbeat interval, not two per rank); '0': "
-    "each rank arrives and beats by itself (the per-rank protocol, to be removed); the same on "
-    "every node",
     "TRAINGUARD_HOST_NAME": "the host name a rank reports for the placement of local checkpoint "
     "copies (CliqueReplication by host) and to in-process restart (fault attribution, "
     "Quarantine); default socket.gethostname()",
@@ -56,6 +51,16 @@ VARIABLES: dict[str, str] = {
     "--tg-preemption-grace` sets it for its workers",
     "TRAINGUARD_DEMO_MODEL_MIB": "`trainguard demo` only: pad the demo model's checkpointed state "
     "to about this many MiB per rank (0: no padding); set by `trainguard demo --model-mib`",
+}
+
+#: variables of removed behaviour -> (the values that name what is left, ignored; why any
+#: other value is refused)
+REMOVED: dict[str, tuple[frozenset[str], str]] = {
+    "TRAINGUARD_NODE_ARRIVAL": (
+        frozenset({"1"}),
+        "the node watcher (or the agent of `trainguard launch`) always arrives at the barriers "
+        "for its ranks, and a rank without one arrives by itself in the same pooled records",
+    ),
 }
 
 
@@ -72,7 +77,6 @@ class Settings:
     incarnation: int = 0
     agent: str | None = None
     sidecar: str = "node"
-    node_arrival: bool = True
     demo_model_mib: int = 0
     host_name: str | None = None
     overwrite_kill_at: str | None = None
@@ -169,8 +173,14 @@ def _quarantine(value: str) -> dict[str, object]:
 def settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Read the ``TRAINGUARD_*`` variables from ``environ`` (default ``os.environ``)."""
     env = os.environ if environ is None else environ
+    for name, (same, why) in REMOVED.items():
+        value = env.get(name, "").strip()
+        if value and value not in same:
+            raise ConfigError(f"{name}={value!r} is no longer supported: {why}; unset it")
     unknown = sorted(
-        k for k in env if k.startswith(PREFIX) and k not in VARIABLES and k not in _warned
+        k
+        for k in env
+        if k.startswith(PREFIX) and k not in VARIABLES and k not in REMOVED and k not in _warned
     )
     if unknown:
         _warned.update(unknown)
@@ -198,7 +208,6 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
         incarnation=_count("TRAINGUARD_INCARNATION", incarnation) if incarnation else 0,
         agent=get("TRAINGUARD_AGENT"),
         sidecar=_sidecar(sidecar) if (sidecar := get("TRAINGUARD_SIDECAR")) else "node",
-        node_arrival=_flag("TRAINGUARD_NODE_ARRIVAL", get("TRAINGUARD_NODE_ARRIVAL") or "1"),
         demo_model_mib=_count("TRAINGUARD_DEMO_MODEL_MIB", mib, "trainguard demo --model-mib")
         if mib
         else 0,

@@ -1,5 +1,5 @@
-"""One rank of a wrapped job on an emulated host, under the node watcher with node arrival
-(``TRAINGUARD_SIDECAR=node``, ``TRAINGUARD_NODE_ARRIVAL=1``), for the node liveness test.
+"""One rank of a wrapped job on an emulated host, under the node watcher (which arrives
+at the barriers for its ranks), for the node liveness test.
 
 Run as ``python tests/cluster/_node_rank.py OUT_DIR`` with RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR and MASTER_PORT set. It writes its node watcher's pid (from its handshake) to

@@ -1,6 +1,5 @@
 """Node liveness on emulated hosts (:mod:`trainguard.coord.node_ring`): two hosts
-of two ranks each, a node watcher on each (``TRAINGUARD_SIDECAR=node``,
-``TRAINGUARD_NODE_ARRIVAL=1``), a real store on the first. The second host's watcher is
+of two ranks each, a node watcher on each, a real store on the first. The second host's watcher is
 stopped (SIGSTOP; its pid from its ranks' handshakes, never found by scanning): the first
 host's watcher finds the node's key silent and declares both of its ranks gone; the first
 host's ranks go on in a round of 2; no rank of the live host is declared."""
@@ -46,7 +45,6 @@ def test_a_stopped_node_watcher_gets_every_rank_of_its_node_declared(
         MASTER_PORT="29500",
         TRAINGUARD_JOB_SECRET=uuid.uuid4().hex,
         TRAINGUARD_SIDECAR="node",
-        TRAINGUARD_NODE_ARRIVAL="1",
         TRAINGUARD_EVENTS_DIR=str(events),
         PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
     )

@@ -1,4 +1,4 @@
-"""Rank functions for the node arrival tests (``TRAINGUARD_NODE_ARRIVAL=1``); module level
+"""Rank functions for the node arrival tests; module level
 for the ranks' processes. Each wraps :meth:`Session.arrive` of this rank to put a fault or a
 delay at a chosen point of its arrival at a chosen barrier, then runs
 :func:`tests.restart._faults.fault_job` (round 0 ends with ``victim``'s exception)."""

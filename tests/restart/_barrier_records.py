@@ -1,6 +1,5 @@
-"""A rank's record at a round's barrier, read as either protocol writes it: a key of its own
-(per-key records, ``TRAINGUARD_NODE_ARRIVAL=0``) or a line of the round's pool (node arrival),
-so that the tests of death notices hold under both."""
+"""A rank's record at a round's barrier: its line of the round's pool (its departure first),
+for the tests of death notices."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ import time
 from typing import Any
 
 from trainguard.coord import Keyspace
-from trainguard.restart import _pool, _records
+from trainguard.restart import _pool
 from trainguard.restart._book import peek
 from trainguard.restart._records import BarrierRecord
 
@@ -16,9 +15,6 @@ from trainguard.restart._records import BarrierRecord
 def record_at(store: Any, keys: Keyspace, n: int, r: int) -> BarrierRecord | None:
     """Rank ``r``'s record at round ``n``'s barrier (its departure first in a pool), None when
     it has none (yet)."""
-    raw = peek(store, keys.member(n, r))
-    if raw is not None:
-        return _records.record(raw)
     pool = peek(store, keys.pool(n))
     return _pool.records_of(pool).get(r) if pool is not None else None
 

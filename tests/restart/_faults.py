@@ -208,7 +208,8 @@ class _DieAtBarrier:
     """A store client of the victim's session that kills the victim at round 0's barrier:
     after its record and before its count (``before_add``), or after its count, before it
     could lay the round out (``after_add``). The victim arrives last, so that it would be the
-    one to publish the round."""
+    one to publish the round. It arrives by itself (its record appended to the round's pool,
+    then its count), as a rank does whose node watcher is gone (:func:`barrier_death_job`)."""
 
     def __init__(self, store: Any, keys: Any, rank: int, world: int, when: str, marker: Path):
         self._store, self._keys, self._rank, self._world = store, keys, rank, world
@@ -217,13 +218,13 @@ class _DieAtBarrier:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
-    def compare_set(self, key: str, expected: Any, desired: Any) -> Any:
-        if key == self._keys.member(0, self._rank):
+    def append(self, key: str, value: Any) -> Any:
+        if key == self._keys.pool(0):
             deadline = time.monotonic() + 60
             while int(self._store.add(self._keys.arrive(0), 0)) < self._world - 1:
                 assert time.monotonic() < deadline, "the others did not arrive"
                 time.sleep(0.01)
-        return self._store.compare_set(key, expected, desired)
+        return self._store.append(key, value)
 
     def add(self, key: str, amount: int) -> Any:
         if key != self._keys.arrive(0) or amount != 1:
@@ -240,7 +241,7 @@ def barrier_death_job(victim: int, when: str, out_dir: str) -> dict[str, Any]:
     if int(os.environ["RANK"]) == victim:
         from trainguard.restart._session import Session
 
-        original = Session.open
+        original, watch = Session.open, Session.watch
 
         def open_and_trap(self: Any) -> None:
             original(self)
@@ -248,5 +249,11 @@ def barrier_death_job(victim: int, when: str, out_dir: str) -> dict[str, Any]:
             book = self.book  # the barrier's store calls go through the round book
             book.store = _DieAtBarrier(book.store, self.keys, victim, self.world, when, marker)
 
+        def watch_alone(self: Any, helper: Any) -> Any:
+            store = watch(self, helper)
+            self.node = None  # it arrives by itself, not through its node watcher
+            return store
+
         Session.open = open_and_trap  # type: ignore[method-assign]
+        Session.watch = watch_alone  # type: ignore[method-assign]
     return fault_job(10, -1, -1, "none", out_dir, {"barrier_timeout": 20, "store_timeout": 10})

@@ -216,12 +216,10 @@ def test_death_inside_the_barrier_does_not_hold_the_others(when: str, tmp_path) 
     its count, or after it (it would have published the round). Its sidecar completes the
     arrival; the others start round 0 without it at once (barrier_timeout is 20 s).
 
-    The rank's own arrival (records of their own): under node arrival the watcher arrives for
-    it, and the same deaths are those of ``tests/restart/test_node_arrival.py`` (a rank killed
-    before or after it handed its record to the node)."""
-    env = {"TRAINGUARD_NODE_ARRIVAL": "0"}
+    The rank arrives by itself, as one whose node watcher is gone; the deaths of a rank that
+    handed its record to its node watcher are those of ``tests/restart/test_node_arrival.py``."""
     args = (2, when, str(tmp_path))
-    results = run_ranks(_faults.barrier_death_job, 4, args=args, env=env, timeout=120)
+    results = run_ranks(_faults.barrier_death_job, 4, args=args, timeout=120)
     assert results[2].exitcode == -9
     died = float((tmp_path / "fault-2").read_text())
     expected = _jobs.reference(10, 4, switch=0, after=3)

@@ -157,18 +157,14 @@ def test_the_wrapper_takes_a_quarantine_only() -> None:
     assert q.readmit is None and len(q.probes) == 3
 
 
-@pytest.mark.parametrize("pooled", [False, True], ids=["per-key", "node-arrival"])
 @pytest.mark.parametrize("survivor_first", [False, True], ids=["notice-first", "survivor-first"])
 def test_a_death_notice_that_lays_out_the_round_keeps_the_quarantine(
-    survivor_first: bool, pooled: bool
+    survivor_first: bool,
 ) -> None:
     """The sidecar's pickled Quarantine (without probes) and the record it follows: a host out
     in round 1 stays out in round 2 when a death notice completes round 2's barrier, and the
     death is blamed on the dead rank's host, also when a survivor's collective error (raised
-    as the dead rank's connections closed) won the round's stop key before the notice. With
-    records of their own and pooled (the ranks and the notice agree on which)."""
-    import dataclasses
-
+    as the dead rank's connections closed) won the round's stop key before the notice."""
     import torch.distributed as dist
 
     from tests.restart import _faults
@@ -192,10 +188,8 @@ def test_a_death_notice_that_lays_out_the_round_keeps_the_quarantine(
     cfg = SidecarConfig.build(
         wcfg, rank=3, world=4, keys=keys, addr=("127.0.0.1", store.port), log_dir=None
     )
-    cfg = dataclasses.replace(cfg, node_arrival=pooled)
     books = {
-        r: RoundBook(store, keys, 4, wcfg.policies, store_timeout=5.0, writer=r, pooled=pooled)
-        for r in range(4)
+        r: RoundBook(store, keys, 4, wcfg.policies, store_timeout=5.0, writer=r) for r in range(4)
     }
     for n in range(3):
         store.set(keys.pg_addr(n), "127.0.0.1:1")
@@ -203,7 +197,7 @@ def test_a_death_notice_that_lays_out_the_round_keeps_the_quarantine(
     def barrier(n: int, ranks: tuple[int, ...]) -> _records.RoundLayout | None:
         raw = None
         for r in ranks:
-            books[r].record(n, r, BarrierRecord(r, f"h{r}", 0))
+            books[r].record(n, BarrierRecord(r, f"h{r}", 0))
             raw = books[r].arrive(n) or raw
         return _records.layout(raw) if raw is not None else None
 

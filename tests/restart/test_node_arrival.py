@@ -1,4 +1,4 @@
-"""Node arrival (``TRAINGUARD_NODE_ARRIVAL=1``, :mod:`trainguard.restart.sidecar._arrival`):
+"""Node arrival (:mod:`trainguard.restart.sidecar._arrival`):
 the node watcher arrives at each barrier for its ranks, one append and one add per node.
 Real ranks on this host (one node), a real TCPStore, real SIGKILLs. Each test reads the
 watcher's log for its flushes, so that it fails if the ranks arrived on their own."""
@@ -15,7 +15,7 @@ from tests._dist import RankGroup, run_ranks
 from tests.restart import _arrival_jobs, _faults, _jobs
 from trainguard.events import read_events
 
-NODE = {"TRAINGUARD_SIDECAR": "node", "TRAINGUARD_NODE_ARRIVAL": "1"}
+NODE = {"TRAINGUARD_SIDECAR": "node"}
 _FLUSH = re.compile(r"node arrival: round (\d+), ranks \[([\d, ]*)\]([^\n]*)")
 
 

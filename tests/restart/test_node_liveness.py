@@ -85,7 +85,7 @@ def test_the_node_watcher_beats_once_for_its_node_under_node_arrival(tmp_path) -
         _node_ring_jobs.keys_job,
         3,
         args=(str(tmp_path),),
-        env={"TRAINGUARD_SIDECAR": "node", "TRAINGUARD_NODE_ARRIVAL": "1"},
+        env={"TRAINGUARD_SIDECAR": "node"},
         timeout=120,
     )
     for r in results:

@@ -16,15 +16,12 @@ def test_a_notice_that_lays_out_the_round_admits_a_waiting_newcomer() -> None:
     store, keys, cfg = _published_round_0(tr.MaxActiveWorldSize(2))  # active 0, 1; spare 2
     write_notice(store, cfg, 1, 0, (0, 1, 2), "killed")  # rank 1 out; spare 2 takes its place
     policies = cfg.round_policies()
-    books = {
-        r: RoundBook(store, keys, 3, policies, store_timeout=5.0, writer=r, pooled=cfg.node_arrival)
-        for r in (0, 2)
-    }
+    books = {r: RoundBook(store, keys, 3, policies, store_timeout=5.0, writer=r) for r in (0, 2)}
     for n in (1, 2):
         store.set(keys.pg_addr(n), "127.0.0.1:1")
     for r, book in books.items():
         book.enter(_records.layout(store.get(keys.ready(0))))
-        book.record(1, r, BarrierRecord(r, "h", r))
+        book.record(1, BarrierRecord(r, "h", r))
     assert books[0].arrive(1) is None and books[2].arrive(1) is not None
     one = _records.layout(store.get(keys.ready(1)))
     assert one.active == [0, 2] and 1 in one.gone
@@ -32,8 +29,8 @@ def test_a_notice_that_lays_out_the_round_admits_a_waiting_newcomer() -> None:
     # lost and the notice for it is the last arrival: it lays round 2 out
     newcomer = BarrierRecord(1, "h", 1)
     books[0].enter(one)
-    assert books[0].record(2, 1, newcomer) is None
-    books[0].record(2, 0, BarrierRecord(0, "h", 0))
+    books[0].record(2, newcomer)
+    books[0].record(2, BarrierRecord(0, "h", 0))
     assert books[0].arrive(2) is None
     write_notice(store, cfg, 2, 1, (0, 2), "node lost")
     two = _records.layout(store.get(keys.ready(2)))

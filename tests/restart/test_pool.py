@@ -1,11 +1,10 @@
-"""The pooled round book (node arrival, ``TRAINGUARD_NODE_ARRIVAL=1``): a round's records
+"""The round book's pool: a round's records
 appended to one key; a departure wins over an arrival in either order; the last add lays the
 round out from one read; a notice learns whether its rank had arrived first; a newcomer's
 uncounted record is admitted. In one process against a real TCPStore."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch.distributed as dist
@@ -30,11 +29,11 @@ def _job(world: int = 3) -> tuple[Any, Keyspace, Any, Any]:
     )
     for n in range(4):
         store.set(keys.pg_addr(n), "127.0.0.1:1")
-    return store, keys, wcfg, dataclasses.replace(cfg, node_arrival=True)
+    return store, keys, wcfg, cfg
 
 
 def _book(store: Any, keys: Keyspace, wcfg: Any, world: int = 3, **kw: Any) -> RoundBook:
-    return RoundBook(store, keys, world, wcfg.policies, store_timeout=5.0, pooled=True, **kw)
+    return RoundBook(store, keys, world, wcfg.policies, store_timeout=5.0, **kw)
 
 
 def test_a_departure_wins_over_an_arrival_in_either_order() -> None:
@@ -51,15 +50,13 @@ def test_a_node_arrives_for_its_ranks_with_one_append_and_one_add() -> None:
     node = _book(store, keys, wcfg)
     node.pool(0, [BarrierRecord(r, "h", r).encode() for r in (0, 1)])
     assert node.arrive(0, 2) is None  # rank 2 has not arrived
-    assert not any(store.check([keys.member(0, r)]) for r in range(3))  # no key per rank
     last = _book(store, keys, wcfg, writer=2)
-    last.record(0, 2, BarrierRecord(2, "h", 2))
+    last.record(0, BarrierRecord(2, "h", 2))
     raw = last.arrive(0)
     assert raw is not None
     assert _records.layout(raw).active == [0, 1, 2]
     # round 1: the pool of round 0 goes with the round
     last.enter(_records.layout(raw))
-    assert last.stale is None  # pooled: no record of its own to delete
     node.enter(_records.layout(raw))
     node.pool(1, [BarrierRecord(r, "h", r).encode() for r in range(3)])
     assert node.arrive(1, 3) is not None
@@ -111,7 +108,7 @@ def test_a_newcomer_s_uncounted_record_in_the_pool_is_admitted() -> None:
     assert one.active == [0, 2]
     newcomer = _book(store, keys, wcfg, writer=1)
     newcomer.enter(one)
-    assert newcomer.record(2, 1, BarrierRecord(1, "h", 1)) is None  # uncounted
+    newcomer.record(2, BarrierRecord(1, "h", 1))  # uncounted
     node.enter(one)
     node.pool(2, [BarrierRecord(0, "h", 0).encode(), BarrierRecord(2, "h", 2).encode()])
     two = _records.layout(node.arrive(2, 2) or b"")

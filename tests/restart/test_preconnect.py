@@ -82,50 +82,6 @@ def test_the_next_round_s_client_survives_an_abort_as_its_connect_returns() -> N
     assert bytes(next_round.get("round 1")) == b"works"
 
 
-def test_a_rank_s_record_of_the_round_before_is_deleted_off_the_restart_s_path() -> None:
-    """Entering a round no longer waits for the store to delete this rank's record of the
-    round before (one round trip per rank on the path of every restart): the call's worker
-    thread deletes it (:meth:`Preconnect.later`), and a chore that fails ends nothing."""
-    import threading
-
-    import torch.distributed as dist
-
-    from trainguard.coord.keys import Keyspace
-    from trainguard.restart import _preconnect, _records
-    from trainguard.restart._book import RoundBook, peek
-    from trainguard.restart._records import BarrierRecord
-    from trainguard.restart.config import WrapperConfig
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False)
-    keys = Keyspace("tidy", 0)
-    policies = WrapperConfig().policies
-    books = [RoundBook(store, keys, 2, policies, store_timeout=5.0, writer=r) for r in (0, 1)]
-    for n in (0, 1):
-        store.set(keys.pg_addr(n), "127.0.0.1:1")
-        for r, book in enumerate(books):
-            book.record(n, r, BarrierRecord(r, "h", r))
-            raw = book.arrive(n)
-        assert raw is not None
-        for book in books:
-            book.enter(_records.layout(raw))
-    # in round 1 now: the records of round 0 are still there, nothing deleted on the way in
-    assert all(peek(store, keys.member(0, r)) is not None for r in (0, 1))
-    ahead = _preconnect.Preconnect(store.clone(), keys, timeout=5.0)
-    ran: list[str] = []
-
-    def failing() -> None:
-        ran.append(threading.current_thread().name)
-        raise RuntimeError("a chore that fails")
-
-    ahead.later(failing)
-    for book in books:
-        ahead.later(book.tidy)
-    ahead.close(10.0)  # runs what was queued first
-    assert ran == ["trainguard-preconnect"]
-    assert all(peek(store, keys.member(0, r)) is None for r in (0, 1))
-    assert all(peek(store, keys.member(1, r)) is not None for r in (0, 1))  # this round's stay
-
-
 def test_a_round_waits_for_a_client_made_ahead_no_longer_than_that_connect_s_bound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -161,10 +161,8 @@ def _published_round_0(filter_: Any) -> tuple[Any, Any, Any]:
     )
     store.set(keys.pg_addr(0), "127.0.0.1:1")
     for r in range(3):
-        book = RoundBook(
-            store, keys, 3, wcfg.policies, store_timeout=5.0, writer=r, pooled=cfg.node_arrival
-        )
-        book.record(0, r, BarrierRecord(r, "h", r))
+        book = RoundBook(store, keys, 3, wcfg.policies, store_timeout=5.0, writer=r)
+        book.record(0, BarrierRecord(r, "h", r))
         raw = book.arrive(0)
     assert raw is not None and store.get(keys.latest) == raw  # the publisher copied it
     return store, keys, cfg
@@ -205,10 +203,7 @@ def test_layout_writer_admits_a_gone_rank_and_recounts_it_when_its_layout_loses(
     store, keys, cfg = _published_round_0(None)
     write_notice(store, cfg, 1, 0, (0, 1, 2), "died")  # rank 1 is out: left = 1
     policies = cfg.round_policies()
-    books = {
-        r: RoundBook(store, keys, 3, policies, store_timeout=5.0, writer=r, pooled=cfg.node_arrival)
-        for r in (0, 2)
-    }
+    books = {r: RoundBook(store, keys, 3, policies, store_timeout=5.0, writer=r) for r in (0, 2)}
     store.set(keys.pg_addr(1), "127.0.0.1:1")
     store.set(keys.pg_addr(2), "127.0.0.1:1")
     for n in (1, 2):
@@ -216,8 +211,8 @@ def test_layout_writer_admits_a_gone_rank_and_recounts_it_when_its_layout_loses(
             book.enter(_records.layout(store.get(keys.ready(n - 1))))
             if n == 2 and r == 0:  # the newcomer's record, not counted (not in the roster)
                 rec = BarrierRecord(1, "h", 1)
-                assert books[0].record(2, 1, rec) is None
-            book.record(n, r, BarrierRecord(r, "h", r))
+                books[0].record(2, rec)
+            book.record(n, BarrierRecord(r, "h", r))
         if n == 1:
             assert books[0].arrive(1) is None and books[2].arrive(1) is not None
     payload, admitted = books[2]._lay_out(2)

@@ -187,7 +187,7 @@ class _Host:
         keys.extend(self.keys.left_mark(r) for r in range(self.cfg["world_size"]))
         keys.extend(self.keys.preempt_done(r) for r in range(self.cfg["world_size"]))
         for r in range(max(0, n - 1), n + 3):
-            keys.extend(self.keys.round_keys(r, range(self.cfg["world_size"])))
+            keys.extend(self.keys.round_keys(r))
             keys.append(self.pg_key(r))
         for key in keys:
             with contextlib.suppress(Exception):  # best effort: the store may be going too

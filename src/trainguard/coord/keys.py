@@ -135,14 +135,10 @@ class Keyspace:
         """Counter of the ranks that reached round ``n``'s barrier (leavers included)."""
         return self.round_prefix(n) + "arrive"
 
-    def member(self, n: int, initial_rank: int) -> str:
-        """JSON record of one rank's arrival at round ``n`` (its host, fault, leaving...)."""
-        return f"{self.round_prefix(n)}m/{initial_rank}"
-
     def pool(self, n: int) -> str:
-        """Round ``n``'s records pooled in one value, one JSON record a line (``append``):
-        where every writer puts them under node arrival (``TRAINGUARD_NODE_ARRIVAL=1``)
-        instead of :meth:`member`."""
+        """Round ``n``'s barrier records, one JSON record a line (``append``): a rank's arrival
+        (its host, fault, leaving...), its node watcher's for several ranks at once, a death
+        notice's departure."""
         return self.round_prefix(n) + "pool"
 
     def ready(self, n: int) -> str:
@@ -157,16 +153,10 @@ class Keyspace:
         """JSON outcome of round ``n``: the first of fault / complete / end wins (compare_set)."""
         return self.round_prefix(n) + "stop"
 
-    def round_keys(self, n: int, initial_ranks: Any, *, pooled: bool | None = None) -> list[str]:
-        """Every key round ``n`` may have created, for deletion: its fixed keys and its
-        records, those of ``initial_ranks`` (``pooled=False``), its pool (``True``) or both
-        (``None``: a cleanup that does not know how the job kept them)."""
-        keys = [self.arrive(n), self.ready(n), self.done(n), self.stop(n)]
-        if pooled is not False:
-            keys.append(self.pool(n))
-        if pooled is not True:
-            keys.extend(self.member(n, r) for r in initial_ranks)
-        return keys
+    def round_keys(self, n: int) -> list[str]:
+        """Every key round ``n`` may have created, for deletion (its pool of records among
+        them)."""
+        return [self.arrive(n), self.ready(n), self.done(n), self.stop(n), self.pool(n)]
 
     def heartbeat(self, initial_rank: int) -> str:
         """Counter that ``initial_rank``'s sidecar counts up every heartbeat interval (``bye``

@@ -6,8 +6,19 @@ may lay the round out, counts itself out at the end), and a sidecar writing a de
 (:mod:`trainguard.restart.sidecar._notice`: it turns a gone rank's arrival into a departure,
 may lay the round out, counts that rank out).
 
-A rank arrives in two steps: its record (``compare_set``, so that a death notice cannot be
-overwritten) and then one ``add`` to the round's counter. A rank may die between the two, or
+The records of round ``n`` are lines ``append``-ed to one value, :meth:`Keyspace.pool`, so
+that a node watcher arrives for all its ranks at once with one ``append`` and one ``add`` of
+their number (:mod:`trainguard.restart.sidecar._arrival`); a rank without a watcher, a
+newcomer and a death notice append their one line the same way. A rank may appear more than
+once (its node's line, then its own after the node's watcher died; an arrival and a notice's
+departure): a departure wins over any arrival, whatever their order, so that no arrival
+overwrites a notice; among arrivals the first counts. A notice learns whether the rank had
+arrived on its own (:meth:`RoundBook.take_arrival`) from the order of the lines: an arrival
+before its departure.
+
+A rank arrives in two steps: its record (a line of the pool) and then one ``add`` to the
+round's counter. An ``append`` precedes its writer's ``add``, so the last ``add`` sees every
+line, and the layout writer reads one key, not one per rank. A rank may die between the two, or
 right after them, before it laid the round out. So the count only says when to look: whoever
 counts at least as many arrivals as the roster holds checks that every record is in, lays the
 round out from the records and publishes it with ``compare_set`` (the first layout wins; later
@@ -24,19 +35,6 @@ taken out of ``gone`` and its departure undone (its left mark deleted, ``left`` 
 once, whoever deletes the mark), so that the store process does not exit while it still
 serves. A layout writer whose layout lost the publication counts out again the ranks it
 admitted that the published round does not hold.
-
-Pooled records (node arrival, ``TRAINGUARD_NODE_ARRIVAL=1``; :attr:`RoundBook.pooled`, the
-same in every writer of the job): the records of round ``n`` are not one key per rank but
-lines ``append``-ed to one value, :meth:`Keyspace.pool`, so that a node watcher arrives for
-all its ranks at once with one ``append`` and one ``add`` of their number
-(:mod:`trainguard.restart.sidecar._arrival`); a rank without a watcher, a newcomer and a
-death notice append their one line the same way. An ``append`` precedes its writer's ``add``,
-so the last ``add`` still sees every line, and the layout writer reads one key, not one per
-rank. A rank may appear more than once (its node's line, then its own after the node's
-watcher died; an arrival and a notice's departure): a departure wins over any arrival,
-whatever their order, so that no arrival overwrites a notice; among arrivals the first
-counts. A notice learns whether the rank had arrived on its own (:meth:`RoundBook.take_arrival`)
-from the order of the lines: an arrival before its departure.
 
 A round's outcome (its stop key) is written here only: :func:`propose` (the first proposal
 wins) and :meth:`RoundBook.complete` (the last active rank to return proposes ``complete``).
@@ -108,7 +106,6 @@ class RoundBook:
         gone: initial ranks that left the job -> why, as of the last published round.
         repeats: the run of rounds that failed the same way, as of the last published round.
         health: the hosts' record (:mod:`._health`), as of the last published round.
-        pooled: the records are pooled in one value per round (see the module docstring).
     """
 
     store: StoreLike
@@ -118,34 +115,23 @@ class RoundBook:
     store_timeout: float
     roster: Sequence[int] = ()
     writer: int = -1
-    pooled: bool = False
     previous_roster: Sequence[int] = dataclasses.field(init=False)
     gone: dict[int, str] = dataclasses.field(init=False, default_factory=dict)
     repeats: Repeats = dataclasses.field(init=False, default_factory=Repeats)
-    stale: str | None = dataclasses.field(init=False, default=None)
     health: Mapping[str, Any] | None = dataclasses.field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.roster = self.roster or _records.Ranks(((0, self.world - 1),))  # O(1), not O(N)
         self.previous_roster = self.roster
 
-    def record(self, n: int, r: int, record: BarrierRecord) -> BarrierRecord | None:
-        """Write rank ``r``'s record of round ``n`` unless one is there. Returns None when it
-        was written, else the record found (a notice declared ``r`` gone first). Pooled: the
-        record is appended, None (a departure there wins; the layout tells the rank)."""
-        value = record.encode()
-        if self.pooled:  # a departure there first wins in the layout (see the module doc)
-            self.store.append(self.keys.pool(n), value + b"\n")
-            return None
-        current = bytes(self.store.compare_set(self.keys.member(n, r), "", value))
-        if current == value:
-            return None
-        found = _records.record(current)
-        return found or BarrierRecord.departure(r, "an unreadable record in the store")
+    def record(self, n: int, record: BarrierRecord) -> None:
+        """Append ``record`` (a rank's) to round ``n``'s pool. A departure there first wins
+        in the layout, which tells the rank (see the module docstring)."""
+        self.store.append(self.keys.pool(n), record.encode() + b"\n")
 
     def pool(self, n: int, records: Sequence[bytes]) -> None:
-        """Pooled: append ``records`` (encoded, each one line) to round ``n``'s pool at once
-        (a node watcher's arrival for its ranks; their count follows, :meth:`arrive`)."""
+        """Append ``records`` (encoded, each one line) to round ``n``'s pool at once (a node
+        watcher's arrival for its ranks; their count follows, :meth:`arrive`)."""
         self.store.append(self.keys.pool(n), b"".join(rec + b"\n" for rec in records))
 
     def arrive(self, n: int, count: int = 1) -> bytes | None:
@@ -179,36 +165,16 @@ class RoundBook:
 
     def enter(self, ready: RoundLayout) -> None:
         """Follow the published round ``ready``: its ranks are the next barrier's roster.
-
-        A rank (``writer`` >= 0) then has its own record of the round before to delete
-        (:meth:`tidy`, off the restart's path): every rank deletes its own (one operation
-        each), the publisher only those of the ranks that the round does not hold
-        (:meth:`_delete_round`)."""
+        (The publisher deletes the round before's keys, :meth:`_delete_round`.)"""
         self.previous_roster = self.roster
         self.roster = ready.roster
         self.gone = dict(ready.gone)
         self.repeats = ready.repeats
         self.health = ready.health
-        if self.writer >= 0 and ready.round > 0 and not self.pooled:  # pooled: one key
-            self.stale = self.keys.member(ready.round - 1, self.writer)
-
-    def tidy(self) -> None:
-        """Delete this writer's record of the round before the one it entered last, if not
-        done yet. Any thread (a store client serializes its calls); best effort."""
-        stale, self.stale = self.stale, None
-        if stale is not None:
-            with contextlib.suppress(Exception):  # a missing key, a store gone: fine
-                self.store.delete_key(stale)
 
     def _found(self, n: int) -> dict[int, BarrierRecord | None] | None:
-        """Round ``n``'s records, every rank of the roster's at least (pooled: every line's,
-        newcomers' included); None when one is missing."""
-        if not self.pooled:
-            keys = [self.keys.member(n, r) for r in self.roster]
-            if not self.store.check(keys):
-                return None
-            raws = [bytes(raw) for raw in self.store.multi_get(keys)]
-            return dict(zip(self.roster, _records.records(raws), strict=True))
+        """Round ``n``'s records: every line's of its pool, newcomers' included; None when
+        a rank of the roster has none yet."""
         raw = peek(self.store, self.keys.pool(n))
         found = _pool.records_of(raw or b"")
         if any(r not in found for r in self.roster):
@@ -315,17 +281,13 @@ class RoundBook:
         found: dict[int, BarrierRecord | None],
     ) -> list[int]:
         """Admit the gone ranks that came back: a record of round ``n`` that is not leaving
-        (pooled: among ``found``, else read). Moves each from ``gone`` to ``present`` and
+        (among ``found``). Moves each from ``gone`` to ``present`` and
         undoes its departure; returns them."""
         admitted = []
         for r in sorted(gone):
             if r in self.roster:
                 continue
-            if self.pooled:
-                rec = found.get(r)
-            else:
-                raw = peek(self.store, self.keys.member(n, r))
-                rec = _records.record(raw) if raw is not None else None
+            rec = found.get(r)
             if rec is None or rec.rank != r or rec.leave:
                 continue
             del gone[r]
@@ -352,27 +314,18 @@ class RoundBook:
         if not ranks or n < 0:
             return hosts
         with contextlib.suppress(Exception):  # a record gone or unreadable: the host is unknown
-            if self.pooled:
-                seen = _pool.records_of(peek(self.store, self.keys.pool(n)) or b"")
-            else:
-                raws = {r: peek(self.store, self.keys.member(n, r)) for r in ranks}
-                seen = {r: _records.record(raw) for r, raw in raws.items() if raw is not None}
+            seen = _pool.records_of(peek(self.store, self.keys.pool(n)) or b"")
             for r in ranks:
                 rec = seen.get(r)
                 hosts[r] = rec.host if rec is not None and rec.rank == r else ""
         return hosts
 
     def _delete_round(self, n: int, published: bytes) -> None:
-        """Delete round ``n``'s keys: every rank of it has reached round ``n+1``'s barrier.
-        Its fixed keys, and the records of its ranks that round ``n+1`` (``published``) does
-        not hold; each rank it holds deletes its own on entering it (:meth:`enter`), so that
-        this costs the publisher O(ranks gone), not O(ranks)."""
+        """Delete round ``n``'s keys (its pool among them): every rank of it has reached round
+        ``n+1``'s barrier (``published``)."""
         if n < 0:
             return
-        holds = set(_records.layout(published).roster)
-        gone = [r for r in self.previous_roster if r not in holds]
-        keys = self.keys.round_keys(n, gone, pooled=self.pooled)
-        for key in keys:
+        for key in self.keys.round_keys(n):
             with contextlib.suppress(Exception):
                 self.store.delete_key(key)
 
@@ -385,17 +338,8 @@ class RoundBook:
         ``r`` had arrived on its own: a round published before its record was turned into a
         departure still holds ``r`` (the caller then follows ``r`` into that round)."""
         leave = BarrierRecord.departure(r, cause).encode()
-        if self.pooled:
-            self.store.append(self.keys.pool(n), leave + b"\n")
-            arrived = _pool.arrived_first(self.store.get(self.keys.pool(n)), r)
-            self.arrive(n)
-            return arrived
-        key = self.keys.member(n, r)
-        current = bytes(self.store.compare_set(key, "", leave))
-        arrived = False
-        while current != leave and not _pool.leaving(_records.record(current)):
-            arrived = True
-            current = bytes(self.store.compare_set(key, current, leave))
+        self.store.append(self.keys.pool(n), leave + b"\n")
+        arrived = _pool.arrived_first(self.store.get(self.keys.pool(n)), r)
         self.arrive(n)
         return arrived
 
@@ -410,10 +354,8 @@ class RoundBook:
         return True
 
 
-def has_record(store: StoreLike, keys: Keyspace, n: int, r: int, *, pooled: bool) -> bool:
+def has_record(store: StoreLike, keys: Keyspace, n: int, r: int) -> bool:
     """Whether rank ``r`` has a record of round ``n`` (arrived, or a departure written)."""
-    if not pooled:
-        return bool(store.check([keys.member(n, r)]))
     raw = peek(store, keys.pool(n))
     return raw is not None and r in _pool.records_of(raw)
 

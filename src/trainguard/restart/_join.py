@@ -15,7 +15,8 @@ instead of round 0's barrier (:class:`Newcomer`):
    it ends round ``L`` with an ``admit`` outcome, so the others restart and come to round
    ``m``'s barrier at once; else it waits for the round to end on its own (a fault).
 4. Round ``m`` published without it (its record came too late, or a notice had written its
-   departure there first): it removes its record and tries round ``m + 1``. A round that ends
+   departure there first): it tries round ``m + 1`` (its line in round ``m``'s pool, read by
+   nobody now, goes with that round's keys). A round that ends
    the job ends its wait too: it returns without having run (``complete``) or raises
    :class:`~trainguard.errors.JobEndedError` (``end``).
 
@@ -88,18 +89,15 @@ class Newcomer:
             if current is not None:
                 self.book.enter(current)
             m = current.round + 1 if current is not None else 0
-            found = self.book.record(m, self.rank, self.record)
-            if found is None and self.rank in self.book.roster:
+            self.book.record(m, self.record)
+            if self.rank in self.book.roster:
                 return m, self._arrive(m)
-            if found is None:
-                self._ask(m, current)
+            self._ask(m, current)
             ready = self._wait(m)
             if ready is None:
                 return None
-            if found is None:
-                if ready.holds(self.rank):
-                    return m, ready
-                self.store.delete_key(self.keys.member(m, self.rank))  # unread: too late
+            if ready.holds(self.rank):
+                return m, ready
             logger.info("rank %d: not admitted in round %d; trying the next", self.rank, m)
             current = ready
 

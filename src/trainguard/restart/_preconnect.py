@@ -150,10 +150,10 @@ class Preconnect:
         self._coord: StoreLike | None = coord
         self._keys = keys
         self._timeout = timeout
-        self._jobs: queue.SimpleQueue[int | Callable[[], None] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._newest = -1  # the newest round asked for: older asks still queued are stale
         self._thread = threading.Thread(
-            target=serve, args=(self._jobs, self._job), name="trainguard-preconnect"
+            target=serve, args=(self._jobs, self._connect), name="trainguard-preconnect"
         )
         self._thread.daemon = True
         self._thread.start()
@@ -184,12 +184,6 @@ class Preconnect:
         self._newest = max(self._newest, n)
         self._jobs.put(n)
 
-    def later(self, chore: Callable[[], None]) -> None:
-        """Run ``chore`` on the worker thread, in order with the connects (returns at once):
-        store work of this rank that no other rank waits for (the session deletes its record
-        of the round before, :meth:`RoundBook.tidy`)."""
-        self._jobs.put(chore)
-
     def forget(self, n: int) -> None:
         """Drop this call's clients of rounds up to ``n`` that nobody took."""
         self._drop(lambda slot: slot.round <= n)
@@ -211,15 +205,6 @@ class Preconnect:
             slot.store = None  # closes the connection
 
     # worker thread ------------------------------------------------------------------------
-    def _job(self, job: int | Callable[[], None]) -> None:
-        if isinstance(job, int):
-            self._connect(job)
-            return
-        try:
-            job()
-        except Exception as exc:
-            logger.debug("a chore of the pre-connect thread failed: %s", exc)
-
     def _connect(self, n: int) -> None:
         coord = self._coord
         if coord is None:

@@ -140,7 +140,6 @@ class WrappedCall:
         )
         self.monitor = _helpers.make_monitor(cfg, session, self.sidecar, hooks)
         self.preconnect = Preconnect(session.coord, session.keys, timeout=cfg.store_timeout)
-        session.later = self.preconnect.later  # its record of the round before, off the path
         self.watchdog = _helpers.make_watchdog(
             cfg, session, rank, self._progress_state, self.sidecar
         )

@@ -11,7 +11,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from trainguard import _env, _torchcompat, events
@@ -63,8 +63,6 @@ class Session:
         #: the node watcher that arrives for this rank (node arrival, see :meth:`arrive`)
         self.node: Any = None
         self._sent: tuple[int, BarrierRecord] | None = None  # the record it took last
-        #: runs a store chore off the restart's path (the call's worker thread; at once here)
-        self.later: Callable[[Callable[[], None]], None] = _now
         self._lock = threading.Lock()  # the monitor's and the main thread's waits
         self.server: StoreProcess | None = None
         self.standby: StoreProcess | None = None  # round stores on a second host
@@ -140,7 +138,6 @@ class Session:
             cfg.policies,
             store_timeout=cfg.store_timeout,
             writer=self.irank,
-            pooled=_env.settings().node_arrival,
         )
 
     def watch(self, helper: Any) -> StoreLike:
@@ -149,7 +146,7 @@ class Session:
         this rank's own. Returns the store connection that the monitor may write to when it
         closes (:attr:`watch_store`, or :attr:`coord` when relayed)."""
         self.relay = getattr(helper, "relay", None)
-        if self.book is not None and self.book.pooled and getattr(helper, "arrival", False):
+        if getattr(helper, "arrival", False):
             self.node = helper
         return self._watch_store() if self.relay is None else self.coord
 
@@ -262,9 +259,7 @@ class Session:
         record = self._record(leaving, fault, progress, raised, probe)
         if self._through_node(n, record, leaving):
             return None
-        found = book.record(n, self.irank, record)
-        if found is not None:  # another process declared this rank gone meanwhile
-            self._declared_gone(n, found.leave)
+        book.record(n, record)  # a notice's departure there first wins: the layout says so
         raw = book.arrive(n)
         if raw is None and leaving is None and self.relay is not None:
             self.relay.ask("ready", n)  # the relay waits for the layout while this rank does
@@ -296,7 +291,7 @@ class Session:
         sent, self._sent = self._sent, None
         if sent is None or sent[0] != n or self.book is None:
             return None
-        self.book.record(n, self.irank, sent[1])
+        self.book.record(n, sent[1])
         return self.book.arrive(n)
 
     def take(self, n: int, raw: bytes | None, start: float) -> RoundLayout:
@@ -326,7 +321,6 @@ class Session:
             self._declared_gone(n, ready.gone[self.irank])
         events.emit("barrier", duration=waited, round_=n, last=last)
         book.enter(ready)
-        self.later(book.tidy)
         return ready
 
     def join(self, notify: Notify | None) -> tuple[int, RoundLayout] | None:
@@ -428,7 +422,3 @@ class Session:
             elif not server.join(0.0):
                 _detached.append(server)
         self.server = self.standby = None
-
-
-def _now(chore: Callable[[], None]) -> None:
-    chore()

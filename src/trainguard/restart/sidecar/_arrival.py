@@ -222,7 +222,6 @@ class NodeArrival:
             cfg.round_policies(),
             store_timeout=cfg.store_timeout,
             roster=roster,
-            pooled=True,
         )
         self._history(book, n - 1)
         start, cpu = time.monotonic(), time.thread_time()

@@ -9,7 +9,6 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-from trainguard import _env
 from trainguard.coord.keys import Keyspace
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.policy._round import RoundPolicies
@@ -43,10 +42,6 @@ class SidecarConfig:
             could not be pickled (lambdas): a notice that lays a round out then uses the
             defaults (:class:`ShiftRanks`, no filter, no retry limit).
         store_timeout ... heartbeat_timeout: the Wrapper's timeouts, in seconds.
-        node_arrival: the round's records are pooled (the default; ``TRAINGUARD_NODE_ARRIVAL=0``
-            turns it off; see :mod:`trainguard.restart._book`): a notice appends its departure
-            there, and the node watcher arrives for its ranks and beats once for its node
-            (:mod:`trainguard.coord.node_ring`).
     """
 
     rank: int
@@ -65,7 +60,6 @@ class SidecarConfig:
     termination_grace_time: float
     heartbeat_interval: float
     heartbeat_timeout: float
-    node_arrival: bool = True
 
     @classmethod
     def build(
@@ -100,7 +94,6 @@ class SidecarConfig:
             termination_grace_time=cfg.termination_grace_time,
             heartbeat_interval=cfg.heartbeat_interval,
             heartbeat_timeout=cfg.heartbeat_timeout,
-            node_arrival=_env.settings().node_arrival,
         )
 
     def __repr__(self) -> str:  # never the secret nor the pickle: configurations get logged

@@ -275,11 +275,8 @@ class NodeWatcher:
             if pidfd < 0:  # gone before the accept: its notice, from what it sent
                 self._gone_before(cfg)
                 return
-            # under node arrival the node beats once for its ranks (:meth:`_node_ring`)
-            heartbeats = not cfg.node_arrival
-            watch = Watch(
-                cfg, store=self._beats(cfg), shared=True, pidfd=pidfd, heartbeats=heartbeats
-            )
+            # the node beats once for its ranks (:meth:`_node_ring`), not a watch per rank
+            watch = Watch(cfg, store=self._beats(cfg), shared=True, pidfd=pidfd, heartbeats=False)
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
         finally:
@@ -302,19 +299,17 @@ class NodeWatcher:
                         lambda: _wire.connect(cfg.host, cfg.port, timeout=cfg.store_timeout),
                     )
                 watch.on_relay = self.relay.hook(sock)
-                if cfg.node_arrival:  # one for the node likewise (:mod:`._arrival`)
-                    if self.arrival is None:
-                        relay = self.relay
-                        self.arrival = NodeArrival(
-                            lambda: _wire.connect(cfg.host, cfg.port, timeout=cfg.store_timeout),
-                            lambda n: relay.value("ready", n),
-                        )
-                    self.arrival.watch(watch)
-                    self._node_ring(cfg)
-                    self.watching[watch] = None
+                if self.arrival is None:  # one for the node likewise (:mod:`._arrival`)
+                    relay = self.relay
+                    self.arrival = NodeArrival(
+                        lambda: _wire.connect(cfg.host, cfg.port, timeout=cfg.store_timeout),
+                        lambda n: relay.value("ready", n),
+                    )
+                self.arrival.watch(watch)
+                self._node_ring(cfg)
+                self.watching[watch] = None
             with contextlib.suppress(OSError):  # it died already: the watch writes its notice
-                reply = {"ok": True, "pid": os.getpid(), "relay": True}
-                reply["arrival"] = cfg.node_arrival
+                reply = {"ok": True, "pid": os.getpid(), "relay": True, "arrival": True}
                 sock.sendall(json.dumps(reply).encode() + b"\n")
             logger.info("watching rank %d (pid %d)", cfg.rank, pid)
             watch.run_piped(sock.fileno(), rest)

@@ -90,10 +90,9 @@ def write_notice(
             policies,
             store_timeout=cfg.store_timeout,
             roster=roster,
-            pooled=cfg.node_arrival,
         )
         follow(book, n)
-        if n >= 0 and r in roster and not has_record(store, keys, n + 1, r, pooled=book.pooled):
+        if n >= 0 and r in roster and not has_record(store, keys, n + 1, r):
             # Gone inside round n: a fault of that round, so the others abort it. (A
             # newcomer waiting outside the roster was in no round: nothing to abort.)
             book.propose(n, RoundOutcome.fault(r, cause, "RankGone"))
@@ -130,7 +129,7 @@ def _awaits_return(store: StoreLike, cfg: SidecarConfig, r: int, n: int, cause: 
     the roster of round ``n+1`` (True). False: an ordinary notice is needed (there is a
     spare, ``r`` already arrived at ``n+1``, or round ``n`` is not readable)."""
     keys = cfg.keys
-    if has_record(store, keys, n + 1, r, pooled=cfg.node_arrival):
+    if has_record(store, keys, n + 1, r):
         return False
     if n < 0:
         return True  # round 0's barrier waits for every rank anyway: nothing to abort

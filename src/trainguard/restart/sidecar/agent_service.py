@@ -20,11 +20,14 @@ Protocol (the agent's side, in this order):
 
 Connection (worker side first): the worker sends its :class:`SidecarConfig` as one JSON line;
 the service checks that its ``parent`` is the peer's pid, connects to the coordination store and
-replies ``{"ok": true, "pid": <agent pid>, "relay": true}`` (or ``{"ok": false, "error": ...}``
-and closes); then the worker sends its round/hb/bye lines and its asks of the relay (each
-round's outcome and layout, read from the store once for all of this node's workers of the
-same wrapped call, :mod:`trainguard.restart.sidecar._relay`; its replies are the only lines
-the service writes after the handshake). After ``bye`` the service closes the connection.
+replies ``{"ok": true, "pid": <agent pid>, "relay": true, "arrival": true}`` (or ``{"ok":
+false, "error": ...}`` and closes); then the worker sends its round/hb/bye lines, its asks of
+the relay (each round's outcome and layout, read from the store once for all of this node's
+workers of the same wrapped call, :mod:`trainguard.restart.sidecar._relay`; its replies are
+the only lines the service writes after the handshake) and its barrier records: the agent
+arrives at each barrier for its workers of one wrapped call at once, with the node watcher's
+code (:mod:`trainguard.restart.sidecar._arrival`). After ``bye`` the service closes the
+connection.
 
 Over 400 lines: one class, the agent's side of the sidecar protocol for all of its workers
 (accept, handshake, lines, notices, rejoin deadlines); the watch, the relay and the notice it
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -49,6 +53,7 @@ from typing import Any
 from trainguard import _private, _subproc
 from trainguard._timeouts import Timeout, seconds
 from trainguard.coord import _wire
+from trainguard.restart.sidecar._arrival import NodeArrival
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._node import accept_own
 from trainguard.restart.sidecar._notice import notify, notify_anew
@@ -123,6 +128,7 @@ class SidecarService:
         self._closing = threading.Event()
         self._log: logging.StreamHandler[Any] | None = None
         self._relays: dict[str, Relay] = {}  # a wrapped call's keyspace -> its relay
+        self._arrivals: dict[str, NodeArrival] = {}  # likewise -> its node arrival
         self._last_cfg: SidecarConfig | None = None  # of the last worker that connected
         self._pending: dict[int, str] = {}  # slot -> cause: gone before any worker connected
 
@@ -209,6 +215,9 @@ class SidecarService:
             conn.shutdown(socket.SHUT_RDWR)
         with self._cond:
             relays, self._relays = list(self._relays.values()), {}
+            arrivals, self._arrivals = list(self._arrivals.values()), {}
+        for arrival in arrivals:  # their last batches go before the relays stop
+            arrival.close()
         for relay in relays:
             relay.close()
         waited: set[threading.Thread] = set()
@@ -324,9 +333,11 @@ class SidecarService:
             return None
         conn.watch, conn.pidfd = watch, -1  # the pidfd is the watch's now
         conn.sock.settimeout(None)
-        watch.on_relay = self._relay_for(cfg, conn.sock)
+        relay = self._relay_for(cfg)
+        watch.on_relay = relay.hook(conn.sock)
+        self._arrival_for(cfg, relay).watch(watch)
         watch.start()  # the hard timeout counts from the handshake
-        reply = {"ok": True, "pid": os.getpid(), "relay": True}
+        reply = {"ok": True, "pid": os.getpid(), "relay": True, "arrival": True}
         conn.sock.sendall(json.dumps(reply).encode() + b"\n")
         with self._cond:
             self._joined[slot] = time.monotonic()
@@ -345,10 +356,8 @@ class SidecarService:
         with self._cond:
             return sum(relay.reads for relay in self._relays.values())
 
-    def _relay_for(
-        self, cfg: SidecarConfig, sock: socket.socket
-    ) -> Callable[[dict[str, Any]], None]:
-        """The hook that passes a worker's asks to the relay of its wrapped call on this node
+    def _relay_for(self, cfg: SidecarConfig) -> Relay:
+        """The relay of the worker's wrapped call on this node, which its asks go to
         (:mod:`trainguard.restart.sidecar._relay`: each round's outcome and layout read once
         for the node's workers), over pure-Python store connections (a wait on one can be
         interrupted when the service closes)."""
@@ -356,10 +365,19 @@ class SidecarService:
         with self._cond:
             relay = self._relays.get(key)
             if relay is None:
-                relay = self._relays[key] = Relay(
-                    cfg.keys, lambda: _wire.connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
-                )
-        return relay.hook(sock)
+                relay = self._relays[key] = Relay(cfg.keys, _connector(cfg))
+        return relay
+
+    def _arrival_for(self, cfg: SidecarConfig, relay: Relay) -> NodeArrival:
+        """The node arrival of the worker's wrapped call on this node: one append and one add
+        per round for the workers of the call (:mod:`trainguard.restart.sidecar._arrival`)."""
+        key = cfg.keys.prefix
+        with self._cond:
+            arrival = self._arrivals.get(key)
+            if arrival is None:
+                previous = functools.partial(relay.value, "ready")
+                arrival = self._arrivals[key] = NodeArrival(_connector(cfg), previous)
+        return arrival
 
     def _refuse(self, conn: _Conn, why: str) -> None:
         logger.warning("refused a connection of pid %d: %s", conn.pid, why)
@@ -372,6 +390,8 @@ class SidecarService:
         watch = conn.watch
         if watch is not None:
             watch.stop()
+            if watch.on_end is not None:  # its node arrival waits for it no longer
+                watch.on_end()
         with self._cond:
             if watch is None or watch.said_bye or self._closing.is_set():
                 self._drop(conn)
@@ -446,3 +466,8 @@ class SidecarService:
                 logging.getLogger(name).removeHandler(handler)
             handler.close()
             handler.stream.close()
+
+
+def _connector(cfg: SidecarConfig) -> Callable[[], Any]:
+    """Makes a pure-Python store connection to ``cfg``'s store."""
+    return lambda: _wire.connect(cfg.host, cfg.port, timeout=cfg.store_timeout)
