@@ -3,8 +3,7 @@
 Each rank runs a wrapped function on the library's real path (sidecar, monitor, watchdog,
 next round's client made ahead, ``init_process_group("gloo")`` through the round's store) and,
 once every rank is in the function, counts the established TCP connections from its own
-process and from the helper processes (its own sidecar, or the node watcher that every rank of
-this host shares) to any port the store process listens on (the coordination store and the
+process and from the helper process (the node watcher that every rank of this host shares) to any port the store process listens on (the coordination store and the
 round stores). A helper's connections are shared by the ranks it watches: each rank counts the
 helpers' connections divided by the ranks on this host.
 """
@@ -51,8 +50,8 @@ def _held(pid: int, ports: set[int]) -> int:
 
 
 def _helpers(ports: set[int]) -> int:
-    """The connections to ``ports`` of every sidecar process of this machine (per-rank sidecars
-    or node watchers: only this job's hold connections to its store process's ports)."""
+    """The connections to ``ports`` of every node watcher of this machine (only this job's hold
+    connections to its store process's ports)."""
     total = 0
     for name in os.listdir("/proc"):
         if name.isdigit() and SIDECAR_MODULE in cmdline(int(name)):

@@ -51,10 +51,19 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def find_sidecar() -> int | None:
-    for pid in children(os.getpid()):
-        if SIDECAR_MODULE in cmdline(pid):
-            return pid
+def find_watcher() -> int | None:
+    """This job's node watcher: detached (no rank is its parent), it holds the environment of
+    the rank that started it, this segment's ``TRAINGUARD_JOB_ID`` among it."""
+    job = f"TRAINGUARD_JOB_ID={os.environ['TRAINGUARD_JOB_ID']}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or SIDECAR_MODULE not in cmdline(int(entry)):
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if job in f.read().split(b"\0"):
+                    return int(entry)
+        except OSError:
+            continue
     return None
 
 
@@ -119,8 +128,8 @@ def inject(
     """Carry out ``fault`` (already claimed) in this process; ``context`` goes to the log."""
     base = {"time": time.time(), **context}
     kind = fault.kind
-    if kind in ("writer", "sidecar"):
-        pid = find_sidecar() if kind == "sidecar" else find_writer(fault.detail, disk_writer)
+    if kind in ("writer", "watcher"):
+        pid = find_watcher() if kind == "watcher" else find_writer(fault.detail, disk_writer)
         record(cfg, fault, **base, target_pid=pid, injected=pid is not None)
         if pid is not None:
             os.kill(pid, signal.SIGKILL)

@@ -10,7 +10,9 @@ directory, see :func:`trainguard.demo.faults.claim`):
 ``writer``     a checkpoint writer process of the rank (the disk checkpointer's or the local
                manager's, chosen by the seed) is SIGKILLed, in the middle of a write when one
                is under way;
-``sidecar``    the rank's sidecar process is SIGKILLed (the rank then leaves the job);
+``watcher``    the node watcher (the one helper process of the host's ranks) is SIGKILLed: every
+               rank of the node leaves the job (it must not run unwatched), which is what
+               losing the node costs; the job restarts;
 ``lostdir``    the rank's local checkpoint root is deleted and the rank raises, so the next
                round recovers that rank's part from a peer's replica;
 ``diskfull``   the disk-checkpoint file system (a small tmpfs) is filled up; the space is
@@ -25,8 +27,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-KINDS = ("exception", "hang", "kill", "writer", "sidecar", "lostdir", "diskfull")
-LEAVING = ("kill", "sidecar")  # the target process leaves the job (uses up a spare)
+KINDS = ("exception", "hang", "kill", "writer", "watcher", "lostdir", "diskfull")
+LEAVING = ("kill", "watcher")  # the target process leaves the job (uses up a spare, or all)
 FILLER = "soak-filler.bin"  # the file that fills the disk-checkpoint tmpfs
 
 

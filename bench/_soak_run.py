@@ -42,9 +42,6 @@ def child_env(cfg: SoakConfig, segment: int) -> dict[str, str]:
     env["SOAK_MARKER"] = cfg.marker
     env["TRAINGUARD_EVENTS_DIR"] = str(Path(cfg.out) / "events" / f"s{segment}")
     env["TRAINGUARD_JOB_ID"] = f"soak-{cfg.marker[:8]}-s{segment}"
-    # the "sidecar" fault kills one rank's own sidecar: a process per rank, not the node's
-    # watcher (whose loss takes out every rank of the node at once)
-    env["TRAINGUARD_SIDECAR"] = "process"
     return env
 
 

@@ -1,13 +1,14 @@
 """Helper processes per node: how many, their memory (RSS) and their start-up CPU.
 
-For 1, 4 and 8 local ranks, each rank a real process that starts its sidecar the way the
-wrapper does (the handle classes of :mod:`trainguard.restart.sidecar`) against one real TCPStore
-(libuv), side by side in one run:
+For 1, 4 and 8 local ranks, each rank a real process that starts its helper the way the
+wrapper does against one real TCPStore (libuv), side by side in one run:
 
 - ``before``: a sidecar process per rank as of the baseline commit (default 5e60a79: each one
-  imports torch to talk to the store), extracted from git into a temporary directory;
-- ``per-rank``: a sidecar process per rank of this tree (the pure-Python store client);
-- ``node``: this tree with ``TRAINGUARD_SIDECAR=node`` (one watcher process for the node).
+  imports torch to talk to the store), extracted from git into a temporary directory (its
+  ``Sidecar`` handle);
+- ``node``: this tree: one node watcher for the node's ranks
+  (:class:`trainguard.restart._helper.HelperHandle`), the only helper outside ``trainguard
+  launch`` (the per-rank sidecar process was removed in issue 42).
 
 Measured once every rank is watched and the helpers ran 1 s (heartbeats on): distinct helper
 processes, the sum of their VmRSS, and the sum of their CPU time (user + system) since start,
@@ -37,19 +38,24 @@ from bench._common import print_table, write_results  # noqa: E402
 LOCAL_RANKS = (1, 4, 8)
 SETTLE_S = 1.0  # seconds the helpers run (beating) before they are measured
 
-# One rank: start its sidecar (the wrapper's handle), print the helper's pid, wait for stdin.
+# One rank: start its helper (the wrapper's handle), print the helper's pid, wait for stdin.
 RANK = r"""
 import resource, sys
 from trainguard.coord.keys import Keyspace
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart import sidecar as sc
 rank, world, port, job, node = sys.argv[1:6]
+if node == "1":
+    from trainguard.restart._helper import HelperHandle, Transport
 cfg = WrapperConfig(soft_timeout=300, hard_timeout=600, heartbeat_interval=0.2,
                     heartbeat_timeout=60)
 config = sc.SidecarConfig.build(cfg, rank=int(rank), world=int(world),
                                 keys=Keyspace(job, 0, "b" * 32),
                                 addr=("127.0.0.1", int(port)), log_dir=None)
-handle = sc.NodeSidecar(config) if node == "1" else sc.Sidecar(config)
+if node == "1":
+    handle = HelperHandle(config, Transport.node_watcher(config))
+else:
+    handle = sc.Sidecar(config)
 handle.start()
 handle.handshake(120)
 handle.send({"round": 0, "roster": list(range(int(world)))})
@@ -72,7 +78,6 @@ def _proc_stat(pid: int) -> tuple[float, float]:
 
 def measure(src: Path, port: int, k: int, job: str, *, node: bool) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(src)}
-    env.pop("TRAINGUARD_SIDECAR", None)
     start = time.monotonic()
     ranks = [
         subprocess.Popen(
@@ -129,7 +134,6 @@ def main() -> None:
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         variants = {
             f"before ({args.baseline})": (Path(tmp) / "src", False),
-            "per-rank": (ROOT / "src", False),
             "node": (ROOT / "src", True),
         }
         for name, (src, node) in variants.items():

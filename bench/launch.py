@@ -39,8 +39,8 @@ restart round on every active rank:
    -> generation 1's processes started, -> both active ranks stepping. Compared with torchrun's
    restart of row 1 (from the SIGKILL).
 5. helper processes per node with the Wrapper job (1 x 3), by kind from their command lines:
-   agent, per-rank sidecar (``trainguard.restart.sidecar``), the Wrapper's store process (one
-   per job, started by rank 0, ``trainguard.coord._server``).
+   agent, node watcher (``trainguard.restart.sidecar``; none under the agent), the Wrapper's
+   store process (one per job, started by rank 0, ``trainguard.coord._server``).
 """
 
 from __future__ import annotations

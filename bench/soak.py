@@ -4,9 +4,9 @@
 :class:`trainguard.restart.Wrapper`, with replicated local checkpoints every few steps and disk
 checkpoints (:class:`trainguard.checkpoint.AsyncCheckpointer`) on a small tmpfs, while a fault
 schedule drawn from ``--seed`` injects ``--faults`` faults of the kinds in
-:mod:`bench._soak_plan` (exception, hang, kill, writer, sidecar, lostdir, diskfull). Ranks
-that leave the job (SIGKILL, lost sidecar) are replaced by the spare; when none is left the
-job ends and the soak starts a fresh set of processes that resume from the newest checkpoint
+:mod:`bench._soak_plan` (exception, hang, kill, writer, watcher, lostdir, diskfull). Ranks
+that leave the job (SIGKILL) are replaced by the spare; the node watcher's loss takes them all.
+When none is left the job ends and the soak starts a fresh set of processes that resume from the newest checkpoint
 (a job-level restart, counted and timed separately; see :mod:`bench._soak_run`).
 
 At the end it checks: the final parameters are bit-identical to a fault-free run of the same

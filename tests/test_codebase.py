@@ -256,8 +256,8 @@ PRIVATE_ALLOWED: dict[str, set[str]] = {
     "trainguard.coord._sockets": {"trainguard.restart.abort"},
     "trainguard.coord._wire": {
         "trainguard.restart.sidecar.__main__",
+        "trainguard.restart.sidecar._calls",
         "trainguard.restart.sidecar._node",
-        "trainguard.restart.sidecar.agent_service",
     },
     # the front ends (the CLI and the demo, on the top floor) render what the packages keep
     # off their public surface: the checkpoint subcommands, the report's plot and its

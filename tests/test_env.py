@@ -60,19 +60,15 @@ def test_every_variable_has_the_prefix() -> None:
     assert all(name.startswith("TRAINGUARD_") for name in _env.VARIABLES)
 
 
-def test_sidecar_mode_is_process_or_node() -> None:
-    assert _env.settings({}).sidecar == "node"  # one watcher per node unless asked otherwise
-    assert _env.settings({"TRAINGUARD_SIDECAR": "process"}).sidecar == "process"
-    assert _env.settings({"TRAINGUARD_SIDECAR": "node"}).sidecar == "node"
-    with pytest.raises(ConfigError, match=r"'process' .* or 'node'"):
-        _env.settings({"TRAINGUARD_SIDECAR": "per-node"})
-
-
 def test_a_removed_variable_is_refused_unless_it_names_what_is_left(caplog) -> None:
-    """``TRAINGUARD_NODE_ARRIVAL=0`` asked for the per-key protocol, which is gone: refused
-    when the settings are read, with the fix; ``1`` (the only protocol) is accepted quietly."""
+    """``TRAINGUARD_NODE_ARRIVAL=0`` asked for the per-key protocol and
+    ``TRAINGUARD_SIDECAR=process`` for a sidecar process per rank, both gone: refused when the
+    settings are read, with the fix; the values that name what is left (``1``, ``node``) are
+    accepted quietly."""
     with pytest.raises(ConfigError, match=r"TRAINGUARD_NODE_ARRIVAL='0' is no longer .*unset it"):
         _env.settings({"TRAINGUARD_NODE_ARRIVAL": "0"})
+    with pytest.raises(ConfigError, match=r"TRAINGUARD_SIDECAR='process' .*node's watcher"):
+        _env.settings({"TRAINGUARD_SIDECAR": "process"})
     with caplog.at_level(logging.WARNING, logger="trainguard._env"):
-        _env.settings({"TRAINGUARD_NODE_ARRIVAL": "1"})
+        _env.settings({"TRAINGUARD_NODE_ARRIVAL": "1", "TRAINGUARD_SIDECAR": "node"})
     assert not caplog.records

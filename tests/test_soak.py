@@ -1,7 +1,7 @@
 """The short soak (bench/soak.py with 10 faults): every fault kind once or more, real processes.
 
 One run is shared by the tests of this module. The schedule of seed 0 holds every kind,
-and its three leaving faults (kill, kill, sidecar) force one job-level restart.
+and its three leaving faults (kill, kill, the node watcher's loss) force job-level restarts.
 """
 
 from __future__ import annotations

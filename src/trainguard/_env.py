@@ -36,8 +36,6 @@ VARIABLES: dict[str, str] = {
     "generation (0 for its first process); set by the launcher",
     "TRAINGUARD_AGENT": "socket name of the launcher's sidecar service for this worker; set by "
     "the launcher",
-    "TRAINGUARD_SIDECAR": "'node' (default: one watcher process per node, shared by its ranks) "
-    "or 'process' (one sidecar process per rank); ignored under `trainguard launch`",
     "TRAINGUARD_HOST_NAME": "the host name a rank reports for the placement of local checkpoint "
     "copies (CliqueReplication by host) and to in-process restart (fault attribution, "
     "Quarantine); default socket.gethostname()",
@@ -56,6 +54,11 @@ VARIABLES: dict[str, str] = {
 #: variables of removed behaviour -> (the values that name what is left, ignored; why any
 #: other value is refused)
 REMOVED: dict[str, tuple[frozenset[str], str]] = {
+    "TRAINGUARD_SIDECAR": (
+        frozenset({"node"}),
+        "a rank is watched by its node's watcher process (or by the agent of `trainguard "
+        "launch`), never by a sidecar process of its own",
+    ),
     "TRAINGUARD_NODE_ARRIVAL": (
         frozenset({"1"}),
         "the node watcher (or the agent of `trainguard launch`) always arrives at the barriers "
@@ -76,7 +79,6 @@ class Settings:
     generation: int | None = None
     incarnation: int = 0
     agent: str | None = None
-    sidecar: str = "node"
     demo_model_mib: int = 0
     host_name: str | None = None
     overwrite_kill_at: str | None = None
@@ -145,15 +147,6 @@ def _grace(value: str) -> float:
     return grace
 
 
-def _sidecar(value: str) -> str:
-    if value not in ("process", "node"):
-        raise ConfigError(
-            f"TRAINGUARD_SIDECAR={value!r} must be 'process' (a sidecar per rank) or 'node' (one "
-            "watcher per node); set one of them or unset it"
-        )
-    return value
-
-
 _QUARANTINE_KEYS = {"after", "window", "readmit", "probe_timeout", "file", "node_dir"}
 
 
@@ -207,7 +200,6 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
         generation=_count("TRAINGUARD_GENERATION", generation) if generation else None,
         incarnation=_count("TRAINGUARD_INCARNATION", incarnation) if incarnation else 0,
         agent=get("TRAINGUARD_AGENT"),
-        sidecar=_sidecar(sidecar) if (sidecar := get("TRAINGUARD_SIDECAR")) else "node",
         demo_model_mib=_count("TRAINGUARD_DEMO_MODEL_MIB", mib, "trainguard demo --model-mib")
         if mib
         else 0,

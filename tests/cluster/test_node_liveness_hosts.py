@@ -44,7 +44,6 @@ def test_a_stopped_node_watcher_gets_every_rank_of_its_node_declared(
         MASTER_ADDR=c.hosts[0].name,
         MASTER_PORT="29500",
         TRAINGUARD_JOB_SECRET=uuid.uuid4().hex,
-        TRAINGUARD_SIDECAR="node",
         TRAINGUARD_EVENTS_DIR=str(events),
         PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
     )

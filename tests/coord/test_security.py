@@ -96,7 +96,7 @@ def test_bad_job_secret_variable_names_the_fix(value: str) -> None:
 def test_keys_hold_the_secret_and_never_show_it() -> None:
     keys = Keyspace("job", 1, "s" * 32)
     assert keys.ready(0).startswith(f"tg/job/1/{'s' * 32}/")
-    assert keys.heartbeat(3).startswith(keys.prefix)
+    assert keys.node_heartbeat(3).startswith(keys.prefix)
     assert not keys.handover.startswith(keys.prefix)
     assert "s" * 32 not in repr(keys)
 

@@ -32,8 +32,6 @@ def _fault(kind: str, marker: Path) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "exit":
         os._exit(1)
-    elif kind == "node":  # the training process and its sidecar go together
-        os.killpg(os.getpgid(0), signal.SIGKILL)
     elif kind == "sleep":  # a hang that releases the GIL
         time.sleep(120)
     elif kind == "spin":  # a hang in Python code: only the missing pings show it
@@ -41,20 +39,11 @@ def _fault(kind: str, marker: Path) -> None:
             pass
     elif kind == "gil":  # a hang that holds the GIL (catastrophic regex backtracking)
         re.match(r"(a+)+$", "a" * 64 + "b")
-    elif kind == "sidecar":  # this rank's sidecar dies; the rank must not go on unwatched
-        os.kill(_sidecar_pid(), signal.SIGKILL)
-        time.sleep(120)
     elif kind == "watcher":  # this job's node watcher dies (one job, one host: one watcher)
         (pid,) = watcher_pids(os.environ["TG_TEST_JOB"])
         os.kill(pid, signal.SIGKILL)
         time.sleep(120)
     raise AssertionError(f"fault {kind!r} returned")
-
-
-def _sidecar_pid() -> int:
-    pid = child_pid(os.getpid(), b"trainguard.restart.sidecar")
-    assert pid is not None, "no sidecar process found"
-    return pid
 
 
 def watcher_pids(job: str | None = None) -> list[int]:

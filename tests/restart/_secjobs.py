@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import trainguard.restart as tr
-from tests.restart._faults import child_pid
+from tests.restart._faults import watcher_pids
 
 
 def secret_job() -> dict[str, Any]:
@@ -23,8 +23,7 @@ def secret_job() -> dict[str, Any]:
         store = connect(os.environ["MASTER_ADDR"], port, timeout=30)
         job = os.environ["TRAINGUARD_JOB_ID"]
         handover = f"tg/{job}/0/secret"
-        sidecar = child_pid(os.getpid(), b"trainguard.restart.sidecar")
-        assert sidecar is not None
+        (sidecar,) = watcher_pids(os.environ["TG_TEST_JOB"])  # the node's, detached
         return {
             "secret": secret,
             "with": store.check([f"tg/{job}/0/{secret}/r0/ready"]),

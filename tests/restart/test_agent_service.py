@@ -26,10 +26,11 @@ from tests.restart._barrier_records import left_at, record_at
 from trainguard.coord import Keyspace
 from trainguard.coord.store import connect
 from trainguard.errors import CoordinationError
+from trainguard.restart._helper import HelperHandle, Transport
 from trainguard.restart._records import RoundLayout
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.policy import ShiftRanks
-from trainguard.restart.sidecar import AgentSidecar, SidecarConfig, SidecarService
+from trainguard.restart.sidecar import SidecarConfig, SidecarService
 
 STEPS = 10
 FAULT_STEP = 4
@@ -152,18 +153,18 @@ def test_hard_timeout_continues_and_kills_the_workers_group(store_addr, service,
 
 def test_unannounced_process_is_refused(store_addr, service, tmp_path):
     # this test process was never announced with expect(): refused after the grace period
-    sidecar = AgentSidecar(_config(store_addr, "refused"), service.address).start()
+    sidecar = HelperHandle(_config(store_addr, "refused"), Transport.agent(service.address)).start()
     with pytest.raises(CoordinationError, match="was not started by this agent"):
         sidecar.handshake(10)
     assert not sidecar.alive()
     # announced, but its configuration names another process
     service.expect(5, os.getpid(), 0)
     other = SidecarConfig.from_json({**_config(store_addr, "refused").to_json(), "parent": 1})
-    sidecar = AgentSidecar(other, service.address).start()
+    sidecar = HelperHandle(other, Transport.agent(service.address)).start()
     with pytest.raises(CoordinationError, match="names pid 1"):
         sidecar.handshake(10)
     assert _log(tmp_path).count("refused a connection of pid") == 2
-    bad = AgentSidecar(other, "trainguard-no-such-agent").start()
+    bad = HelperHandle(other, Transport.agent("trainguard-no-such-agent")).start()
     with pytest.raises(CoordinationError, match="cannot reach it"):
         bad.handshake(1)
 
@@ -175,7 +176,7 @@ def test_goodbye_death_and_agent_loss_as_the_worker_sees_them(store_addr, tmp_pa
     try:
         service.expect(1, os.getpid(), 0)
         config = _config(store_addr, "bye")
-        sidecar = AgentSidecar(config, service.address).start()
+        sidecar = HelperHandle(config, Transport.agent(service.address)).start()
         sidecar.handshake(30)
         assert sidecar.alive() and sidecar.send({"round": 0, "roster": [0, 1, 2]})
         sidecar.stop(10)  # returns once the service took the goodbye
@@ -183,7 +184,7 @@ def test_goodbye_death_and_agent_loss_as_the_worker_sees_them(store_addr, tmp_pa
         # it said goodbye: its death has nothing to undo
         assert service.died(1, os.getpid(), 1, returning=False, timeout=5) is False
         service.expect(1, os.getpid(), 1)
-        sidecar = AgentSidecar(config, service.address).start()
+        sidecar = HelperHandle(config, Transport.agent(service.address)).start()
         sidecar.handshake(30)
         assert sidecar.alive()
     finally:
@@ -241,7 +242,7 @@ def test_gone_after_every_worker_said_goodbye_is_written_in_their_call(store_add
     config = _config(store_addr, "after")
     keys = Keyspace("after", 0, config.secret)
     service.expect(1, os.getpid(), 0)
-    sidecar = AgentSidecar(config, service.address).start()
+    sidecar = HelperHandle(config, Transport.agent(service.address)).start()
     sidecar.handshake(30)
     sidecar.stop(10)
     service.gone(2, "its node was lost")  # before any round: at round 0's barrier

@@ -15,7 +15,6 @@ from tests._dist import RankGroup, run_ranks
 from tests.restart import _arrival_jobs, _faults, _jobs
 from trainguard.events import read_events
 
-NODE = {"TRAINGUARD_SIDECAR": "node"}
 _FLUSH = re.compile(r"node arrival: round (\d+), ranks \[([\d, ]*)\]([^\n]*)")
 
 
@@ -42,7 +41,7 @@ def test_a_faulted_run_ends_the_same_with_the_node_arriving_for_its_ranks(tmp_pa
         _faults.mixed_rounds_job,
         3,
         args=(faulted,),
-        env={**NODE, "TRAINGUARD_EVENTS_DIR": str(tmp_path)},
+        env={"TRAINGUARD_EVENTS_DIR": str(tmp_path)},
         timeout=180,
     )
     values = [r.get() for r in results]
@@ -73,7 +72,6 @@ def test_a_rank_killed_after_it_handed_its_record_to_the_node(tmp_path) -> None:
         _arrival_jobs.death_job,
         3,
         args=(victim, "sent", str(tmp_path)),
-        env=NODE,
         timeout=120,
     )
     _check_survivors(results, victim, 3)
@@ -96,7 +94,6 @@ def test_a_rank_killed_before_it_handed_its_record_to_the_node(tmp_path) -> None
         _arrival_jobs.death_job,
         3,
         args=(victim, "unsent", str(tmp_path)),
-        env=NODE,
         timeout=120,
     )
     _check_survivors(results, victim, 3)
@@ -116,7 +113,6 @@ def test_the_watcher_killed_after_it_arrived_for_some_ranks(tmp_path) -> None:
         _arrival_jobs.watcher_death_job,
         3,
         args=(2, str(tmp_path)),
-        env=NODE,
         timeout=120,
     )
     for r in results:
@@ -143,7 +139,6 @@ def test_a_newcomer_on_the_node_is_admitted_while_the_node_arrives_for_the_other
         "hard_timeout": 10.0,
     }
     env = {
-        **NODE,
         "TRAINGUARD_JOB_SECRET": f"arrival-{secrets.token_hex(12)}",
         "TRAINGUARD_JOB_ID": "arrival",
     }

@@ -1,4 +1,4 @@
-"""One watcher process per node (``TRAINGUARD_SIDECAR=node``), 4 real ranks on this host: it
+"""One watcher process per node (the helper outside ``trainguard launch``), 4 real ranks on this host: it
 watches every rank (one process, no torch), writes a dead rank's notice at once, kills a rank
 hung holding the GIL at the hard timeout, and exits when its last rank has left."""
 
@@ -44,7 +44,6 @@ def test_one_watcher_per_node_keeps_the_sidecar_guarantees(
         _faults.fault_job,
         4,
         args=(STEPS, victim, FAULT_STEP, kind, str(tmp_path), overrides),
-        env={"TRAINGUARD_SIDECAR": "node"},
         timeout=120,
     )
     fault_time = float((tmp_path / f"fault-{victim}").read_text())
@@ -82,11 +81,12 @@ _DIES_UNREAD = r"""
 import os, signal, sys
 from trainguard.coord.keys import Keyspace
 from trainguard.restart.config import WrapperConfig
-from trainguard.restart.sidecar import NodeSidecar, SidecarConfig
+from trainguard.restart._helper import HelperHandle, Transport
+from trainguard.restart.sidecar import SidecarConfig
 cfg = WrapperConfig(soft_timeout=20, hard_timeout=60, heartbeat_timeout=10)
 config = SidecarConfig.build(cfg, rank=1, world=2, keys=Keyspace("unread", 0, sys.argv[3]),
                              addr=("127.0.0.1", int(sys.argv[1])), log_dir=sys.argv[2])
-handle = NodeSidecar(config).start()
+handle = HelperHandle(config, Transport.node_watcher(config)).start()
 assert handle.sock is not None, handle.error
 print(handle.watcher_pid or "", flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
@@ -143,8 +143,9 @@ def test_a_rank_dead_before_its_watcher_accepted_it_still_gets_its_notice(tmp_pa
     import torch.distributed as dist
 
     from trainguard.coord.keys import Keyspace
+    from trainguard.restart._helper import HelperHandle, Transport
     from trainguard.restart.config import WrapperConfig
-    from trainguard.restart.sidecar import NodeSidecar, SidecarConfig
+    from trainguard.restart.sidecar import SidecarConfig
 
     secret = secrets.token_hex(16)
     keys = Keyspace("unread", 0, secret)
@@ -153,7 +154,9 @@ def test_a_rank_dead_before_its_watcher_accepted_it_still_gets_its_notice(tmp_pa
     first = SidecarConfig.build(
         cfg, rank=0, world=2, keys=keys, addr=("127.0.0.1", store.port), log_dir=str(tmp_path)
     )
-    watcher = NodeSidecar(first).start()  # this process is rank 0: it keeps the watcher up
+    watcher = HelperHandle(
+        first, Transport.node_watcher(first)
+    ).start()  # this process is rank 0: it keeps the watcher up
     watcher.handshake(30)
     assert watcher.watcher_pid
     os.kill(watcher.watcher_pid, signal.SIGSTOP)
@@ -177,7 +180,6 @@ def test_the_watcher_s_loss_takes_its_ranks_out_and_leaves_none_waiting(tmp_path
         _faults.fault_job,
         2,
         args=(STEPS, 1, FAULT_STEP, "watcher", str(tmp_path), _SLOW),
-        env={"TRAINGUARD_SIDECAR": "node"},
         timeout=90,
     )
     for r in results:
@@ -195,7 +197,6 @@ def test_the_watcher_s_ranks_beat_on_one_store_connection() -> None:
         _coord_conns.count_connections,
         4,
         args=(0.5,),
-        env={"TRAINGUARD_SIDECAR": "node"},
         timeout=120,
     )
     counts = [r.get() for r in results]

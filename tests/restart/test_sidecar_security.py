@@ -1,6 +1,7 @@
-"""The sidecar, run on its own against a real store and a real process it watches: its
-configuration never shows in its command line, it signals through its pidfd, its log cannot
-be planted, and garbage in a heartbeat key does not stop it judging the other ranks."""
+"""The node watcher and the agent's transport, run on their own against a real store and real
+processes they watch: the configuration never shows in a command line, the watcher signals
+through its pidfd, its log cannot be planted, and a socket name squatted by another process
+gets nothing."""
 
 from __future__ import annotations
 
@@ -21,14 +22,13 @@ from typing import Any
 
 import pytest
 
-from tests.restart._barrier_records import left_at, record_at
+from tests.restart._barrier_records import left_at
 from trainguard.coord import Keyspace
 from trainguard.errors import CoordinationError
+from trainguard.restart._helper import HelperHandle, Transport
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.policy import ShiftRanks
-from trainguard.restart.sidecar import AgentSidecar, Sidecar, SidecarConfig, _node
-from trainguard.restart.sidecar._agent import NodeSidecar
-from trainguard.restart.sidecar._handle import log_path
+from trainguard.restart.sidecar import SidecarConfig, _node
 
 
 @pytest.fixture()
@@ -40,16 +40,9 @@ def store() -> Iterator[Any]:
     del server
 
 
-@pytest.fixture()
-def watched() -> Iterator[subprocess.Popen[bytes]]:
-    """The process the sidecar watches (stands for a training process)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    yield proc
-    proc.kill()
-    proc.wait()
-
-
-def _config(store: Any, parent: int, *, rank: int = 0, world: int = 3, **timeouts: float):
+def _config(
+    store: Any, parent: int, *, rank: int = 0, world: int = 3, log_dir: Any = None, **timeouts: Any
+) -> SidecarConfig:
     cfg = WrapperConfig(
         rank_assignment=ShiftRanks(),  # a policy that pickles: it travels to the sidecar
         **{"soft_timeout": 20, "hard_timeout": 60, "heartbeat_timeout": 10, **timeouts},
@@ -62,85 +55,95 @@ def _config(store: Any, parent: int, *, rank: int = 0, world: int = 3, **timeout
         # another test run on this machine must not reach this one's watcher
         keys=Keyspace("sec", 0, f"port{store.port}"),
         addr=("127.0.0.1", store.port),
-        log_dir=None,
+        log_dir=log_dir,
     )
     return dataclasses.replace(config, parent=parent)
 
 
-def _start(config: SidecarConfig) -> Sidecar:
-    sidecar = Sidecar(config).start()
-    sidecar.handshake(60)
-    return sidecar
+def _node_watcher(config: SidecarConfig) -> HelperHandle:
+    """This process's handle of the node watcher of ``config``'s call, past its handshake."""
+    handle = HelperHandle(config, Transport.node_watcher(config)).start()
+    handle.handshake(60)
+    return handle
 
 
-def test_configuration_is_not_on_the_command_line(store, watched) -> None:
-    config = _config(store, watched.pid)
-    assert config.policies  # the pickled policies are part of it
-    sidecar = _start(config)
+# A watched rank of its own process (the watcher watches the process that connected): it
+# registers, tells the watcher its round, prints the watcher's pid and sends no more lines.
+_WATCHED = r"""
+import dataclasses, json, os, sys, time
+from trainguard.restart._helper import HelperHandle, Transport
+from trainguard.restart.sidecar import SidecarConfig
+config = SidecarConfig.from_json(json.loads(sys.argv[1]))
+config = dataclasses.replace(config, parent=os.getpid())
+handle = HelperHandle(config, Transport.node_watcher(config)).start()
+handle.handshake(60)
+handle.send({"round": 0, "roster": [0, 1, 2]})
+print(handle.watcher_pid, flush=True)
+time.sleep(120)
+"""
+
+
+@contextlib.contextmanager
+def _watched(config: SidecarConfig) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """A process that the node watcher watches as ``config``'s rank (its pid goes in), and
+    the watcher's pid."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WATCHED, json.dumps(config.to_json())], stdout=subprocess.PIPE
+    )
     try:
-        assert sidecar.proc is not None
-        cmdline = Path(f"/proc/{sidecar.proc.pid}/cmdline").read_bytes()
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip().isdigit(), line
+        yield proc, int(line)
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_configuration_is_not_on_the_command_line(store) -> None:
+    config = _config(store, os.getpid())
+    assert config.policies  # the pickled policies are part of it
+    handle = _node_watcher(config)
+    try:
+        assert handle.watcher_pid is not None
+        cmdline = Path(f"/proc/{handle.watcher_pid}/cmdline").read_bytes()
         assert cmdline.split(b"\0")[-2:] == [b"trainguard.restart.sidecar", b""], cmdline
         assert config.policies.encode() not in cmdline and b"{" not in cmdline
     finally:
-        sidecar.stop(10)
+        handle.stop(10)
 
 
-def test_hard_timeout_kills_the_watched_process_through_its_pidfd(store, watched) -> None:
-    # no watchdog line ever comes: at the hard timeout the sidecar sends SIGTERM
-    config = _config(store, watched.pid, soft_timeout=0.5, hard_timeout=1.5, heartbeat_interval=0.2)
-    sidecar = _start(config)
-    try:
-        assert watched.wait(30) == -signal.SIGTERM
-    finally:
-        sidecar.stop(10)
-
-
-@pytest.mark.parametrize("garbage", [b"\xffnot a counter", b"7" * 5000], ids=["bytes", "digits"])
-def test_garbage_in_a_heartbeat_key_does_not_stop_liveness_checks(store, watched, garbage) -> None:
-    # 5,000 digits: more than Python reads as an int (it raised in every look at the others)
-    config = _config(store, watched.pid, heartbeat_interval=0.1, heartbeat_timeout=1.0)
-    keys = config.keys
-    store.set(f"{keys.prefix}hb/1", garbage)
-    store.add(f"{keys.prefix}hb/2", 1)  # rank 2 beat once, then went silent
-    sidecar = _start(config)
-    try:
-        assert sidecar.send({"round": 0, "roster": [0, 1, 2]})
-        start = time.monotonic()
-
-        def gone() -> list[str]:  # both declared gone: departures at round 1's barrier
-            records = [record_at(store, keys, 1, r) for r in (1, 2)]
-            return [str(r.leave) for r in records if r is not None and r.leave]
-
-        while time.monotonic() - start < 20:  # the watchdog's lines keep the hard timeout off
-            sidecar.send({"hb": 1, "in_fn": True, "stall": 0.0})
-            if len(gone()) == 2:
-                break
-            time.sleep(0.1)
-        assert len(gone()) == 2, "the sidecar stopped judging heartbeats"
-        assert all("no heartbeat" in why for why in gone()), gone()
-        outcome = json.loads(bytes(store.get(keys.stop(0))))
-        assert outcome["type"] == "RankGone", outcome
-    finally:
-        sidecar.stop(10)
-    assert f"rank 1's heartbeat in the store is no counter ({len(garbage)} bytes" in (
-        log_path(config).read_text()
+def test_hard_timeout_kills_the_watched_process_through_its_pidfd(store) -> None:
+    # no watchdog line ever comes: at the hard timeout the watcher sends SIGTERM
+    config = _config(
+        store,
+        -1,
+        soft_timeout=0.5,
+        hard_timeout=1.5,
+        heartbeat_interval=0.1,
+        termination_grace_time=5.0,
     )
+    with _watched(config) as (proc, _):
+        assert proc.wait(30) == -signal.SIGTERM
 
 
-def test_planted_log_paths_in_tmp_are_not_used(store, watched, tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the sidecar's temporary directory
+def test_a_planted_log_path_is_not_written_through(store, tmp_path) -> None:
+    """The watcher's log in the events directory is a link planted there: the watcher does
+    not write through it (it logs to stderr) and watches all the same."""
+    events = tmp_path / "events"
+    events.mkdir()
     target = tmp_path / "victim"
     target.write_text("")
-    (tmp_path / "sidecar-1.log").symlink_to(target)
-    (tmp_path / "sidecar-2.log").mkdir()
-    for rank in (1, 2):
-        sidecar = _start(_config(store, watched.pid, rank=rank))  # the directory: it starts
-        sidecar.stop(10)
-    assert target.read_text() == "" and (tmp_path / "sidecar-2.log").is_dir()
-    logs = sorted(p.name for p in tmp_path.glob(f"trainguard-{os.getuid()}/sidecar-*.log"))
-    assert logs == ["sidecar-sec-0-1.log", "sidecar-sec-0-2.log"]
-    assert "watching pid" in (tmp_path / f"trainguard-{os.getuid()}" / logs[0]).read_text()
+    config = _config(store, os.getpid(), log_dir=str(events))
+    _node.log_path(config).symlink_to(target)
+    handle = _node_watcher(config)
+    try:
+        assert handle.alive()
+    finally:
+        handle.stop(10)
+    assert target.read_text() == "" and _node.log_path(config).is_symlink()
 
 
 @pytest.mark.parametrize("from_env", [False, True])
@@ -148,7 +151,7 @@ def test_every_key_of_a_job_holds_its_secret(from_env: bool) -> None:
     from tests._dist import run_ranks
     from tests.restart._secjobs import secret_job
 
-    env = {"TRAINGUARD_JOB_ID": "sj", "TRAINGUARD_SIDECAR": "process"}  # reads its sidecar
+    env = {"TRAINGUARD_JOB_ID": "sj"}
     if from_env:
         env["TRAINGUARD_JOB_SECRET"] = "given-by-the-launcher-0123"
     results = run_ranks(secret_job, 2, env=env, timeout=120)
@@ -169,27 +172,23 @@ def _rss_mb(pid: int) -> float:
     return int(line.split()[1]) / 1024
 
 
-def test_the_sidecar_runs_without_torch_and_writes_the_death_notice(store, watched) -> None:
-    config = _config(store, watched.pid, heartbeat_interval=0.1)
+def test_the_node_watcher_runs_without_torch_and_writes_the_death_notice(store) -> None:
+    config = _config(store, -1, heartbeat_interval=0.1)
     keys = config.keys
-    sidecar = _start(config)
-    try:
-        assert sidecar.proc is not None and sidecar.send({"round": 0, "roster": [0, 1, 2]})
-        maps = Path(f"/proc/{sidecar.proc.pid}/maps").read_text()
+    with _watched(config) as (proc, watcher):
+        maps = Path(f"/proc/{watcher}/maps").read_text()
         assert "libtorch" not in maps  # the wire client: no torch import for the store
-        assert _rss_mb(sidecar.proc.pid) < 100  # a torch import alone takes ~200 MB
-        deadline = time.monotonic() + 20
-        while not store.check([keys.heartbeat(0)]) and time.monotonic() < deadline:
-            time.sleep(0.05)  # it beats through the wire client
-        watched.kill()
+        assert _rss_mb(watcher) < 100  # a torch import alone takes ~200 MB
+        proc.kill()
         killed = time.monotonic()
-        assert sidecar.proc.wait(30) == 0
-        assert time.monotonic() - killed < 10  # the notice waits for no heartbeat timeout
         assert "process died" in left_at(store, keys, 1, 0)
+        assert time.monotonic() - killed < 10  # the notice waits for no heartbeat timeout
         outcome = json.loads(bytes(store.get(keys.stop(0))))
         assert outcome["type"] == "RankGone" and outcome["rank"] == 0, outcome
-    finally:
-        sidecar.stop(10)
+        deadline = time.monotonic() + 20  # its last rank has left: it exits
+        while Path(f"/proc/{watcher}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{watcher}").exists(), "the watcher outlived its last rank"
 
 
 def test_a_forged_complete_outcome_never_swallows_a_ranks_exception() -> None:
@@ -254,7 +253,7 @@ def _secret_config(store: Any) -> SidecarConfig:
 def test_a_node_watcher_socket_held_by_another_user_gets_nothing(store) -> None:
     config = _secret_config(store)
     with _squatter(_node.address(config.keys), user=65534) as received:  # binds it first
-        sidecar = NodeSidecar(config).start()
+        sidecar = HelperHandle(config, Transport.node_watcher(config)).start()
         with pytest.raises(CoordinationError) as refused:
             sidecar.handshake(5)
         assert config.secret.encode() not in received()
@@ -267,7 +266,7 @@ def test_an_agent_socket_held_by_another_process_gets_nothing(store, user) -> No
     config = _secret_config(store)
     name = f"trainguard-agent-squatted-{os.getpid()}"
     with _squatter(name, user=user) as received:
-        sidecar = AgentSidecar(config, name).start()
+        sidecar = HelperHandle(config, Transport.agent(name)).start()
         why = "runs as user 65534" if user else "is not this process's parent"
         with pytest.raises(CoordinationError) as refused:
             sidecar.handshake(5)
@@ -302,7 +301,7 @@ def test_the_node_watcher_never_signals_the_next_owner_of_a_dead_ranks_pid(store
     from tests._dist import process_with_pid
 
     first = _config(store, os.getpid())  # keeps the watcher up; its hard timeout is far
-    watcher = NodeSidecar(first).start()
+    watcher = HelperHandle(first, Transport.node_watcher(first)).start()
     watcher.handshake(30)
     assert watcher.watcher_pid is not None
     go, go_child = socket.socketpair()

@@ -158,11 +158,6 @@ class Keyspace:
         them)."""
         return [self.arrive(n), self.ready(n), self.done(n), self.stop(n), self.pool(n)]
 
-    def heartbeat(self, initial_rank: int) -> str:
-        """Counter that ``initial_rank``'s sidecar counts up every heartbeat interval (``bye``
-        once the rank finished normally)."""
-        return f"{self.prefix}hb/{initial_rank}"
-
     def node_heartbeat(self, leader: int) -> str:
         """Counter of the node whose lowest watched rank is ``leader``, after the list of the
         ranks it watches (node liveness, ``bye`` once it has none left)."""

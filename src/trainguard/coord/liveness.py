@@ -1,19 +1,15 @@
-"""One liveness ring: each member beats a counter of its own and watches the next few members'.
+"""A liveness ring's member: it beats a counter of its own and reads the next members'.
 
-Two users, one protocol:
-
-- the rank sidecars (:class:`trainguard.restart.sidecar._watch.Watch`, ``name="rank"``): one
-  member per rank of the current round, a window of 32, every member of the window judged, a
-  look at the moment an observed member's clock runs out;
-- the node ring (:class:`trainguard.coord.node_ring.NodeRing`, ``name="node"``) of the
-  launcher's agents and of the node watchers alike: one member per node, on this module's
-  beat, read, clocks and starvation rule; its judgement and protocol are its own module's.
+The node ring (:class:`trainguard.coord.node_ring.NodeRing`, one member per node, of the
+launcher's agents and of the node watchers alike) runs on this module's beat, read, clocks and
+starvation rule; what it reads is judged by :func:`trainguard.coord.ring_judge.judge`, and the
+ring's protocol is written in :mod:`trainguard.coord.node_ring`.
 
 Keys (the user names them, :attr:`RingWatch.key`): one per member, for example
-``<round prefix>hb/<rank>`` or ``trainguard/launch/<run_id>/g<gen>/node/<node>``. A key holds
-the member's own ``prefix`` followed by its counter in decimal digits (``blank`` until its first
-beat), or ``bye`` once the member ended normally; a user may give other values a meaning of its
-own (the agents' lost mark).
+``trainguard/launch/<run_id>/g<gen>/node/<node>``. A key holds the member's own ``prefix``
+followed by its counter in decimal digits (``blank`` until its first beat), or ``bye`` once the
+member ended normally; a user may give other values a meaning of its own (the agents' lost
+mark).
 
 One interval of one member, two store operations:
 
@@ -27,9 +23,7 @@ One interval of one member, two store operations:
    ``blank``: never ``add``, a TCPStore server drops the connection of an ``add`` to a value that
    is no number), so that reading never blocks on a missing key.
 3. **Judge** on this process's monotonic clock (:meth:`RingWatch.clock`): a member whose value
-   did not change for ``timeout`` is silent. In the rank ring's :meth:`RingWatch.look` a value
-   that is not a counter counts as a counter that does not move and ``blank`` (never beat) is
-   not judged; the node ring compares the values as they are.
+   did not change for ``timeout`` is silent.
 4. **Restart the clocks when starved**: if this watcher's previous look is longer ago than
    ``max(timeout / 2, 2 * interval)`` (the store did not answer, or this process got no CPU or
    was stopped), that time says nothing about the others: every clock starts afresh instead of
@@ -37,26 +31,10 @@ One interval of one member, two store operations:
 
 Store traffic: O(N) in all per interval (each key read by about ``window`` watchers), never
 every member reading every other member's key. :meth:`RingWatch.run` drives the intervals on
-the real monotonic clock: a beat every ``interval`` and, with :attr:`RingWatch.due` set by
-:meth:`RingWatch.look`, a look between beats at the moment an observed member would be late.
+the real monotonic clock: a beat every ``interval`` and, with :attr:`RingWatch.due` set by the
+look, a look between beats at the moment an observed member would be late.
 
-The rank ring (:meth:`RingWatch.look`): the ranks of the current round in initial-rank order
-form the ring, and each sidecar observes the ``window`` ranks that follow its own on it,
-leaving out the ranks it saw gone (declared, or said goodbye), so that its window moves on past
-them. Each rank is thus observed by the ``window`` ranks before it: losing any few observers
-blinds nobody, and a node (consecutive initial ranks, as torchrun hands them out) of up to
-``window - 1`` ranks lost at once still has live observers of each of its ranks that started
-their clocks before it went silent, so all of them are declared. An observer looks again at the
-moment an observed rank's clock runs out, not at its next beat: a rank is declared ``timeout``
-after the first of its observers saw its last beat (each observer sees it up to one interval
-late, the observers' beats fall at unrelated moments, so with ``window`` of them the first is
-usually a small fraction of an interval late). A longer silent run is declared a window at a
-time (one more ``timeout`` per ``window`` ranks). Every observer that finds a rank silent
-reports it (``on_silent``; the sidecar's death notice is idempotent, the first counts the rank
-out). Per interval each member makes two store operations (``set``, ``multi_get`` of
-``window`` keys), plus one ``multi_get`` at the moment an observed rank falls silent.
-
-No torch here: the sidecar process imports this module (it talks to the store through
+No torch here: the node watcher's process imports this module (it talks to the store through
 :mod:`trainguard.coord._wire`).
 """
 
@@ -69,9 +47,8 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from trainguard.coord.store import StoreLike
-from trainguard.errors import ConfigError
 
-__all__ = ["BYE", "MAX_DIGITS", "Clock", "RingWatch", "clock_after", "read_counter", "ring_after"]
+__all__ = ["BYE", "MAX_DIGITS", "Clock", "RingWatch", "clock_after", "ring_after"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,14 +57,6 @@ BYE = b"bye"
 #: the most digits a heartbeat counter has (a beat every millisecond for a billion years has 20;
 #: Python refuses to read an int of more than 4,300 digits)
 MAX_DIGITS = 20
-
-
-def read_counter(raw: bytes) -> int:
-    """A heartbeat counter read from the store: 0 for none yet, -1 for a value that is no
-    counter (not digits, or more than :data:`MAX_DIGITS` of them)."""
-    if not raw:
-        return 0
-    return int(raw) if len(raw) <= MAX_DIGITS and raw.isdigit() else -1
 
 
 #: one member's clock: what it showed, and when (this process's monotonic clock) that last changed
@@ -123,15 +92,11 @@ class RingWatch:
         timeout: a member whose value did not move for this long by this process's clock is
             silent.
         window: how many members after this one it observes.
-        name: what a member is, for the log ("rank", "node").
+        name: what a member is, for the log ("node").
         blank: the value a key is created with before its member's first beat (or the value
             of a member: a function of it).
         prefix: what this member writes before its counter (guarded: unique to this writer).
         guarded: beat with ``compare_set`` from the own last value (see :meth:`beat`).
-        members: for :meth:`look`: the ring's epoch (below 0: not judged yet) and its members;
-            the window is cached per epoch and per how many members were seen gone.
-        on_silent: for :meth:`look`: called (on the beat thread) with a member, how long it
-            was silent, and the epoch and members it was judged in.
         clock: monotonic clock in seconds (tests give a fake one).
     """
 
@@ -148,28 +113,24 @@ class RingWatch:
         blank: bytes | Callable[[int], bytes] = b"0",
         prefix: bytes = b"",
         guarded: bool = False,
-        members: Callable[[], tuple[int, tuple[int, ...]]] | None = None,
-        on_silent: Callable[[int, float, int, tuple[int, ...]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         self.key, self.me, self.name = key, me, name
         self.interval, self.timeout, self.window = interval, timeout, window
         self.blank, self.prefix, self.guarded = blank, prefix, guarded
-        self.members, self.on_silent = members, on_silent
         self.clock_fn = clock
         self.sent = 0  # this member's counter
         #: this member's last value written (None before its first beat)
         self.mine: bytes | None = None
         #: the observed members' clocks: member -> (what it showed, when that last changed)
         self.seen: dict[int, Clock] = {}
-        #: members this watcher saw gone (ended or declared); :meth:`look` skips them
+        #: members this watcher saw gone (ended or declared); a look skips them
         self.gone: set[int] = set()
-        #: when an observed member is late unless it moves (set by :meth:`look`)
+        #: when an observed member is late unless it moves (set by a look)
         self.due: float | None = None
         self.last_look: float | None = None  # when the previous look started
         self.ensured: set[int] = set()  # members whose key exists (reading never blocks)
-        self._window: tuple[tuple[int, int], list[int]] = ((-2, 0), [])
 
     # the beat ----------------------------------------------------------------------------
     def beat(self) -> bytes | None:
@@ -226,78 +187,20 @@ class RingWatch:
         """Drop ``member``'s clock (it went; should it come back it starts afresh)."""
         self.seen.pop(member, None)
 
-    # the rank ring's look ----------------------------------------------------------------
-    def observed(self, epoch: int, members: tuple[int, ...]) -> list[int]:
-        """The first ``window`` members after this one in ring order, those seen gone left
-        out."""
-        key = (epoch, len(self.gone))
-        if self._window[0] == key:
-            return self._window[1]
-        window = ring_after(self.me, (m for m in members if m not in self.gone))[: self.window]
-        self._window = (key, window)
-        return window
-
-    def look(self) -> None:
-        """Read the observed members (one ``multi_get``) and judge each: ``bye`` is gone, a
-        counter that did not move for ``timeout`` is silent (gone too, ``on_silent``), a
-        member that never beat is not judged. Sets :attr:`due`."""
-        if self.members is None or self.on_silent is None:
-            raise ConfigError("RingWatch.look needs members= and on_silent=: pass both")
-        asked = self.clock_fn()
-        epoch, members = self.members()
-        if epoch < 0:  # judged once every member passed the first barrier
-            return
-        others = self.observed(epoch, members)
-        if not others:
-            return
-        values, now = self.read_window(others, asked)
-        for m, raw in zip(others, values, strict=True):
-            if raw == BYE:  # that member finished normally
-                self.gone.add(m)
-                continue
-            counter = read_counter(raw)
-            if counter == 0:
-                continue  # judged only once it beat
-            previous = self.seen.get(m)
-            if counter < 0 and (previous is None or previous[0] != -1):  # newly no counter
-                self._log_bad_counter(m, raw)
-            silent = self.clock(m, counter, now)
-            if silent >= self.timeout:
-                self.gone.add(m)
-                self.forget(m)
-                self.on_silent(m, silent, epoch, members)
-        self.due = self.deadline()
-
-    def read_window(self, observed: list[int], asked: float) -> tuple[list[bytes], float]:
-        """One look's read of ``observed`` (asked at ``asked``): their values and the time read,
-        the clocks restarted after a starved look, and whoever left the window forgotten (a
-        member that comes back into it starts afresh)."""
-        values, now = self.read(observed)
-        self.restart_clocks(asked, now)
-        watched = set(observed)
-        self.seen = {m: v for m, v in self.seen.items() if m in watched}
-        return values, now
-
     def deadline(self) -> float | None:
         """The earliest moment an observed member is late unless it moves."""
         first = min((t for _, t in self.seen.values()), default=None)
         return None if first is None else first + self.timeout
 
-    def _log_bad_counter(self, m: int, raw: bytes) -> None:
-        why = f"no counter ({len(raw)} bytes: {raw[:40]!r})"
-        logger.warning(
-            "%s %d's heartbeat in the store is %s: judged as silent unless it moves",
-            self.name,
-            m,
-            why,
-        )
-
     # the intervals -----------------------------------------------------------------------
     def beat_and_look(self) -> bool:
-        """The rank ring's interval: this member's beat, then :meth:`look`."""
-        self.beat()
-        self.look()
-        return True
+        """One interval: this member's beat, then its look (the ring's own, which sets
+        :attr:`due`); False when there are no more beats."""
+        raise NotImplementedError
+
+    def look(self) -> None:
+        """Read the observed members and judge them (the ring's own); sets :attr:`due`."""
+        raise NotImplementedError
 
     def wake(self, next_beat: float) -> float:
         """When there is something to do: the next beat, or before it :attr:`due`."""

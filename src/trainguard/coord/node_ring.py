@@ -1,6 +1,6 @@
 """One node ring: each node beats one key for its members and judges the nodes after it.
 
-Two users, one protocol: the launcher's agents (:class:`trainguard.launch._nodes.NodeWatch`; a
+Two users, one protocol: the launcher's agents (:class:`trainguard.launch._nodes.AgentNodes`; a
 node's one member is its group rank) and the node watchers
 (:class:`trainguard.restart.sidecar._node.NodeWatcher`; a node's members are the ranks it
 watches). Beats, reads, clocks and their restart when this process was starved are
@@ -48,6 +48,9 @@ last beat that reached the store started, and the first one after failed ones ca
 :meth:`NodeRing.start` ran, so that a slow one never delays a beat; before (tests that call
 :meth:`NodeRing.beat_and_look` themselves) they run inline. No torch here: the node watcher
 process imports this module.
+
+Over 400 lines: the ring's one protocol (beat, walk, verdicts, marks, callbacks), written once
+for its two users; its judgement is the pure :mod:`trainguard.coord.ring_judge` already.
 """
 
 from __future__ import annotations
@@ -66,9 +69,14 @@ from trainguard.coord.liveness import BYE, RingWatch, ring_after
 from trainguard.coord.ring_judge import LOST, NO_BEAT, Verdict, judge, node_value
 from trainguard.coord.store import StoreLike
 
-__all__ = ["NodeRing", "Position"]
+__all__ = ["WINDOW", "NodeRing", "Position"]
 
 logger = logging.getLogger(__name__)
+
+#: how many live nodes after its own a node watcher reads each interval (those seen gone not
+#: counted): a run of up to 31 nodes lost at once still has a live reader of each, whose
+#: clock started before they went silent; two store operations per interval whatever it is.
+WINDOW = 32
 
 #: what a node knows of itself: its members, then the epoch and the ring's members in order
 Position = tuple[tuple[int, ...], int, tuple[int, ...]]

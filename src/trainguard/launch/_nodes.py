@@ -5,13 +5,13 @@
 coordination store is, the workers' ``MASTER_ADDR``/``MASTER_PORT``. It is what a vacancy
 offers (:meth:`Place.vacancy`) and what a replacement node rebuilds (:func:`adopted_workers`).
 
-**What the agent does** (:class:`NodeWatch`, one per agent): after each rendezvous it follows
+**What the agent does** (:class:`AgentNodes`, one per agent): after each rendezvous it follows
 the generation in the admission gate, publishes its workers' ranks and (group rank 0) drops the
-vacancies of older generations (:meth:`NodeWatch.enter`); before its first rendezvous it claims
-a vacancy and, when it gets one, takes that node's place (:meth:`NodeWatch.take_vacancy`); its
-heartbeat (:meth:`NodeWatch.heartbeat`, its member of the generation's node ring:
-:func:`trainguard.launch.heartbeat.node_ring`) calls :meth:`NodeWatch.lost`, :meth:`NodeWatch.back` and
-:meth:`NodeWatch.evicted`.
+vacancies of older generations (:meth:`AgentNodes.enter`); before its first rendezvous it claims
+a vacancy and, when it gets one, takes that node's place (:meth:`AgentNodes.take_vacancy`); its
+heartbeat (:meth:`AgentNodes.heartbeat`, its member of the generation's node ring:
+:func:`trainguard.launch.heartbeat.node_ring`) calls :meth:`AgentNodes.lost`,
+:meth:`AgentNodes.back` and :meth:`AgentNodes.evicted`.
 
 **Exit barrier.** torch's agents wait for each other in the rendezvous store until *every* node
 arrived, so a node that was lost costs the survivors the whole exit-barrier timeout (and when
@@ -51,7 +51,7 @@ from trainguard.launch.heartbeat import node_ranks, node_ring, publish_ranks
 from trainguard.launch.options import LaunchOptions
 
 __all__ = [
-    "NodeWatch",
+    "AgentNodes",
     "Place",
     "adopted_workers",
     "exit_barrier",
@@ -150,7 +150,7 @@ def exit_barrier(
         time.sleep(poll)
 
 
-class NodeWatch:
+class AgentNodes:
     """One agent's dealings with the other nodes of its job (see the module docstring).
 
     Args:

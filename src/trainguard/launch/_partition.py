@@ -38,7 +38,7 @@ from trainguard import events
 from trainguard.coord.store import parse_addr, probe
 from trainguard.launch._coordstore import CoordStore
 from trainguard.launch._fence import Fence
-from trainguard.launch._nodes import NodeWatch
+from trainguard.launch._nodes import AgentNodes
 from trainguard.launch.options import LaunchOptions
 
 __all__ = ["Partition", "Verdict"]
@@ -76,7 +76,7 @@ class Partition:
         self,
         *,
         options: LaunchOptions,
-        nodes: NodeWatch,
+        nodes: AgentNodes,
         coord: CoordStore,
         log: events.EventLog,
         kill_workers: Callable[[], list[int]],

@@ -74,7 +74,7 @@ from trainguard.launch._agenthooks import Heartbeat, Service
 from trainguard.launch._coordstore import CoordStore, Generation
 from trainguard.launch._gate import AdmissionGate
 from trainguard.launch._logs import AgentLogsSpecs, incarnation_launch, tail
-from trainguard.launch._nodes import NodeWatch
+from trainguard.launch._nodes import AgentNodes
 from trainguard.launch._partition import Partition, Verdict
 from trainguard.launch._quarantine import NodeQuarantine
 from trainguard.launch._signals import SignalWatch
@@ -142,7 +142,7 @@ class TrainguardAgent(LocalElasticAgent):
         self.events_dir = options.events_dir or settings.events_dir
         self.events = events.EventLog(self.events_dir)
         rdzv = spec.rdzv_handler
-        self.nodes = NodeWatch(
+        self.nodes = AgentNodes(
             run_id=self.run_id,
             options=options,
             coord=self.coord,
@@ -384,7 +384,7 @@ class TrainguardAgent(LocalElasticAgent):
     def node_heartbeat(self) -> NodeRing:
         """This node's heartbeat in the current generation (the usual ``heartbeat_factory``):
         ``--tg-heartbeat-interval``/``--tg-heartbeat-timeout``; a node it declares lost is
-        counted out (:class:`~trainguard.launch._nodes.NodeWatch`)."""
+        counted out (:class:`~trainguard.launch._nodes.AgentNodes`)."""
         return self.nodes.heartbeat()
 
     def _close_heartbeat(self) -> None:

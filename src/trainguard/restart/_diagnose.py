@@ -84,8 +84,9 @@ def sidecar_lost(rank: int, lost: str) -> SidecarLostError:
     """The error of a rank that leaves the job because it lost its sidecar (``lost``: how)."""
     return SidecarLostError(
         f"rank {rank}: {lost}; it left the job rather than run without "
-        "protection (see sidecar-node-<host>.log, or sidecar-<rank>.log with "
-        "TRAINGUARD_SIDECAR=process, in the events directory or tmp)",
+        "protection (see the node watcher's sidecar-node-<host>.log in the events directory, "
+        "else sidecar-node-<job>-<call>.log in this user's private directory, or the launcher's "
+        "sidecar-service-<pid>.log under `trainguard launch`)",
         causes={rank: lost},
     )
 

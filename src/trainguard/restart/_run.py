@@ -32,8 +32,8 @@ from typing import Any
 from trainguard import _aborts, _progress, events
 from trainguard._errtext import brief
 from trainguard.errors import BarrierTimeoutError, JobEndedError, RetryLimitError
-from trainguard.restart import _diagnose, _helpers
-from trainguard.restart import _environment as _launch
+from trainguard.restart import _beside, _diagnose, _environment
+from trainguard.restart._helper import HelperHandle
 from trainguard.restart._hostcheck import (
     HostCheck,
     consequence,
@@ -50,7 +50,6 @@ from trainguard.restart.call import CallWrapper
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.monitor import Monitor, MonitorHooks
 from trainguard.restart.preempt import Preemption
-from trainguard.restart.sidecar import AgentSidecar, Sidecar
 from trainguard.restart.state import RestartInterrupt, RoundOutcome, RoundState, describe
 from trainguard.restart.watchdog import Watchdog
 from trainguard.stragglers.round import StragglerWatch
@@ -72,10 +71,10 @@ class WrappedCall:
         kwargs: Mapping[str, Any],
     ) -> None:
         self.cfg, self.fn, self.param, self.args, self.kwargs = cfg, fn, param, args, kwargs
-        self.launch = _launch.detect()
+        self.launch = _environment.detect()
         self.session = Session(self.launch, next(_call_counter), cfg)
         self.monitor: Monitor | None = None
-        self.sidecar: Sidecar | AgentSidecar | None = None
+        self.sidecar: HelperHandle | None = None
         self.watchdog: Watchdog | None = None
         self.preconnect: Preconnect | None = None
         self.call: CallWrapper | None = None
@@ -120,7 +119,7 @@ class WrappedCall:
                         RoundOutcome.end("left with an error", rank=self.launch.rank),
                     )
             if isinstance(exc, (RetryLimitError, JobEndedError)) and not self.preemption.signalled:
-                _launch.escalate(exc)
+                _environment.escalate(exc)
             raise
         finally:
             self._stop(kick, finished)
@@ -131,16 +130,16 @@ class WrappedCall:
         cfg, session, rank = self.cfg, self.session, self.launch.rank
         session.open()
         self.preemption.bind(session.coord, session.keys, session.clone_coord)
-        self.stragglers = _helpers.make_stragglers(cfg, session, rank)
-        self.sidecar = _helpers.make_sidecar(cfg, session, rank, log_dir)
+        self.stragglers = _beside.make_stragglers(cfg, session, rank)
+        self.sidecar = _beside.make_sidecar(cfg, session, rank, log_dir)
         hooks = MonitorHooks(
             aborted=self._aborted,
             stuck=self._stuck,
             kick=kick.send if kick is not None else None,
         )
-        self.monitor = _helpers.make_monitor(cfg, session, self.sidecar, hooks)
+        self.monitor = _beside.make_monitor(cfg, session, self.sidecar, hooks)
         self.preconnect = Preconnect(session.coord, session.keys, timeout=cfg.store_timeout)
-        self.watchdog = _helpers.make_watchdog(
+        self.watchdog = _beside.make_watchdog(
             cfg, session, rank, self._progress_state, self.sidecar
         )
 
@@ -290,10 +289,10 @@ class WrappedCall:
         returned = False
         self.raised = None
         try:
-            variables = _launch.round_variables(
+            variables = _environment.round_variables(
                 self.state.rank, self.state.world_size, self.launch.local_rank, ready.pg
             )
-            with _launch.round_environment(variables):
+            with _environment.round_environment(variables):
                 try:
                     if self.cfg.initialize is not None:
                         self.cfg.initialize(state)

@@ -1,4 +1,4 @@
-"""The progress watchdog thread: soft timeout, heartbeat lines to the sidecar, sidecar loss.
+"""The progress watchdog thread: soft timeout, heartbeat lines to the helper, its loss.
 
 Every ``interval`` seconds the thread:
 
@@ -11,9 +11,10 @@ Every ``interval`` seconds the thread:
 3. past ``soft_timeout`` without progress inside the function, records a fault for the round
    (the monitors of every rank then abort and restart it, this rank's included), from a
    short-lived thread so that a slow store never delays step 4.
-4. sends ``{"hb", "in_fn", "stall"}`` to the sidecar; a thread that holds the GIL stops these
-   lines, which is how the sidecar sees a hard hang.
-5. checks that the sidecar is alive; when it is not, it records a fault and ``lost`` says
+4. sends ``{"hb", "in_fn", "stall"}`` to the rank's helper (the node watcher or the
+   launcher's agent); a thread that holds the GIL stops these lines, which is how the helper
+   sees a hard hang.
+5. checks that the helper is alive; when it is not, it records a fault and ``lost`` says
    why (the wrapper then takes this rank out of the job: it must not run unprotected).
 """
 
@@ -41,7 +42,8 @@ class Watchdog:
         thread_id: the thread that runs the wrapped function.
         state: ``() -> (round, in_fn, call)`` read at each sample (call may be None).
         on_hang: ``(round, description) -> None``: record the fault.
-        sidecar: the :class:`Sidecar` handle, or None.
+        sidecar: the rank's helper handle (:class:`~trainguard.restart._helper.HelperHandle`), or
+            None.
     """
 
     def __init__(
@@ -151,8 +153,7 @@ class Watchdog:
         _, in_fn, _ = self._state()
         if sidecar.alive() and sidecar.send({"hb": 1, "in_fn": in_fn, "stall": round(stall, 3)}):
             return
-        code = sidecar.proc.returncode if sidecar.proc is not None else None
         self.lost = sidecar.loss()
         logger.error("rank's %s; this rank leaves the job", self.lost)
-        events.emit("sidecar_lost", exitcode=code)
+        events.emit("sidecar_lost", helper_pid=sidecar.watcher_pid)
         self._record(self._state()[0], f"sidecar lost: {self.lost}")

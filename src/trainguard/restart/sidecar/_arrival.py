@@ -1,8 +1,8 @@
-"""Node arrival: the node watcher arrives at each barrier for the ranks it watches.
+"""Node arrival: a node's helper arrives at each barrier for the ranks it watches.
 
-Opt-in with ``TRAINGUARD_NODE_ARRIVAL=1`` (the same on every node), under the node watcher
-(``TRAINGUARD_SIDECAR=node``, :mod:`._node`). Without it each rank arrives at round ``n``'s
-barrier with two store requests of its own (its record, its count); with it the store's work
+The helper is the node watcher (:mod:`._node`) or, under ``trainguard launch``, the agent
+(:mod:`.agent_service`): one :class:`NodeArrival` per wrapped call each. A rank arriving by
+itself costs two store requests (its record, its count); through its helper the store's work
 per round is O(nodes), not O(ranks):
 
 1. The round's records are pooled (:mod:`trainguard.restart._book`: lines appended to one

@@ -1,9 +1,14 @@
-"""What a sidecar process is told when it starts: one JSON line on its stdin (never argv)."""
+"""What a rank tells the helper that watches it, and the helper's reply.
+
+The rank's :class:`SidecarConfig` is one JSON line, over the helper's Unix socket or on the
+stdin of the node watcher it starts (never on a command line, which every local user can
+read); the helper answers with one JSON handshake line (:func:`handshake_reply`)."""
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import os
 import pickle
 from collections.abc import Callable
@@ -120,3 +125,15 @@ class SidecarConfig:
             return RoundPolicies()
         policies: RoundPolicies = pickle.loads(base64.b64decode(self.policies))
         return policies
+
+
+def handshake_reply(line: bytes) -> dict[str, Any]:
+    """A handshake line (the sidecar's or the agent's), parsed: ``{"ok": True, ...}`` or
+    ``{"ok": False, "error": ...}``, also for a missing or unreadable line."""
+    try:
+        reply = json.loads(line) if line else {"ok": False, "error": "no handshake"}
+    except ValueError:
+        reply = None
+    if not isinstance(reply, dict):
+        return {"ok": False, "error": f"unreadable handshake {line!r}"}
+    return reply

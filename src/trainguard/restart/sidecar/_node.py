@@ -1,14 +1,13 @@
-"""The node watcher: one sidecar process for every rank of a wrapped call on this host.
+"""The node watcher: one helper process for every rank of a wrapped call on this host.
 
-By default (``TRAINGUARD_SIDECAR=node``) the ranks of one host share one watcher process instead
-of one sidecar each (:class:`~trainguard.restart.sidecar._agent.NodeSidecar` is their handle).
-It does for each rank what a sidecar does (:class:`~trainguard.restart.sidecar._watch.Watch`,
-one per rank, each with its own store connection and heartbeat thread): the death notice as
-soon as the rank's process dies (its pidfd wakes), the hard timeout, the rank's heartbeats and
-judging the ranks it observes (under node arrival the node beats once for all of them and
-judges the nodes after it instead: its member of the node ring,
+Outside ``trainguard launch`` the ranks of one host share one watcher process
+(:class:`~trainguard.restart._helper.HelperHandle` is their handle). For each rank it keeps a
+:class:`~trainguard.restart.sidecar._watch.Watch` (the death notice as soon as the rank's
+process dies, its pidfd waking; the hard timeout); for all of them it arrives at the barriers
+(:mod:`._arrival`), reads each round's outcome and layout once (:mod:`._relay`), and beats once
+for the node and judges the nodes after it: its member of the node ring,
 :class:`trainguard.coord.node_ring.NodeRing`, named by its lowest live rank and listing its
-ranks; a silent node gets a death notice for each of its ranks). It never imports torch
+ranks; a silent node gets a death notice for each of its ranks. It never imports torch
 (:mod:`trainguard.coord._wire`).
 
 Protocol:
@@ -55,12 +54,12 @@ from typing import Any
 from trainguard import _private
 from trainguard.coord import _wire
 from trainguard.coord.keys import Keyspace
-from trainguard.coord.node_ring import NodeRing, Position
+from trainguard.coord.node_ring import WINDOW, NodeRing, Position
 from trainguard.restart.sidecar._arrival import NodeArrival
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._notice import notify
 from trainguard.restart.sidecar._relay import Relay
-from trainguard.restart.sidecar._watch import WINDOW, Watch
+from trainguard.restart.sidecar._watch import Watch
 
 logger = logging.getLogger("trainguard.restart.sidecar")
 
@@ -77,6 +76,15 @@ def _name(keys: Keyspace) -> str:
 def address(keys: Keyspace) -> str:
     """The watcher's abstract socket name (without the leading NUL) for this call and user."""
     return f"trainguard-node-{_name(keys)}"
+
+
+def log_path(config: SidecarConfig) -> Path:
+    """The node watcher's log: ``sidecar-node-<host>.log`` in the events directory, else
+    ``sidecar-node-<job>-<call>.log`` in this user's private directory
+    (:func:`trainguard._private.private_dir`), where no other user can plant a file."""
+    if config.log_dir:
+        return Path(config.log_dir) / f"sidecar-node-{socket.gethostname()}.log"
+    return _private.private_dir() / f"sidecar-node-{config.job}-{config.call}.log"
 
 
 def lock_path(keys: Keyspace) -> Path:
@@ -276,7 +284,7 @@ class NodeWatcher:
                 self._gone_before(cfg)
                 return
             # the node beats once for its ranks (:meth:`_node_ring`), not a watch per rank
-            watch = Watch(cfg, store=self._beats(cfg), shared=True, pidfd=pidfd, heartbeats=False)
+            watch = Watch(cfg, store=self._beats(cfg), shared=True, pidfd=pidfd)
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
         finally:

@@ -2,8 +2,8 @@
 
 A rank's monitor waits for its round's outcome and its main thread for the next round's layout.
 Each doing so at the store costs the store one wake-up and one read per rank, and each rank a
-store connection kept for those waits. Under the node watcher (``TRAINGUARD_SIDECAR=node``) the
-ranks ask their watcher instead, over the Unix socket they already hold (the rank's side:
+store connection kept for those waits. The ranks ask their helper (the node watcher, or the
+launcher's agent) instead, over the Unix socket they already hold (the rank's side:
 :class:`RelayReader`), and the watcher's one :class:`Relay` reads each key once for all of
 them:
 

@@ -1,22 +1,23 @@
 """The watch over one training process: its lines, its hard timeout, its death notice.
 
-One :class:`Watch` per wrapped call of one training process. It runs in two places:
-
-- in the sidecar process (``python -m trainguard.restart.sidecar``): fed from the sidecar's
-  stdin, it also beats this rank's heartbeat and judges the others' (:meth:`Watch.run_piped`);
-- inside the launcher's agent (:class:`trainguard.restart.sidecar.agent_service.SidecarService`): fed from a
-  Unix socket connection, without heartbeats (the agent beats once per node), and it kills the
-  worker's whole process group at the hard timeout (``group_kill``).
+One :class:`Watch` per wrapped call of one training process, in the helper that watches it:
+the node watcher (:mod:`._node`, fed from the rank's Unix socket connection,
+:meth:`Watch.run_piped`) or the launcher's agent
+(:class:`trainguard.restart.sidecar.agent_service.SidecarService`, which feeds it what it reads
+and kills the worker's whole process group at the hard timeout, ``group_kill``). Neither beats
+per rank: each helper beats once for its node (:mod:`trainguard.coord.node_ring`).
 
 The lines (one JSON object each): ``{"round": n, "roster": [...]}`` after each barrier,
 ``{"hb": 1, "in_fn": bool, "stall": s}`` from the training process's watchdog thread every few
-tenths of a second, ``{"bye": 1}`` when the wrapped call has left the job.
+tenths of a second, ``{"bye": 1}`` when the wrapped call has left the job; and the rank's
+barrier records and asks of the node's relay, which go to the helper's hooks
+(:attr:`Watch.on_arrive`, :attr:`Watch.on_relay`).
 
-Threads, so that no store operation ever delays the two duties that must be on time (a
-TCPStore operation on a server that stopped answering blocks far past its timeout):
+Threads, so that no store operation ever delays the duty that must be on time (a TCPStore
+operation on a server that stopped answering blocks far past its timeout):
 
-- the reader (the sidecar's main thread, or the agent's connection thread): no store work
-  until the training process is dead.
+- the reader (the node watcher's connection thread, or the agent's): no store work until the
+  training process is dead.
 - ``tg-hard``: the hard timeout, with no store access. When no watchdog line arrived for
   ``hard_timeout`` (a thread holds the GIL), or the watchdog reports the function stalled that
   long, it sends SIGTERM, waits ``termination_grace_time``, sends SIGKILL. Signals go through a
@@ -24,20 +25,13 @@ TCPStore operation on a server that stopped answering blocks far past its timeou
   ``group_kill`` a SIGCONT goes first (a stopped process cannot handle SIGTERM), the SIGTERM once
   the process no longer shows as stopped (at most a second later), and every signal
   goes to the process group the training process leads, if it leads one.
-- ``tg-beats`` (sidecar only): this rank's member of the rank ring
-  (:class:`trainguard.coord.liveness.RingWatch`, whose docstring holds the protocol): it counts
-  this rank's counter up every ``heartbeat_interval`` and judges the :data:`WINDOW` ranks after
-  it among the current round's roster (one ``multi_get``), looking again at the moment an
-  observed rank's clock runs out; a rank silent for ``heartbeat_timeout`` by this process's
-  clock is gone: a ``tg-notice`` thread with a connection of its own (opened for the notice)
-  writes the notice, so a notice waiting on a barrier never stops the beats. Every observer
-  that finds a rank silent writes its notice: the notice is idempotent, the first one counts
-  the rank out.
+- ``tg-notice``: a notice about another rank (:meth:`Watch.notice_thread`; the node ring found
+  its node silent), on a connection of its own opened for it, so that a notice waiting on a
+  barrier holds up nothing else. The notice is idempotent: the first one counts the rank out.
 
-The sidecar holds one store connection (beats, its goodbye, its own rank's death notice: a
-TCPStore client serializes its operations), plus one per notice about another rank while it
-is written. The node watcher's watches share one connection for their beats (``shared``): a
-rank's own death notice then has a connection of its own too.
+A watch uses the store connection it is given (the node watcher's watches share one): the
+rank's own death notice, which may wait for a barrier, goes on a connection of its own when
+it is shared.
 """
 
 from __future__ import annotations
@@ -54,7 +48,6 @@ from collections.abc import Callable
 from typing import Any
 
 from trainguard import _procfs, events
-from trainguard.coord.liveness import RingWatch
 from trainguard.coord.store import StoreLike, connect
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._notice import notify
@@ -64,14 +57,6 @@ logger = logging.getLogger("trainguard.restart.sidecar")
 #: after the hard timeout's SIGCONT, how long a stopped process has to resume before SIGTERM
 _CONTINUE_S = 1.0
 
-#: how many ranks each sidecar observes (the ones after it on the ring, see
-#: :mod:`trainguard.coord.liveness`).
-#: 32: the last rank of a silent node of 8 still has 24 live observers, so the first of them
-#: sees its last beat ~1/25 of an interval late on average (16 gave 0.25 s beyond
-#: heartbeat_timeout for a node at 4,096 simulated ranks, 32 gives 0.09 s); the same two
-#: store operations per interval, twice the keys read.
-WINDOW = 32
-
 
 class Watch:
     """See the module docstring.
@@ -79,7 +64,6 @@ class Watch:
     Args:
         cfg: the training process's sidecar configuration.
         pid: the watched process (default ``cfg.parent``).
-        heartbeats: beat this rank's heartbeat and judge the others' (the sidecar does).
         group_kill: at the hard timeout, SIGCONT first and signal the process group the
             training process leads (the agent does: its workers lead their own groups).
         killer: who kills, for the cause of the death notice ("its sidecar", "the launcher").
@@ -87,12 +71,10 @@ class Watch:
             object with TCPStore's ``set``, ``compare_set``, ``multi_get``, ``check``,
             ``add``, ``get``, ``wait``, ``delete_key`` and ``clone`` will do; the watch
             drops its reference in :meth:`close`.
-        shared: ``store`` serves other watches too (the node watcher's ranks beat on one
-            connection): this rank's death notice, which may wait for a barrier, then goes on
-            a connection of its own, so that it never holds up the others' beats.
+        shared: ``store`` serves other watches too (the node watcher's): this rank's death
+            notice, which may wait for a barrier, then goes on a connection of its own.
         pidfd: a pidfd of the watched process, opened when it connected (the watch owns it
-            from then on); default one opened here (the sidecar's parent cannot have been
-            replaced: it is not reaped while its child lives).
+            from then on); default one opened here.
     """
 
     def __init__(
@@ -100,7 +82,6 @@ class Watch:
         cfg: SidecarConfig,
         *,
         pid: int | None = None,
-        heartbeats: bool = True,
         group_kill: bool = False,
         killer: str = "its sidecar",
         store: StoreLike | None = None,
@@ -113,7 +94,6 @@ class Watch:
         self.world = cfg.world
         self.parent = cfg.parent if pid is None else pid
         self.keys = cfg.keys
-        self.heartbeats = heartbeats
         self.group_kill = group_kill
         self.killer = killer
         if store is None:
@@ -132,21 +112,6 @@ class Watch:
         self.threads: list[threading.Thread] = []
         self.notices: list[threading.Thread] = []
         self.buffer = b""
-        #: this rank's member of the rank ring, on the connection of :attr:`coord`
-        self.ring: RingWatch | None = None
-        if heartbeats:
-            self.ring = RingWatch(
-                store,
-                self.keys.heartbeat,
-                me=self.rank,
-                interval=cfg.heartbeat_interval,
-                timeout=cfg.heartbeat_timeout,
-                window=WINDOW,
-                name="rank",
-                members=self.position,
-                on_silent=self.silent,
-            )
-            self.ring.ensure([self.rank])
         #: the node watcher's hook for the rank's asks of its relay (:mod:`._relay`)
         self.on_relay: Callable[[dict[str, Any]], None] | None = None
         #: the node watcher's hooks of node arrival (:mod:`._arrival`): the rank's records,
@@ -156,30 +121,23 @@ class Watch:
 
     # lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the clock of the hard timeout and the threads (tg-hard, tg-beats)."""
+        """Start the clock of the hard timeout and its thread (tg-hard)."""
         self.last_line = time.monotonic()
         self.threads = [threading.Thread(target=self.enforce_hard_timeout, name="tg-hard")]
-        if self.ring is not None:
-            self.threads.append(
-                threading.Thread(target=self.ring.run, args=(self.done,), name="tg-beats")
-            )
         for thread in self.threads:
             thread.daemon = True
             thread.start()
 
     def stop(self) -> None:
         """The training process is gone or said goodbye: end tg-hard (never blocked long: it
-        waits on the event, or up to the grace time of a kill) and tg-beats (not waited for
-        when stuck in a store call)."""
+        waits on the event, or up to the grace time of a kill)."""
         self.done.set()
         for thread in self.threads:
-            thread.join(self.cfg.termination_grace_time + 1.0 if thread.name == "tg-hard" else 0.5)
+            thread.join(self.cfg.termination_grace_time + 1.0)
 
     def close(self) -> None:
         """Drop the store connections and the pidfd (after :meth:`stop`)."""
         del self.coord  # not closed: a node watcher's watches share one connection
-        if self.ring is not None:
-            del self.ring.store
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
@@ -272,12 +230,6 @@ class Watch:
                 os.killpg(self.parent, sig)
 
     # notices -----------------------------------------------------------------------------
-    def silent(self, r: int, silent: float, n: int, roster: tuple[int, ...]) -> None:
-        """The ring found rank ``r`` silent in round ``n``: its notice (:meth:`notice_thread`)."""
-        cause = f"silent: no heartbeat for {silent:.1f} s (heartbeat_timeout)"
-        logger.warning("rank %d is %s", r, cause)
-        self.notices.append(self.notice_thread(r, n, roster, cause))
-
     def notice_thread(
         self, r: int, n: int, roster: tuple[int, ...], cause: str
     ) -> threading.Thread:
@@ -297,7 +249,7 @@ class Watch:
             return
         notify(store, self.cfg, r, (n, roster), cause)
 
-    # the sidecar process ------------------------------------------------------------------
+    # the node watcher's connection --------------------------------------------------------
     def wait_parent(self, fd: int, buf: bytes = b"") -> str | None:
         """Until goodbye (None) or the training process's death (its cause). ``fd``: the pipe
         the lines come on; ``buf``: what was read from it after the configuration line."""
@@ -322,8 +274,8 @@ class Watch:
                 return self.killed or f"process died (pid {self.parent} exited)"
 
     def run_piped(self, fd: int, buf: bytes = b"") -> int:
-        """The sidecar process's life: watch until goodbye or death, then write the notice
-        (or this rank's ``bye`` heartbeat)."""
+        """The watch's life in the node watcher: watch until goodbye or death, then write
+        the notice. ``fd``: the rank's connection; ``buf``: what followed its configuration."""
         self.start()
         cause = self.wait_parent(fd, buf)
         self.done.set()
@@ -332,8 +284,6 @@ class Watch:
         self.threads[0].join()  # never blocked: it only waits on the pidfd and the event
         if cause is None:
             logger.info("the training process said goodbye")
-            with contextlib.suppress(Exception):  # the store may be gone with the job
-                self.coord.set(self.keys.heartbeat(self.rank), b"bye")
         else:
             n, roster = self.position()
             store = self.coord
@@ -342,11 +292,8 @@ class Watch:
                     store = self.coord.clone()
             notify(store, self.cfg, self.rank, (n, roster), cause)
             del store  # a clone closes with it
-        # Notices about others still running go on up to the barrier timeout; a beat stuck in
-        # a store call is not waited for (the process exits under it).
+        # Notices about others still running go on up to the barrier timeout.
         deadline = time.monotonic() + self.cfg.barrier_timeout
         for thread in self.notices:
             thread.join(max(0.0, deadline - time.monotonic()))
-        for thread in self.threads[1:]:
-            thread.join(0.5)
         return 0

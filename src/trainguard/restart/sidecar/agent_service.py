@@ -1,10 +1,10 @@
-"""The sidecar service: the launcher's agent watches its workers instead of sidecar processes.
+"""The sidecar service: the launcher's agent watches its workers instead of a node watcher.
 
 Under ``trainguard launch`` each worker's Wrapper connects to its agent
-(:class:`~trainguard.restart.sidecar._agent.AgentSidecar`) instead of starting a sidecar
-process, so a node runs one helper process (the agent), not one per rank. Per connection the
-service runs a :class:`~trainguard.restart.sidecar._watch.Watch` (hard timeout, the lines of
-the worker's watchdog) without per-rank heartbeats: node liveness is the agent's own heartbeat.
+(:class:`~trainguard.restart._helper.HelperHandle`, the agent's transport) instead of this
+node's watcher, so a node runs one helper process (the agent). Per connection the service runs
+a :class:`~trainguard.restart.sidecar._watch.Watch` (hard timeout, the lines of the worker's
+watchdog); node liveness is the agent's own beat in the node ring.
 
 Protocol (the agent's side, in this order):
 
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import logging
 import os
@@ -47,17 +46,14 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from trainguard import _private, _subproc
 from trainguard._timeouts import Timeout, seconds
-from trainguard.coord import _wire
-from trainguard.restart.sidecar._arrival import NodeArrival
+from trainguard.restart.sidecar._calls import Calls
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._node import accept_own
 from trainguard.restart.sidecar._notice import notify, notify_anew
-from trainguard.restart.sidecar._relay import Relay
 from trainguard.restart.sidecar._watch import Watch
 
 logger = logging.getLogger(__name__)
@@ -127,8 +123,7 @@ class SidecarService:
         self._wake = -1  # eventfd: wakes the listener (a new deadline, or close)
         self._closing = threading.Event()
         self._log: logging.StreamHandler[Any] | None = None
-        self._relays: dict[str, Relay] = {}  # a wrapped call's keyspace -> its relay
-        self._arrivals: dict[str, NodeArrival] = {}  # likewise -> its node arrival
+        self._calls = Calls()  # per wrapped call: its relay and its node arrival
         self._last_cfg: SidecarConfig | None = None  # of the last worker that connected
         self._pending: dict[int, str] = {}  # slot -> cause: gone before any worker connected
 
@@ -213,13 +208,7 @@ class SidecarService:
             conns = list(self._conns)
         for conn in conns:
             conn.shutdown(socket.SHUT_RDWR)
-        with self._cond:
-            relays, self._relays = list(self._relays.values()), {}
-            arrivals, self._arrivals = list(self._arrivals.values()), {}
-        for arrival in arrivals:  # their last batches go before the relays stop
-            arrival.close()
-        for relay in relays:
-            relay.close()
+        self._calls.close()
         waited: set[threading.Thread] = set()
         while True:  # threads may start others meanwhile (a notice): until none is left
             with self._cond:
@@ -323,7 +312,6 @@ class SidecarService:
             watch = Watch(
                 cfg,
                 pid=conn.pid,
-                heartbeats=False,
                 group_kill=True,
                 killer=_KILLER,
                 pidfd=conn.pidfd,
@@ -333,9 +321,7 @@ class SidecarService:
             return None
         conn.watch, conn.pidfd = watch, -1  # the pidfd is the watch's now
         conn.sock.settimeout(None)
-        relay = self._relay_for(cfg)
-        watch.on_relay = relay.hook(conn.sock)
-        self._arrival_for(cfg, relay).watch(watch)
+        self._calls.join(cfg, watch, conn.sock)
         watch.start()  # the hard timeout counts from the handshake
         reply = {"ok": True, "pid": os.getpid(), "relay": True, "arrival": True}
         conn.sock.sendall(json.dumps(reply).encode() + b"\n")
@@ -353,31 +339,7 @@ class SidecarService:
     @property
     def relay_reads(self) -> int:
         """Round keys its relays read from the store so far, for all workers (tests)."""
-        with self._cond:
-            return sum(relay.reads for relay in self._relays.values())
-
-    def _relay_for(self, cfg: SidecarConfig) -> Relay:
-        """The relay of the worker's wrapped call on this node, which its asks go to
-        (:mod:`trainguard.restart.sidecar._relay`: each round's outcome and layout read once
-        for the node's workers), over pure-Python store connections (a wait on one can be
-        interrupted when the service closes)."""
-        key = cfg.keys.prefix
-        with self._cond:
-            relay = self._relays.get(key)
-            if relay is None:
-                relay = self._relays[key] = Relay(cfg.keys, _connector(cfg))
-        return relay
-
-    def _arrival_for(self, cfg: SidecarConfig, relay: Relay) -> NodeArrival:
-        """The node arrival of the worker's wrapped call on this node: one append and one add
-        per round for the workers of the call (:mod:`trainguard.restart.sidecar._arrival`)."""
-        key = cfg.keys.prefix
-        with self._cond:
-            arrival = self._arrivals.get(key)
-            if arrival is None:
-                previous = functools.partial(relay.value, "ready")
-                arrival = self._arrivals[key] = NodeArrival(_connector(cfg), previous)
-        return arrival
+        return self._calls.relay_reads
 
     def _refuse(self, conn: _Conn, why: str) -> None:
         logger.warning("refused a connection of pid %d: %s", conn.pid, why)
@@ -466,8 +428,3 @@ class SidecarService:
                 logging.getLogger(name).removeHandler(handler)
             handler.close()
             handler.stream.close()
-
-
-def _connector(cfg: SidecarConfig) -> Callable[[], Any]:
-    """Makes a pure-Python store connection to ``cfg``'s store."""
-    return lambda: _wire.connect(cfg.host, cfg.port, timeout=cfg.store_timeout)

@@ -1,9 +1,10 @@
-"""The threads and the helper process that one wrapped call runs beside its function.
+"""The threads and the helper that one wrapped call runs beside its function.
 
 :meth:`~trainguard.restart._run.WrappedCall._start` builds them, in this order, once the
 call's session is open (its coordination connection and round book exist): the straggler
-watch (only with ``stragglers=``), the per-rank sidecar (only with ``sidecar=True``; its
-handshake done before anything else runs), the monitor thread (it watches the round's
+watch (only with ``stragglers=``), the helper that watches this process (the node watcher or
+the launcher's agent, :mod:`._helper`; only with ``sidecar=True``, its handshake done before
+anything else runs), the monitor thread (it watches the round's
 outcome and aborts), and the progress watchdog (hangs). Each factory here takes what its
 helper needs and nothing of the call itself, so the round's code reads what it uses;
 :meth:`~trainguard.restart._run.WrappedCall._stop` stops them in the reverse order.
@@ -17,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.restart import _diagnose
+from trainguard.restart._helper import HelperHandle, start_for
 from trainguard.restart._session import Session
 from trainguard.restart.call import CallWrapper
 from trainguard.restart.config import WrapperConfig
 from trainguard.restart.monitor import Monitor, MonitorHooks
-from trainguard.restart.sidecar import AgentSidecar, Sidecar, start_for
 from trainguard.restart.state import RoundOutcome
 from trainguard.restart.watchdog import Watchdog
 from trainguard.stragglers.round import StragglerWatch
@@ -44,8 +45,8 @@ def make_stragglers(cfg: WrapperConfig, session: Session, rank: int) -> Straggle
 
 def make_sidecar(
     cfg: WrapperConfig, session: Session, rank: int, log_dir: Path | None
-) -> Sidecar | AgentSidecar | None:
-    """The rank's sidecar, started and past its handshake (``None`` without ``sidecar=``)."""
+) -> HelperHandle | None:
+    """The rank's helper, started and past its handshake (``None`` without ``sidecar=``)."""
     if not cfg.sidecar:
         return None
     assert session.coord_addr is not None
@@ -59,7 +60,7 @@ def make_sidecar(
 def make_monitor(
     cfg: WrapperConfig,
     session: Session,
-    sidecar: Sidecar | AgentSidecar | None,
+    sidecar: HelperHandle | None,
     hooks: MonitorHooks,
 ) -> Monitor:
     """The monitor thread of the calling (main) thread's function."""
@@ -79,7 +80,7 @@ def make_watchdog(
     session: Session,
     rank: int,
     state: Callable[[], tuple[int, bool, CallWrapper | None]],
-    sidecar: Sidecar | AgentSidecar | None,
+    sidecar: HelperHandle | None,
 ) -> Watchdog:
     """The progress watchdog of the calling (main) thread: a hang proposes a fault through
     the round book, on the coordination connection (never blocked for long)."""
