@@ -30,9 +30,10 @@ makes, made by the library's own code on that rank's client:
   beats stop, declared and noticed by the real code.
 
 What is simulated: ranks are not processes. A few worker processes (``procs``) each run a few
-threads (``threads``), and each thread drives its share of the ranks in turn: every rank's
-wait for the outcome (the first blocks until it is set, the others find it set), then every
-rank's arrival, then every rank's wait for and reading of its assignment. So a rank's
+threads (``threads``), and each thread drives its share of the ranks in turn (whole nodes: a
+node's ranks on one thread of one worker): every rank's wait for the outcome (the first blocks
+until it is set, the others find it set), then every rank's arrival, then every rank's wait
+for and reading of its assignment. So a rank's
 operation waits for the thread's other ranks' operations before it: the times measured are
 an upper bound of what ranks on their own hosts would see (the store server's own work, which
 is what grows with N, is all there). No training, no process groups, no abort.
@@ -62,6 +63,14 @@ from bench._coord_worker import (
     free_port,
     worker_main,
 )
+
+
+def worker_bounds(n: int, parts: int) -> list[int]:
+    """Where ``n`` ranks are cut into ``parts`` workers' shares (``bounds[i]:bounds[i + 1]``):
+    whole nodes of :data:`LOCAL` each, as even as they go. A node split between two workers
+    would be two node watchers (two arrivals, two relays' reads) where a real node has one."""
+    nodes = -(-n // LOCAL)
+    return [min(n, LOCAL * (nodes * i // parts)) for i in range(parts + 1)]
 
 
 class Sim:
@@ -112,7 +121,7 @@ class Sim:
         self.relay = relay
         self.arrival = arrival and relay  # node arrival needs the node watchers
         parts = max(1, self.procs)
-        bounds = [n * i // parts for i in range(parts + 1)]
+        bounds = worker_bounds(n, parts)
         self.workers: list[tuple[Connection, Any]] = []
         for i in range(parts):
             spec = {
@@ -220,6 +229,8 @@ def rounds(sim: Sim, reps: int, *, budget: float = 600.0) -> dict[str, Any]:
                     "node_cpu_s": (after[3] - before[3]) / 1e9,
                     "last_arriver_s": state.last[k],
                     "requests": ops,
+                    # the node helpers' requests by name and key ("wait rN/stop": 1 per node)
+                    "node_requests_by_op": state.by_op.get(k, {}),
                 }
             )
             before = after
@@ -254,6 +265,7 @@ class _Collect:
         self.errors: list[str] = []
         self.done: set[tuple[int, int]] = set()
         self.last: dict[int, float] = {}  # round -> the most CPU one arrival took, s
+        self.by_op: dict[int, dict[str, int]] = {}  # round -> the node helpers' requests by op
         self.cpus: list[tuple[int, int]] = []
 
     def cpu(self) -> tuple[int, int, int, int]:
@@ -277,8 +289,11 @@ class _Collect:
             w = conns.index(conn)  # type: ignore[arg-type]
             msg = conn.recv()  # type: ignore[union-attr]
             if msg[0] == "round":
-                _, k, _, seen, got, assigned, ops, last = msg
+                _, k, _, seen, got, assigned, ops, last, by_op = msg
                 self.reports.setdefault(k, []).append((seen, got, ops))
+                into = self.by_op.setdefault(k, {})
+                for op, count in by_op.items():
+                    into[op] = into.get(op, 0) + count
                 self.last[k] = max(last, self.last.get(k, 0.0))
                 while len(self.assigned) <= k:
                     self.assigned.append({})
