@@ -32,8 +32,7 @@ class Member:
         n: int,
         roster: tuple[int, ...],
     ) -> None:
-        from trainguard.coord.node_ring import NodeRing
-        from trainguard.restart.sidecar._watch import WINDOW
+        from trainguard.coord.node_ring import WINDOW, NodeRing
 
         self.rank, self.ranks = min(ranks), ranks
         self.done = threading.Event()

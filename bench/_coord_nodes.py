@@ -23,6 +23,9 @@ class NoNodes:
     def ops(self) -> int:
         return 0
 
+    def by_op(self) -> dict[str, int]:
+        return {}
+
     def entered(self, session: Any, k: int) -> None:
         pass
 
@@ -72,12 +75,15 @@ class Nodes:
         from trainguard.restart.sidecar._relay import Relay, RelayReader
 
         self.counters: list[list[int]] = []
+        self.by_ops: list[dict[str, int]] = []  # per connection: its calls by name and key
         port = worker.spec["port"]
 
         def connect_counted() -> Any:
-            counter = [0, 0, 0]
+            counter, by_op = [0, 0, 0], {}
             self.counters.append(counter)
-            return Counting(connect("127.0.0.1", port, timeout=300.0), counter)
+            self.by_ops.append(by_op)
+            store = connect("127.0.0.1", port, timeout=300.0)
+            return Counting(store, counter, by_op, worker.keys.prefix)
 
         self.relays: dict[int, Any] = {}
         self.arrivals: dict[int, Any] = {}
@@ -146,6 +152,14 @@ class Nodes:
     def ops(self) -> int:
         """Store operations of the relays so far."""
         return sum(c[0] for c in list(self.counters))
+
+    def by_op(self) -> dict[str, int]:
+        """Store operations of the relays and node arrivals so far, by name and key."""
+        total: dict[str, int] = {}
+        for ops in list(self.by_ops):
+            for op, count in list(ops.items()):
+                total[op] = total.get(op, 0) + count
+        return total
 
     def entered(self, session: Any, k: int) -> None:
         """The rank of ``session`` entered round ``k`` (its "round" line to its watcher)."""

@@ -20,19 +20,20 @@ makes, made by the library's own code on that rank's client:
   ``arrival=True`` (node arrival) the ranks hand their records to their node's
   :class:`~trainguard.restart.sidecar._arrival.NodeArrival` over the same sockets, which
   arrives for them (one append and one add per node) and lays the round out when its add
-  completes the barrier. ``relay=False``:
-  each rank waits at the store itself (``TRAINGUARD_SIDECAR=process``);
+  completes the barrier (the library's only protocol since issue 42). Without it each rank
+  arrives by itself (its line in the round's pool, its count: what a rank whose helper died
+  does); ``relay=False``: each rank also waits at the store itself;
 - death notices: :func:`trainguard.restart.sidecar._notice.write_notice`;
-- liveness: one :class:`trainguard.restart.sidecar._watch.Watch` per simulated rank, the
-  watches of a node of 8 on one connection (``shared``, as the node watcher's), stepped by
-  its ring's :meth:`RingWatch.step` at the moments :meth:`RingWatch.wake` asks for, each
-  rank's beats at a random phase of the interval (as ranks started at unrelated moments beat); a silent node is a run of consecutive ranks whose
-  beats stop, declared and noticed by the real code.
+- liveness: one :class:`trainguard.coord.node_ring.NodeRing` member per node of 8
+  (:mod:`bench._coord_nodelive`, as the node watcher beats), stepped at the moments
+  :meth:`RingWatch.wake` asks for, each node's beats at a random phase of the interval; a
+  silent node is one whose beats stop, declared and noticed by the real code.
 
 What is simulated: ranks are not processes. A few worker processes (``procs``) each run a few
-threads (``threads``), and each thread drives its share of the ranks in turn: every rank's
-wait for the outcome (the first blocks until it is set, the others find it set), then every
-rank's arrival, then every rank's wait for and reading of its assignment. So a rank's
+threads (``threads``), and each thread drives its share of the ranks in turn (whole nodes: a
+node's ranks on one thread of one worker): every rank's wait for the outcome (the first blocks
+until it is set, the others find it set), then every rank's arrival, then every rank's wait
+for and reading of its assignment. So a rank's
 operation waits for the thread's other ranks' operations before it: the times measured are
 an upper bound of what ranks on their own hosts would see (the store server's own work, which
 is what grows with N, is all there). No training, no process groups, no abort.
@@ -45,7 +46,6 @@ every process of the machine.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import multiprocessing
 import threading
 import time
@@ -62,6 +62,14 @@ from bench._coord_worker import (
     free_port,
     worker_main,
 )
+
+
+def worker_bounds(n: int, parts: int) -> list[int]:
+    """Where ``n`` ranks are cut into ``parts`` workers' shares (``bounds[i]:bounds[i + 1]``):
+    whole nodes of :data:`LOCAL` each, as even as they go. A node split between two workers
+    would be two node watchers (two arrivals, two relays' reads) where a real node has one."""
+    nodes = -(-n // LOCAL)
+    return [min(n, LOCAL * (nodes * i // parts)) for i in range(parts + 1)]
 
 
 class Sim:
@@ -112,7 +120,7 @@ class Sim:
         self.relay = relay
         self.arrival = arrival and relay  # node arrival needs the node watchers
         parts = max(1, self.procs)
-        bounds = [n * i // parts for i in range(parts + 1)]
+        bounds = worker_bounds(n, parts)
         self.workers: list[tuple[Connection, Any]] = []
         for i in range(parts):
             spec = {
@@ -154,7 +162,7 @@ class Sim:
         config = _sidecar_config(
             self.port, self.n, rank, _config(self.n, self.interval, self.timeout)
         )
-        return dataclasses.replace(config, node_arrival=self.arrival)
+        return config
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -220,6 +228,8 @@ def rounds(sim: Sim, reps: int, *, budget: float = 600.0) -> dict[str, Any]:
                     "node_cpu_s": (after[3] - before[3]) / 1e9,
                     "last_arriver_s": state.last[k],
                     "requests": ops,
+                    # the node helpers' requests by name and key ("wait rN/stop": 1 per node)
+                    "node_requests_by_op": state.by_op.get(k, {}),
                 }
             )
             before = after
@@ -254,6 +264,7 @@ class _Collect:
         self.errors: list[str] = []
         self.done: set[tuple[int, int]] = set()
         self.last: dict[int, float] = {}  # round -> the most CPU one arrival took, s
+        self.by_op: dict[int, dict[str, int]] = {}  # round -> the node helpers' requests by op
         self.cpus: list[tuple[int, int]] = []
 
     def cpu(self) -> tuple[int, int, int, int]:
@@ -277,8 +288,11 @@ class _Collect:
             w = conns.index(conn)  # type: ignore[arg-type]
             msg = conn.recv()  # type: ignore[union-attr]
             if msg[0] == "round":
-                _, k, _, seen, got, assigned, ops, last = msg
+                _, k, _, seen, got, assigned, ops, last, by_op = msg
                 self.reports.setdefault(k, []).append((seen, got, ops))
+                into = self.by_op.setdefault(k, {})
+                for op, count in by_op.items():
+                    into[op] = into.get(op, 0) + count
                 self.last[k] = max(last, self.last.get(k, 0.0))
                 while len(self.assigned) <= k:
                     self.assigned.append({})

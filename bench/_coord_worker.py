@@ -10,8 +10,8 @@ Also what both sides share: the job token, the configuration, the counting proxy
 from __future__ import annotations
 
 import heapq
-import os
 import random
+import re
 import socket
 import threading
 import time
@@ -53,19 +53,35 @@ def _size(value: Any) -> int:
     return 8
 
 
-class Counting:
-    """A store client that counts its calls (operations) and the bytes of keys and values."""
+def kind(prefix: str, args: tuple[Any, ...]) -> str:
+    """What a store call's (first) key is, without its keyspace's ``prefix`` and with its
+    numbers as ``N``: ``rN/ready``, ``rN/pool``, ``pg/N``, ``latest``."""
+    key = args[0] if args else ""
+    if isinstance(key, list | tuple):
+        key = key[0] if key else ""
+    key = key.decode() if isinstance(key, bytes) else str(key)
+    return re.sub(r"\d+", "N", key.removeprefix(prefix))
 
-    def __init__(self, store: Any, counter: list[int]) -> None:
+
+class Counting:
+    """A store client that counts its calls (operations) and the bytes of keys and values;
+    with ``by_op`` also each call by name and key (:func:`kind`; the node helpers' calls,
+    a few per node per round, for the breakdown of what a round costs the store)."""
+
+    def __init__(
+        self, store: Any, counter: list[int], by_op: dict[str, int] | None = None, prefix: str = ""
+    ) -> None:
         self._store = store
         self._counter = counter  # [operations, bytes, keys]
+        self._by_op = by_op
+        self._prefix = prefix
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._store, name)
         if not callable(attr) or name == "clone":
             return attr
 
-        counter = self._counter
+        counter, by_op, prefix = self._counter, self._by_op, self._prefix
         waits = name == "wait"
 
         def counted(*args: Any) -> Any:
@@ -73,6 +89,9 @@ class Counting:
             counter[0] += 1
             counter[2] += len(args[0]) if args and isinstance(args[0], list) else 1
             counter[1] += _size(args) + (0 if waits else _size(out))
+            if by_op is not None:
+                op = f"{name} {kind(prefix, args)}"
+                by_op[op] = by_op.get(op, 0) + 1
             return out
 
         setattr(self, name, counted)  # made once per client and name, not once per call
@@ -131,6 +150,20 @@ class _Assignments:
         return position, len(active), self.digest if same else -1
 
 
+def by_node(ranks: Sequence[int], threads: int) -> list[list[int]]:
+    """``ranks`` split among ``threads`` driving threads, a node's (:data:`LOCAL` consecutive
+    ranks) all on one thread, the nodes dealt out in turn. A node watcher arrives for its
+    ranks once all of them sent their records (:mod:`trainguard.restart.sidecar._arrival`);
+    a node whose ranks several threads drove in turn would wait for the slowest thread, and
+    past its bound (1 s, reached at 65,536 ranks here) arrive twice: requests of the
+    simulation's split, not of the watcher."""
+    nodes: dict[int, list[int]] = {}
+    for r in ranks:
+        nodes.setdefault(r // LOCAL, []).append(r)
+    order = list(nodes.values())
+    return [[r for node in order[t::threads] for r in node] for t in range(threads)]
+
+
 # the worker (a process, or a thread for procs=0) ------------------------------------------
 class _Worker:
     def __init__(self, conn: Connection, spec: dict[str, Any]) -> None:
@@ -183,7 +216,6 @@ class _Worker:
             self.cfg.policies,
             store_timeout=self.cfg.store_timeout,
             writer=rank,
-            pooled=bool(self.spec.get("arrival")),
         )
         # without a relay the waits go on this rank's one (counted) client: the simulator
         # holds one connection per rank (a real rank's monitor has one more of its own)
@@ -205,26 +237,25 @@ class _Worker:
     def rounds(self) -> None:
         k = self.spec["threads"]
         share = self.spec.get("share", 1)
-        # ranks of one thread share a connection ``share`` at a time: they take turns, so a
-        # connection never has two calls under way (what the store sees per request is the same)
-        per_thread = [self.ranks[t::k] for t in range(k)]
+        # a node's ranks on one thread (see :func:`by_node`); ranks of one thread share a
+        # connection ``share`` at a time: they take turns, so a connection never has two calls
+        # under way (what the store sees per request is the same)
+        per_thread = by_node(self.ranks, k)
         clients = iter(self.clients(sum(-(-len(mine) // share) for mine in per_thread)))
         counters = [[0, 0, 0] for _ in range(k)]
-        members: list[tuple[int, Any]] = [(-1, None)] * len(self.ranks)
+        members: list[list[tuple[int, Any]]] = [[] for _ in range(k)]
         for t, mine in enumerate(per_thread):
             client = None
             for j, r in enumerate(mine):
                 if j % share == 0:
                     client = Counting(next(clients), counters[t])
-                members[t + j * k] = (r, self.session(r, client))
-        sessions = [s for _, s in members]
+                members[t].append((r, self.session(r, client)))
+        sessions = [s for mine in members for _, s in mine]
         arrival = bool(self.spec.get("arrival"))
         nodes = Nodes(self, sessions, arrival=arrival) if self.spec["relay"] else NoNodes()
         self.nodes = nodes
         threads = [
-            threading.Thread(
-                target=self._rounds_thread, args=(members[t::k], counters[t], t, nodes)
-            )
+            threading.Thread(target=self._rounds_thread, args=(members[t], counters[t], t, nodes))
             for t in range(k)
         ]
         for thread in threads:
@@ -247,6 +278,7 @@ class _Worker:
             while members:
                 seen = 0.0
                 relayed = nodes.ops() if t == 0 else 0
+                by_op = nodes.by_op() if t == 0 else {}
                 if k > 0:
                     alive = []
                     for r, session in members:
@@ -286,7 +318,10 @@ class _Worker:
                 # the next fault: a round trains for minutes), its times taken before them
                 if t == 0:  # node arrival: the node that laid the round out did its work
                     last = max(last, nodes.laid(k))
-                self.send(("round", k, t, seen, got, assigned, ops, last))
+                if t == 0:  # the node helpers' requests of this round, by name and key
+                    after = nodes.by_op()
+                    by_op = {op: c - by_op.get(op, 0) for op, c in after.items()}
+                self.send(("round", k, t, seen, got, assigned, ops, last, by_op))
                 k += 1
         except Exception as exc:  # reported, never left waiting
             self.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -297,7 +332,6 @@ class _Worker:
         """Build a watch per rank of the roster, say so, run them from the time the next
         message gives."""
         from trainguard.coord import _sockets
-        from trainguard.restart.sidecar._watch import Watch
 
         roster = tuple(params["roster"])
         mine = [r for r in self.ranks if r in roster]
@@ -310,25 +344,16 @@ class _Worker:
             )
 
         before = held()
-        watches = []
         nodes = sorted({r // LOCAL for r in mine})  # a node watcher's ranks share one connection
         beats = dict(zip(nodes, self.clients(len(nodes)), strict=True))
-        if self.spec.get("arrival"):  # the node beats for its ranks (bench/_coord_nodelive.py)
-            watches = _coord_nodelive.members(
-                self.cfg, self.keys, mine, LOCAL, params["round"], roster, beats
-            )
-        for r in [] if watches else mine:
-            config = _sidecar_config(port, self.n, r, self.cfg)
-            watch = Watch(config, pid=os.getpid(), store=beats[r // LOCAL], shared=True)
-            watch.round, watch.roster = params["round"], roster
-            watches.append(watch)
+        # the node beats for its ranks (bench/_coord_nodelive.py): the only liveness ring
+        watches = _coord_nodelive.members(
+            self.cfg, self.keys, mine, LOCAL, params["round"], roster, beats
+        )
         conns = held() - before
 
-        def warm(watch: Any) -> None:  # each sidecar makes its observed counters once, at start
-            if hasattr(watch, "warm"):
-                watch.warm()
-            else:
-                watch.ring.ensure(watch.ring.observed(params["round"], roster))
+        def warm(watch: Any) -> None:  # each node makes its observed keys once, at start
+            watch.warm()
 
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(warm, watches))

@@ -24,17 +24,23 @@ store client and runs the library's own code (the monitor's wait, ``Session.arri
 ``Session.take``, ``write_notice``, ``RingWatch.step``); the ranks are not processes but take
 turns on a few threads of a few worker processes, so the round times are an upper bound.
 
-Baseline, in the same command: each size again with every rank waiting at the store itself
-(``direct``, as under ``TRAINGUARD_SIDECAR=process``: the protocol without the node's relay);
-``--no-baseline`` skips it. Node arrival, in the same command: each size again with the node
-watcher arriving for its ranks (``arrival``, ``TRAINGUARD_NODE_ARRIVAL=1``: one append and one
-add per node per round, the records pooled in one key); ``--no-arrival`` skips it. Older
-revisions have no ``Session.arrive``/``Watch.step`` for the simulation to drive (their
-numbers are in docs/numbers.md).
+Rows, in the same command: ``arrival`` (the library's protocol: the node watcher arrives for
+its ranks, one append and one add per node per round, the records pooled in one key;
+``--no-arrival`` skips it), ``this`` (each rank arriving by itself in the same pool, as a rank
+whose helper died does, its waits through the node's relay; up to ``--relay-max``) and
+``direct`` (each rank also waiting at the store itself; ``--no-baseline`` skips it). Before
+issue 42 the second and third were the per-key protocol with and without the relay; their
+numbers at that commit are in ``bench/results/coord_scale_65536.json``. Liveness is the node
+ring in every row (one member per node).
 
 Run: ``.venv/bin/python bench/coord_scale.py [--sizes 256 1024 4096 16384 65536] [--reps 5]
-[--rtt 50e-6] [--no-arrival] [--results NAME]``. Writes ``bench/results/coord_scale.json``
-(``NAME.json``).
+[--rtt 50e-6] [--no-arrival] [--relay-max 16384] [--results NAME]``. Writes
+``bench/results/coord_scale.json`` (``NAME.json``). The relay rows (each rank arriving itself)
+run up to ``--relay-max`` ranks (16,384): at 65,536 their 8,192 nodes' relays beside the
+ranks' own connections need more than the 20,000 descriptors the store process may hold here.
+The node arrival row runs at 65,536: its ranks make no store request of their own in a round
+(32 share an idle connection), and each of the 8,192 simulated nodes holds what a real
+watcher holds (a relay connection per key it waits for, one for its arrivals).
 """
 
 from __future__ import annotations
@@ -251,13 +257,11 @@ def report(
 ) -> None:
     rows, shared_rows = [], []
     arrival = arrival or []
-    for m in current:
-        rows.append(_row("relay", m))
-        rows += [_row("arrival", a) for a in arrival if a["n"] == m["n"]]
-        rows += [_row("direct", b) for b in base if b["n"] == m["n"]]
-        shared_rows.append(_coord_shared.row("relay", m))
-        shared_rows += [_coord_shared.row("arrival", a) for a in arrival if a["n"] == m["n"]]
-        shared_rows += [_coord_shared.row("direct", b) for b in base if b["n"] == m["n"]]
+    kinds = (("relay", current), ("arrival", arrival), ("direct", base))
+    for n in sorted({m["n"] for _, ms in kinds for m in ms}):
+        for label, ms in kinds:
+            rows += [_row(label, m) for m in ms if m["n"] == n]
+            shared_rows += [_coord_shared.row(label, m) for m in ms if m["n"] == n]
     print_table(
         "Coordination at scale (simulated ranks, one store process; round = fault -> every rank "
         "has its assignment; rank/node +s = declared after heartbeat_timeout +s; load = 1-min "
@@ -267,7 +271,7 @@ def report(
         rows,
     )
     growth = []
-    for label, ms in (("relay", current), ("direct", base)):
+    for label, ms in (("relay", current), ("arrival", arrival), ("direct", base)):
         for a, b in itertools.pairwise(ms):
             la, lb = a.get("liveness"), b.get("liveness")
             growth.append(
@@ -298,16 +302,30 @@ def report(
         _coord_shared.HEADERS,
         shared_rows,
     )
-    print_table(
-        "Targets (issue 34, relay)",
-        ["measure", "target", "measured", "met"],
-        _coord_shared.targets(current),
-    )
+    if current:
+        print_table(
+            "Targets (issue 34, relay)",
+            ["measure", "target", "measured", "met"],
+            _coord_shared.targets(current),
+        )
     if arrival:
         print_table(
             "Targets (issue 34, node arrival)",
             ["measure", "target", "measured", "met"],
             _coord_shared.targets(arrival),
+        )
+        ops = sorted({op for a in arrival for op in a["node_requests_by_op"]})
+        print_table(
+            "Node arrival: the node helpers' store requests per node per round, by operation "
+            "and key (p50 over the rounds; the ranks make none of their own)",
+            ["operation key", *(str(a["n"]) for a in arrival)],
+            [[op, *(a["node_requests_by_op"].get(op, 0.0) for a in arrival)] for op in ops]
+            + [["all (p50 per round)", *(a["requests_per_node"]["p50"] for a in arrival)]],
+        )
+        print_table(
+            "Targets (issue 42, item 5, node arrival)",
+            ["measure", "target", "measured", "met"],
+            _coord_shared.targets_42(arrival),
         )
 
 
@@ -336,6 +354,13 @@ def main() -> None:
         help="skip the node arrival rows (the node watcher arrives for its ranks)",
     )
     parser.add_argument(
+        "--relay-max",
+        type=int,
+        default=16384,
+        help="the relay rows (each rank arrives itself) up to this size (0: none); beyond "
+        "16,384 ranks they need more connections than the store process may hold here",
+    )
+    parser.add_argument(
         "--rtt", type=float, default=RTT, help="s, one network round trip, for the model"
     )
     parser.add_argument(
@@ -353,9 +378,10 @@ def main() -> None:
     model = {"rtt": args.rtt, "round_trips": args.round_trips}
     for n in args.sizes:
         live = n <= args.live_max
-        m = measure(n, args.reps, args.interval, args.timeout, args.budget, live=live, **model)
-        print(f"N={n}: round p50 {m['round_s']['p50']:.3f} s ...", file=sys.stderr, flush=True)
-        current.append(m)
+        if n <= args.relay_max:
+            m = measure(n, args.reps, args.interval, args.timeout, args.budget, live=live, **model)
+            print(f"N={n}: round p50 {m['round_s']['p50']:.3f} s ...", file=sys.stderr, flush=True)
+            current.append(m)
         # the other protocols, side by side in the same run: each rank at the store itself
         # (no relay), and the node arriving for its ranks (node liveness: one ring member per
         # node, so 8 times the ranks for the same steps)
@@ -386,8 +412,9 @@ def main() -> None:
             "targets": targets(live, conns) if live else [],
             "rtt_s": args.rtt,
             "round_trips": args.round_trips,
-            "targets_shared": _coord_shared.targets(current),
+            "targets_shared": _coord_shared.targets(current) if current else [],
             "targets_shared_node_arrival": _coord_shared.targets(arrival) if arrival else [],
+            "targets_node_arrival_round": _coord_shared.targets_42(arrival) if arrival else [],
         },
     )
 

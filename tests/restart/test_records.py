@@ -173,3 +173,40 @@ def test_garbage_never_decodes_and_never_crashes(raw: bytes) -> None:
     assert BarrierRecord.decode(raw) is None
     good = BarrierRecord(0, "h", 0).encode()
     assert records([raw, good]) == [None, BarrierRecord(0, "h", 0)]
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"r": True, "host": "h", "local_rank": 0},  # a JSON bool is not a rank
+        {"r": -1, "host": "h", "local_rank": 0},
+        {"r": 1.0, "host": "h", "local_rank": 0},
+        {"r": 1, "host": 7, "local_rank": 0},
+        {"r": 1, "host": "h", "local_rank": False},
+        {"r": 1, "host": "h", "local_rank": "0"},
+        {"r": 1, "host": "h", "local_rank": 0, "leave": 1},
+        {"r": 1, "host": "h", "local_rank": 0, "fault": ["x"]},
+        {"host": "h", "local_rank": 0},
+        [1, "h", 0],
+    ],
+)
+def test_a_record_of_the_wrong_types_is_none_alone_and_among_many(doc: object) -> None:
+    """The last arriver reads every rank's record in one parse (:func:`records`): a record
+    whose field has the wrong JSON type is no record there either."""
+    raw = json.dumps(doc).encode()
+    assert BarrierRecord.decode(raw) is None
+    good = BarrierRecord(2, "h", 1, progress=True)
+    assert records([good.encode(), raw]) == [good, None]
+
+
+def test_a_records_optional_fields_are_kept_checked_and_cut() -> None:
+    """``progress`` only as a bool, ``raised`` and ``probe`` only as text, of 2,000
+    characters at most; ``leave`` and ``fault`` as given."""
+    doc = {"r": 5, "host": "h", "local_rank": 3, "leave": "bye", "fault": "f", "progress": 1}
+    doc.update(raised="x" * 5000, probe=7)
+    (rec,) = records([json.dumps(doc).encode()])
+    assert rec == BarrierRecord(5, "h", 3, leave="bye", fault="f", raised="x" * 2000)
+    doc.update(progress=False, probe="ok", raised=None)
+    assert records([json.dumps(doc).encode()]) == [
+        BarrierRecord(5, "h", 3, leave="bye", fault="f", progress=False, probe="ok")
+    ]
