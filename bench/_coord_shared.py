@@ -9,6 +9,7 @@ the cluster round time and death notice -> every node aware modelled from them
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from bench import _coord_cpu
@@ -125,102 +126,106 @@ def row(label: str, m: dict[str, Any]) -> list[Any]:
     ]
 
 
-def targets(current: list[dict[str, Any]]) -> list[list[Any]]:
-    """Issue 34's table: each target at 16,384 ranks (the largest size measured when it was
-    not), the value measured, met or not."""
+_Row = tuple[str, str, float | None, float]  # what, the target's text, measured, limit
+
+
+def _table(
+    current: list[dict[str, Any]],
+    rows: Callable[[dict[str, Any], int], list[_Row]],
+    *,
+    live_label: str,
+    after: Callable[[dict[str, Any], int], list[_Row]] | None = None,
+) -> list[list[Any]]:
+    """An issue's targets table at 16,384 ranks (the largest size measured when it was not):
+    ``rows(big, n)``, the liveness row (labelled ``live_label``) when liveness was measured,
+    ``after(big, n)`` next, and the growth of the server's busy time to 4x the ranks when that
+    size was measured; each with the value measured and met or not."""
     at = [m for m in current if m["n"] == 16384] or current[-1:]
     big = at[0]
     n = big["n"]
-    rows: list[tuple[str, str, float | None, float]] = [
-        (
-            f"store server busy time per restart round p50, N={n}",
-            "<= 0.05 s",
-            big["server_busy_s"]["p50"],
-            0.05,
-        ),
-        (
-            f"modelled round time on a cluster p50, N={n}, RTT {1e6 * big['rtt_s']:g} us",
-            "<= 0.3 s",
-            big["modelled_round_s"]["p50"],
-            0.3,
-        ),
-        (
-            f"store requests per rank per round, averaged, N={n}",
-            "<= 0.75",
-            big["requests_per_rank"]["mean"],
-            0.75,
-        ),
-    ]
+    table = rows(big, n)
     live = [m for m in current if "liveness_requests_per_node" in m]
     if live:
-        rows.append(
-            (
-                f"liveness requests per interval per node, N={live[-1]['n']}",
-                "<= 2",
-                live[-1]["liveness_requests_per_node"],
-                2.0,
-            )
-        )
-    rows.append(
-        (
-            f"death notice -> every node aware, modelled p50, N={n}",
-            "<= 0.1 s",
-            big["modelled_notice_aware_s"]["p50"],
-            0.1,
-        )
-    )
-    after = [m for m in current if m["n"] == 4 * n]
-    if after:
-        growth = after[0]["server_busy_s"]["p50"] / big["server_busy_s"]["p50"]
-        rows.append((f"growth of the server's busy time {n} -> {4 * n}", "<= 4.5x", growth, 4.5))
+        value = live[-1]["liveness_requests_per_node"]
+        table.append((live_label.format(n=live[-1]["n"]), "<= 2", value, 2.0))
+    if after is not None:
+        table.extend(after(big, n))
+    bigger = [m for m in current if m["n"] == 4 * n]
+    if bigger:
+        growth = bigger[0]["server_busy_s"]["p50"] / big["server_busy_s"]["p50"]
+        table.append((f"growth of the server's busy time {n} -> {4 * n}", "<= 4.5x", growth, 4.5))
     return [
         [name, text, v, "yes" if v is not None and v <= limit else "NO"]
-        for name, text, v, limit in rows
+        for name, text, v, limit in table
     ]
+
+
+def targets(current: list[dict[str, Any]]) -> list[list[Any]]:
+    """Issue 34's table: each target at 16,384 ranks (the largest size measured when it was
+    not), the value measured, met or not."""
+
+    def rows(big: dict[str, Any], n: int) -> list[_Row]:
+        return [
+            (
+                f"store server busy time per restart round p50, N={n}",
+                "<= 0.05 s",
+                big["server_busy_s"]["p50"],
+                0.05,
+            ),
+            (
+                f"modelled round time on a cluster p50, N={n}, RTT {1e6 * big['rtt_s']:g} us",
+                "<= 0.3 s",
+                big["modelled_round_s"]["p50"],
+                0.3,
+            ),
+            (
+                f"store requests per rank per round, averaged, N={n}",
+                "<= 0.75",
+                big["requests_per_rank"]["mean"],
+                0.75,
+            ),
+        ]
+
+    def notice(big: dict[str, Any], n: int) -> list[_Row]:
+        return [
+            (
+                f"death notice -> every node aware, modelled p50, N={n}",
+                "<= 0.1 s",
+                big["modelled_notice_aware_s"]["p50"],
+                0.1,
+            )
+        ]
+
+    return _table(
+        current, rows, live_label="liveness requests per interval per node, N={n}", after=notice
+    )
 
 
 def targets_42(current: list[dict[str, Any]]) -> list[list[Any]]:
     """Issue 42 item 5's table (node arrival: what one round costs the store), at 16,384 ranks
     (the largest size measured when it was not): each target, the value measured, met or
     not."""
-    at = [m for m in current if m["n"] == 16384] or current[-1:]
-    big = at[0]
-    n = big["n"]
-    rows: list[tuple[str, str, float | None, float]] = [
-        (
-            f"store requests per node per round, p50, N={n}",
-            "<= 3",
-            big["requests_per_node"]["p50"],
-            3.0,
-        ),
-        (
-            f"store server busy time per round p50, N={n}",
-            "<= 0.2 s",
-            big["server_busy_s"]["p50"],
-            0.2,
-        ),
-        (
-            f"modelled round time on a cluster p50, N={n}",
-            "<= 0.35 s",
-            big["modelled_round_s"]["p50"],
-            0.35,
-        ),
-    ]
-    live = [m for m in current if "liveness_requests_per_node" in m]
-    if live:
-        rows.append(
+
+    def rows(big: dict[str, Any], n: int) -> list[_Row]:
+        return [
             (
-                f"liveness requests per node per interval, N={live[-1]['n']}",
-                "<= 2",
-                live[-1]["liveness_requests_per_node"],
-                2.0,
-            )
-        )
-    after = [m for m in current if m["n"] == 4 * n]
-    if after:
-        growth = after[0]["server_busy_s"]["p50"] / big["server_busy_s"]["p50"]
-        rows.append((f"growth of the server's busy time {n} -> {4 * n}", "<= 4.5x", growth, 4.5))
-    return [
-        [name, text, v, "yes" if v is not None and v <= limit else "NO"]
-        for name, text, v, limit in rows
-    ]
+                f"store requests per node per round, p50, N={n}",
+                "<= 3",
+                big["requests_per_node"]["p50"],
+                3.0,
+            ),
+            (
+                f"store server busy time per round p50, N={n}",
+                "<= 0.2 s",
+                big["server_busy_s"]["p50"],
+                0.2,
+            ),
+            (
+                f"modelled round time on a cluster p50, N={n}",
+                "<= 0.35 s",
+                big["modelled_round_s"]["p50"],
+                0.35,
+            ),
+        ]
+
+    return _table(current, rows, live_label="liveness requests per node per interval, N={n}")
