@@ -1,16 +1,17 @@
-"""What the launcher's agent keeps per wrapped call of its workers: a relay and a node arrival.
+"""What a node's helper keeps per wrapped call of its ranks: a relay and a node arrival.
 
-The agent watches workers of any number of wrapped calls (a worker's second ``Wrapper`` call is
-another call, with its own keyspace). For each call it holds one
+The launcher's agent watches workers of any number of wrapped calls (a worker's second
+``Wrapper`` call is another call, with its own keyspace); the node watcher serves one. For each
+call the helper holds one
 :class:`~trainguard.restart.sidecar._relay.Relay` (each round's outcome and layout read once for
 its workers of that call) and one :class:`~trainguard.restart.sidecar._arrival.NodeArrival`
 (one append and one add per round for them), both made with the first worker of the call that
-connects, over pure-Python store connections (a wait on one can be interrupted when the agent
-closes). The node watcher serves one call and holds one of each itself.
+connects, over pure-Python store connections (a wait on one can be interrupted when the
+helper closes).
 
-Protocol: :meth:`Calls.join` for each worker's watch, before its first line is fed; the
+Protocol: :meth:`Calls.join` for each rank's watch, before its first line is fed; the
 attributes of :class:`Calls` are guarded by its lock; :meth:`Calls.close` once, when the
-agent stops (the arrivals' last batches go before the relays stop).
+helper stops (the arrivals' last batches go before the relays stop).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ __all__ = ["Calls"]
 
 
 class Calls:
-    """The relays and node arrivals of the wrapped calls of one agent's workers."""
+    """The relays and node arrivals of the wrapped calls of one helper's ranks."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

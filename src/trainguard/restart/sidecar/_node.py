@@ -55,10 +55,9 @@ from trainguard import _private
 from trainguard.coord import _wire
 from trainguard.coord.keys import Keyspace
 from trainguard.coord.node_ring import WINDOW, NodeRing, Position
-from trainguard.restart.sidecar._arrival import NodeArrival
+from trainguard.restart.sidecar._calls import Calls
 from trainguard.restart.sidecar._config import SidecarConfig
 from trainguard.restart.sidecar._notice import notify
-from trainguard.restart.sidecar._relay import Relay
 from trainguard.restart.sidecar._watch import Watch
 
 logger = logging.getLogger("trainguard.restart.sidecar")
@@ -174,10 +173,9 @@ class NodeWatcher:
         self.live = 0  # connections being served
         self.served = 0
         self.threads: list[threading.Thread] = []
-        self.relay: Relay | None = None  # made with the first rank's store address
-        self.arrival: NodeArrival | None = None  # likewise, under node arrival
-        self.beats: Any = None  # the one connection of every watch's beats, made likewise
-        self.ring: NodeRing | None = None  # the node's member of the node ring, under node arrival
+        self.calls = Calls()  # the call's relay and node arrival, made with its first rank
+        self.beats: Any = None  # the watches' one store connection, made likewise
+        self.ring: NodeRing | None = None  # the node's member of the node ring
         self.watching: dict[Watch, None] = {}  # the watches whose ranks the ring beats for
 
     def serve(self) -> int:
@@ -194,10 +192,7 @@ class NodeWatcher:
                 break
         for thread in self.threads:
             thread.join()
-        if self.arrival is not None:  # its last batches go before the relay stops
-            self.arrival.close()
-        if self.relay is not None:
-            self.relay.close()
+        self.calls.close()
         if self.ring is not None:  # its beats are not waited for when stuck in a store call
             self.ring.close(wait=1.0)
         if self.beats is not None:  # not close(): a beat stuck in a call would hold it up
@@ -238,8 +233,8 @@ class NodeWatcher:
                 self.cond.notify_all()
 
     def _beats(self, cfg: SidecarConfig) -> Any:
-        """The node's one store connection for the heartbeats of every rank it watches (made
-        with the first rank's store address; per rank, the node had as many connections)."""
+        """The node's one store connection for its ring's beats and its watches (made with the
+        first rank's store address; a watch's notice clones it)."""
         with self.cond:
             if self.beats is not None:
                 return self.beats
@@ -300,20 +295,8 @@ class NodeWatcher:
             return
         try:
             sock.settimeout(None)
-            with self.cond:  # one relay for the node, made with the first rank's store address
-                if self.relay is None:
-                    self.relay = Relay(
-                        self.keys,
-                        lambda: _wire.connect(cfg.host, cfg.port, timeout=cfg.store_timeout),
-                    )
-                watch.on_relay = self.relay.hook(sock)
-                if self.arrival is None:  # one for the node likewise (:mod:`._arrival`)
-                    relay = self.relay
-                    self.arrival = NodeArrival(
-                        lambda: _wire.connect(cfg.host, cfg.port, timeout=cfg.store_timeout),
-                        lambda n: relay.value("ready", n),
-                    )
-                self.arrival.watch(watch)
+            self.calls.join(cfg, watch, sock)  # one relay and node arrival for the node
+            with self.cond:
                 self._node_ring(cfg)
                 self.watching[watch] = None
             with contextlib.suppress(OSError):  # it died already: the watch writes its notice
