@@ -102,7 +102,6 @@ class RoundBook:
         store_timeout: the longest the layout waits for the round's store address.
         roster: the ranks expected at the next barrier (active then spares); all at first.
         writer: the initial rank of the writer, -1 for a sidecar (recorded in the left marks).
-        previous_roster: the roster of the round before (whose keys are deleted).
         gone: initial ranks that left the job -> why, as of the last published round.
         repeats: the run of rounds that failed the same way, as of the last published round.
         health: the hosts' record (:mod:`._health`), as of the last published round.
@@ -115,14 +114,12 @@ class RoundBook:
     store_timeout: float
     roster: Sequence[int] = ()
     writer: int = -1
-    previous_roster: Sequence[int] = dataclasses.field(init=False)
     gone: dict[int, str] = dataclasses.field(init=False, default_factory=dict)
     repeats: Repeats = dataclasses.field(init=False, default_factory=Repeats)
     health: Mapping[str, Any] | None = dataclasses.field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.roster = self.roster or _records.Ranks(((0, self.world - 1),))  # O(1), not O(N)
-        self.previous_roster = self.roster
 
     def record(self, n: int, record: BarrierRecord) -> None:
         """Append ``record`` (a rank's) to round ``n``'s pool. A departure there first wins
@@ -147,7 +144,7 @@ class RoundBook:
         published = bytes(self.store.compare_set(self.keys.ready(n), "", payload))
         if published == payload:
             self.store.set(self.keys.latest, payload)
-            self._delete_round(n - 1, published)  # after publishing: off the others' path
+            self._delete_round(n - 1)  # after publishing: off the others' path
         elif admitted:
             self._recount(admitted, published)
         return published
@@ -166,7 +163,6 @@ class RoundBook:
     def enter(self, ready: RoundLayout) -> None:
         """Follow the published round ``ready``: its ranks are the next barrier's roster.
         (The publisher deletes the round before's keys, :meth:`_delete_round`.)"""
-        self.previous_roster = self.roster
         self.roster = ready.roster
         self.gone = dict(ready.gone)
         self.repeats = ready.repeats
@@ -320,9 +316,9 @@ class RoundBook:
                 hosts[r] = rec.host if rec is not None and rec.rank == r else ""
         return hosts
 
-    def _delete_round(self, n: int, published: bytes) -> None:
+    def _delete_round(self, n: int) -> None:
         """Delete round ``n``'s keys (its pool among them): every rank of it has reached round
-        ``n+1``'s barrier (``published``)."""
+        ``n+1``'s barrier, just published."""
         if n < 0:
             return
         for key in self.keys.round_keys(n):
