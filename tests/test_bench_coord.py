@@ -60,13 +60,15 @@ def test_the_store_servers_cpu_and_the_requests_per_rank_are_measured_per_round(
         # (its ranks' records at once), the relay's wait for the outcome and for the layout
         # and one read of each; the last arriver's few (of one node in 8 here) on top
         ops = m["node_requests_by_op"]
+        # one each (under load a node may split a round's batch, or a rank whose relay answered
+        # late arrive by itself: one node in 8 of one round of two here at most)
         for op in ("append rN/pool", "add rN/arrive", "wait rN/stop"):
-            assert ops[op] == 1.0, ops
+            assert abs(ops[op] - 1.0) <= 1 / 16, ops
         # + the layout's peek, and under load a relay's read again after a false wake
         assert 1.0 <= ops["compare_set rN/stop"] <= 1.0 + 4 / 8, ops
         assert 0.5 <= ops["compare_set rN/ready"] <= 1.0 + 1 / 8, ops  # a read may fall late
         assert not [op for op in ops if op.split()[0] in ("get", "multi_get", "multi_set")], ops
-        assert 6.0 <= m["requests_per_node"]["p50"] < 6.0 + 16 / 8, m["requests_per_node"]
+        assert 6.0 - 1 / 8 <= m["requests_per_node"]["p50"] < 6.0 + 16 / 8, m["requests_per_node"]
     else:
         assert (2.5 <= per_rank < 3.3) if relay else (6.0 <= per_rank < 7.0), per_rank
     assert m["rank_cpu_s"]["p50"] > 0 and m["last_arriver_s"]["p50"] > 0, m

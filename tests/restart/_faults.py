@@ -245,4 +245,5 @@ def barrier_death_job(victim: int, when: str, out_dir: str) -> dict[str, Any]:
 
         Session.open = open_and_trap  # type: ignore[method-assign]
         Session.watch = watch_alone  # type: ignore[method-assign]
-    return fault_job(10, -1, -1, "none", out_dir, {"barrier_timeout": 20, "store_timeout": 10})
+    # store_timeout as long as the barrier's: a loaded machine starts rank 0's store late
+    return fault_job(10, -1, -1, "none", out_dir, {"barrier_timeout": 20, "store_timeout": 20})
