@@ -64,9 +64,10 @@ def test_the_store_servers_cpu_and_the_requests_per_rank_are_measured_per_round(
         # late arrive by itself: one node in 8 of one round of two here at most)
         for op in ("append rN/pool", "add rN/arrive", "wait rN/stop"):
             assert abs(ops[op] - 1.0) <= 1 / 16, ops
-        # + the layout's peek, and under load a relay's read again after a false wake
+        # + the layout's peek; under load a relay reads again after a false wake (torch's
+        # TCPStore wakes waiters on a compare_set of an unset key), and a read may fall late
         assert 1.0 <= ops["compare_set rN/stop"] <= 1.0 + 4 / 8, ops
-        assert 0.5 <= ops["compare_set rN/ready"] <= 1.0 + 1 / 8, ops  # a read may fall late
+        assert 0.5 <= ops["compare_set rN/ready"] <= 1.0 + 4 / 8, ops
         assert not [op for op in ops if op.split()[0] in ("get", "multi_get", "multi_set")], ops
         assert 6.0 - 1 / 8 <= m["requests_per_node"]["p50"] < 6.0 + 16 / 8, m["requests_per_node"]
     else:
