@@ -49,6 +49,9 @@ def _held(pid: int, ports: set[int]) -> int:
     return sum(1 for s in socks if s.state == _sockets.ESTABLISHED and s.remote_port in ports)
 
 
+_LOOKS, _LOOK_S = 5, 0.1  # looks at the helpers' connections, and the time between them
+
+
 def _helpers(ports: set[int]) -> int:
     """The connections to ``ports`` of every node watcher of this machine (only this job's hold
     connections to its store process's ports)."""
@@ -77,7 +80,12 @@ def count_connections(settle_s: float) -> dict[str, Any]:
         dist.barrier()
         ports = _store_ports(coord_port)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        # the steady count: the fewest of a few looks (a connection opened for a moment, a
+        # relay's second wait or a beat's reconnect under load, is not what a node holds)
         helpers = _helpers(ports)
+        for _ in range(_LOOKS - 1):
+            time.sleep(_LOOK_S)
+            helpers = min(helpers, _helpers(ports))
         out = {
             "process": _held(os.getpid(), ports),
             "helpers": helpers,  # every helper process of this host, all its ranks
