@@ -228,6 +228,46 @@ def test_layout_writer_admits_a_gone_rank_and_recounts_it_when_its_layout_loses(
     assert peek(store, keys.stop(2)) is None
 
 
+def test_a_newcomer_that_looks_after_the_next_round_was_published_follows_it() -> None:
+    """A newcomer waits outside the roster for the running round's outcome. The others restart
+    at once and the next round's publisher deletes the round's keys, its outcome among them:
+    a newcomer that looks only then (woken but not scheduled, as on a loaded node) must take
+    the published round, not read "the job completed" (a CI failure of the launch demo: the
+    replacement node's second worker returned without ever joining)."""
+    import threading
+
+    from trainguard.restart import _records
+    from trainguard.restart._book import RoundBook, peek
+    from trainguard.restart._join import Newcomer
+    from trainguard.restart._records import BarrierRecord
+    from trainguard.restart.sidecar._notice import write_notice
+
+    store, keys, cfg = _published_round_0(None)
+    write_notice(store, cfg, 1, 0, (0, 1, 2), "died")  # round 0 is a fault; rank 1 out
+    zero = _records.layout(store.get(keys.ready(0)))
+    policies = cfg.round_policies()
+    # the newcomer read round 0 as the latest and slept; meanwhile round 1 is published
+    # without it, and its publisher deletes round 0's keys: the outcome it would wait for
+    store.set(keys.pg_addr(1), "127.0.0.1:1")
+    for r in (0, 2):
+        book = RoundBook(store, keys, 3, policies, store_timeout=5.0, writer=r)
+        book.enter(zero)
+        book.record(1, BarrierRecord(r, "h", r))
+        book.arrive(1)
+    assert peek(store, keys.stop(0)) is None
+    one = _records.layout(store.get(keys.ready(1)))
+    newcomer = RoundBook(store, keys, 3, policies, store_timeout=5.0, writer=1)
+    newcomer.enter(zero)
+    join = Newcomer(newcomer, BarrierRecord(1, "h", 1), barrier_timeout=30.0)
+    waited: list[Any] = []
+    thread = threading.Thread(target=lambda: waited.append(join._wait(1)), daemon=True)
+    thread.start()
+    thread.join(10)  # one slice (2 s) and a look; before the fix it waited until the job ended
+    assert waited, "the newcomer still waits for the outcome of a round whose keys are gone"
+    assert waited[0] is not None, "the newcomer took the round's deleted keys for the job's end"
+    assert (waited[0].round, waited[0].active, waited[0].holds(1)) == (1, one.active, False)
+
+
 def test_peeking_a_key_that_is_not_set_wakes_no_waiter() -> None:
     """A newcomer peeks the running round's outcome while the ranks of that round wait for it:
     the peek must not wake them (torch 2.13's TCPStore wakes waiters on a ``compare_set`` of a

@@ -24,8 +24,10 @@ Events: ``join_wait`` (waiting_round, admit) each time it waits outside the rost
 ``launch_admitted`` once it enters its first round (:meth:`Session.join`).
 
 Waiting is woken by the store: a ``wait`` on the running round's outcome (in slices of
-:data:`_SLICE` seconds, between which it looks whether the job's keys were deleted), then on
-the next round's layout.
+:data:`_SLICE` seconds, between which it looks whether the next round was published or the
+job's keys were deleted), then on the next round's layout. Round ``m``'s publisher deletes
+round ``L``'s keys: a newcomer that looks at ``L``'s outcome only after that (woken, then not
+scheduled while the others restarted) reads round ``m``'s layout instead.
 """
 
 from __future__ import annotations
@@ -143,10 +145,17 @@ class Newcomer:
         """Round ``m``'s layout once published; None when the job completed before (round
         ``m - 1`` complete, or its keys already deleted). Woken by the store: first by round
         ``m - 1``'s outcome (a newcomer may wait as long as that round runs), then by round
-        ``m``'s layout (bounded by the barrier timeout)."""
+        ``m``'s layout (bounded by the barrier timeout).
+
+        Round ``m``'s publisher deletes round ``m - 1``'s keys, its outcome among them: a
+        newcomer that looks late (woken, then not scheduled while the others restart at
+        once) finds round ``m`` published instead, and takes it."""
         if m > 0:
             outcome = self._outcome(m - 1)
-            if outcome is None or outcome.why == "complete":
+            if outcome is None:
+                raw = peek(self.store, self.keys.ready(m))
+                return _records.layout(raw) if raw is not None else None
+            if outcome.why == "complete":
                 return None
             if outcome.why == "end":
                 raise JobEndedError(
@@ -162,9 +171,13 @@ class Newcomer:
         return _records.layout(raw)
 
     def _outcome(self, n: int) -> RoundOutcome | None:
-        """Round ``n``'s outcome once there is one; None when the job's keys are gone."""
-        while not barrier.wait_all(self.store, [self.keys.stop(n)], _SLICE, what="round end"):
-            if self.store.check([self.keys.exit]) or self.store.check([self.keys.ended]):
+        """Round ``n``'s outcome once there is one; None when it is gone: round ``n + 1``
+        was published and its publisher deleted round ``n``'s keys, or the job's keys are
+        gone (it ended)."""
+        stop = self.keys.stop(n)
+        while not barrier.wait_all(self.store, [stop], _SLICE, what="round end"):
+            ended = [self.keys.ready(n + 1), self.keys.exit, self.keys.ended]
+            if any(self.store.check([key]) for key in ended):
                 return None
-        raw = peek(self.store, self.keys.stop(n))
+        raw = peek(self.store, stop)
         return RoundOutcome.decode(raw) if raw is not None else None
