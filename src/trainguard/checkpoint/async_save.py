@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainguard import _progress, _timeouts, events
+from trainguard import _progress, _settings, _timeouts, events
 from trainguard.checkpoint import _commit, _link, _onerror, _overwrite, _rebind
 from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint._load import latest, load, part_name
@@ -36,7 +36,7 @@ from trainguard.checkpoint._saves import Job, Outcomes, SaveHandle, SaveInfo
 from trainguard.checkpoint.format.kinds import FORMATS
 from trainguard.checkpoint.format.layout import flatten
 from trainguard.checkpoint.format.write import check_header_fits, place
-from trainguard.checkpoint.options import AsyncOptions, chosen
+from trainguard.checkpoint.options import AsyncOptions
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.writer import WriterProcess
 from trainguard.errors import CheckpointError, CheckpointWriteError, ConfigError, WriterDied
@@ -129,11 +129,11 @@ class AsyncCheckpointer(Closing):
             on_error=on_error,
         )
         #: The settings, checked (built from the keywords unless given as ``options``).
-        self.options = opts = chosen(options, built, "AsyncCheckpointer")
+        self.options = opts = _settings.chosen(options, built, "AsyncCheckpointer")
         self._failures = _onerror.FailurePolicy(opts.on_error, "AsyncCheckpointer")
-        self.commit_timeout = _timeouts.seconds("commit_timeout", opts.commit_timeout)
-        start = _timeouts.seconds("start_timeout", opts.start_timeout)
-        self.close_timeout = _timeouts.seconds("close_timeout", opts.close_timeout)
+        self.commit_timeout = opts.commit_timeout
+        start = opts.start_timeout
+        self.close_timeout = opts.close_timeout
         started = time.monotonic()
         _link.resolve(store, rank, world_size)  # bad arguments fail here
         self.fsync = opts.fsync

@@ -5,23 +5,21 @@ checked when it is built.
 to (``store``, ``rank``, ``world_size``). The constructor builds one from its keywords, or takes
 one as ``options=``. A bad value raises :class:`~trainguard.errors.ConfigError` naming the fix,
 when the options are built. The checks both checkpointers share live here too
-(:func:`check_shared`, :func:`check_timeouts`, :func:`chosen`); the local manager's settings
-are :class:`trainguard.checkpoint.local.LocalOptions`. Importing this module needs no torch.
+(:func:`check_shared`); the local manager's settings are
+:class:`trainguard.checkpoint.local.LocalOptions`. Both are built as every settings object of
+trainguard is (:mod:`trainguard._settings`). Importing this module needs no torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from typing import Any
 
-from trainguard import _timeouts
-from trainguard._timeouts import Timeout
+from trainguard._settings import Seconds
 from trainguard.checkpoint import _onerror
 from trainguard.errors import ConfigError
 
-__all__ = ["AsyncOptions", "check_shared", "check_timeouts", "chosen"]
-
-_O = TypeVar("_O")
+__all__ = ["AsyncOptions", "check_shared"]
 
 
 def _whole(name: str, value: object, low: int, high: int | None, fix: str) -> None:
@@ -63,28 +61,6 @@ def check_shared(options: Any) -> None:
         )
 
 
-def check_timeouts(options: Any, *names: str) -> None:
-    """Replace each timeout field ``names`` of the frozen dataclass ``options`` by its checked
-    float seconds (:func:`trainguard._timeouts.seconds`: the error names the field)."""
-    for name in names:
-        object.__setattr__(options, name, _timeouts.seconds(name, getattr(options, name)))
-
-
-def chosen(given: _O | None, built: _O, what: str) -> _O:
-    """The options a constructor uses: ``given`` (its ``options=``), else ``built`` from its
-    keywords. Both at once is refused unless every keyword was left at its default."""
-    if given is None:
-        return built
-    if not isinstance(given, type(built)):
-        raise ConfigError(f"options={given!r}: pass a {type(built).__name__}")
-    if built != type(built)():
-        raise ConfigError(
-            f"{what} got options= and settings as keywords too: pass them one way (put the "
-            f"keywords into the {type(built).__name__}, or leave options= out)"
-        )
-    return given
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AsyncOptions:
     """The settings of an :class:`~trainguard.checkpoint.AsyncCheckpointer` (immutable).
@@ -101,13 +77,13 @@ class AsyncOptions:
     """Register the staging buffers as pinned memory when CUDA is available."""
     fsync: bool = True
     """Make files durable (turn it off only to benchmark memory-only storage)."""
-    commit_timeout: Timeout = 300.0
+    commit_timeout: Seconds = Seconds(300.0)
     """How long a rank waits for the other ranks' parts before it fails the checkpoint."""
     writer_nice: int = 10
     """Nice increment of the writer process (0 to 19)."""
-    start_timeout: Timeout = 120.0
+    start_timeout: Seconds = Seconds(120.0)
     """How long to wait for the writer process to start."""
-    close_timeout: Timeout = 900.0
+    close_timeout: Seconds = Seconds(900.0)
     """How long ``close()`` waits for pending saves (writes and commits) before it kills the
     writer, fails them on every rank and raises."""
     key_prefix: str = "trainguard/ckpt"
@@ -129,4 +105,3 @@ class AsyncOptions:
         if not isinstance(self.overwrite, bool):
             raise ConfigError(f"overwrite={self.overwrite!r}: pass True or False")
         _onerror.check(self.on_error)
-        check_timeouts(self, "commit_timeout", "start_timeout", "close_timeout")

@@ -1,15 +1,18 @@
 """What ``trainguard launch`` adds to torchrun's options: :class:`LaunchOptions`.
 
 Every field has a ``--tg-*`` flag (see ``trainguard launch --help``); the object is checked when
-it is built, in the order of its arguments, and a bad value is a
+it is built (each field as it is set, then their relations), as every settings object of
+trainguard is (:mod:`trainguard._settings`), and a bad value is a
 :class:`~trainguard.errors.ConfigError` that names the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from datetime import timedelta
 
+from trainguard._settings import TIMEOUT, Converted, Seconds, preemption_grace
 from trainguard._timeouts import Timeout, seconds, shorter
 from trainguard.errors import ConfigError
 
@@ -19,25 +22,61 @@ __all__ = ["ON_EVICTED", "LaunchOptions"]
 ON_EVICTED = ("rejoin", "exit")
 
 
-def _backoff(value: Timeout) -> float:
+def _backoff(name: str, value: Timeout) -> float:
     """``respawn_backoff`` may be 0 (respawn at once), unlike a timeout."""
     zero = timedelta(0) if isinstance(value, timedelta) else 0
     if not isinstance(value, bool) and value == zero:
         return 0.0
-    return seconds("respawn_backoff", value)
+    return seconds(name, value)
 
 
 def _count(name: str, value: object, zero: str) -> int:
     """A whole number >= 0 (``zero``: what 0 means), or the error naming its flag."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        flag = "--tg-" + name.replace("_", "-")
         raise ConfigError(
-            f"{name}={value!r} must be a whole number >= 0 (0: {zero}); pass {flag} N"
+            f"{name}={value!r} must be a whole number >= 0 (0: {zero}); pass {_flag(name)} N"
         )
     return value
 
 
-@dataclasses.dataclass(frozen=True, init=False)
+def _counter(zero: str) -> Callable[[str, int], int]:
+    """The converter of a count field whose 0 means ``zero``."""
+    return lambda name, value: _count(name, value, zero)
+
+
+def _flag(name: str) -> str:
+    return "--tg-" + name.replace("_", "-")
+
+
+def _store(name: str, store: str | tuple[str, int] | None) -> tuple[str, int] | None:
+    if store is None or isinstance(store, tuple):
+        return store
+    from trainguard.coord.store import parse_addr
+
+    return parse_addr(store)
+
+
+def _path(what: str) -> Callable[[str, str | None], str | None]:
+    """The converter of a path field (``what`` it must be); "" is None."""
+
+    def convert(name: str, value: str | None) -> str | None:
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{name}={value!r} must be {what} (a str)")
+        return value or None
+
+    return convert
+
+
+def _evicted(name: str, value: str) -> str:
+    if value not in ON_EVICTED:
+        raise ConfigError(
+            f"{name}={value!r}: pass --tg-on-evicted rejoin (take a free place again) or exit "
+            "(leave the job)"
+        )
+    return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LaunchOptions:
     """Settings of the trainguard agent, on top of torchrun's.
 
@@ -95,62 +134,34 @@ class LaunchOptions:
     Timeouts are keyword-only, in seconds or as a ``timedelta``.
     """
 
-    store: tuple[str, int] | None
-    respawns: int
-    respawn_backoff: float
-    rejoin_timeout: float
-    heartbeat_interval: float
-    heartbeat_timeout: float
-    exit_barrier_timeout: float
-    events_dir: str | None
-    on_evicted: str
-    fence_timeout: float
-    secret_file: str | None
-    insecure: bool
-    preemption_grace: float
-    warm_workers: int
-    quarantine_after: int
-    quarantine_window: float
-    quarantine_file: str | None
-    health_interval: float
-    readmit_after: int
-    readmit: str
-    health_check: str | None
-    probe_timeout: float
+    store: Converted[str | tuple[str, int] | None, tuple[str, int] | None] = Converted(None, _store)
+    respawns: Converted[int, int] = Converted(3, _counter("every worker death restarts the job"))
+    respawn_backoff: Converted[Timeout, float] = Converted(0.0, _backoff, written=TIMEOUT)
+    rejoin_timeout: Seconds = Seconds(60.0)
+    heartbeat_interval: Seconds = Seconds(1.0)
+    heartbeat_timeout: Seconds = Seconds(10.0)
+    exit_barrier_timeout: Seconds = Seconds(30.0)
+    events_dir: Converted[str | None, str | None] = Converted(None, _path("a directory path"))
+    on_evicted: Converted[str, str] = Converted("rejoin", _evicted)
+    fence_timeout: Seconds = Seconds(300.0)
+    secret_file: Converted[str | None, str | None] = Converted(None, _path("a file path"))
+    insecure: bool = False
+    preemption_grace: Converted[Timeout | None, float] = Converted(
+        None, preemption_grace, written=f"{TIMEOUT} | None"
+    )
+    warm_workers: Converted[int, int] = Converted(0, _counter("respawns start cold"))
+    quarantine_after: Converted[int, int] = Converted(0, _counter("no host is ever taken out"))
+    quarantine_window: Seconds = Seconds(3600.0)
+    quarantine_file: Converted[str | None, str | None] = Converted(None, _path("a file path"))
+    health_interval: Seconds = Seconds(60.0)
+    readmit_after: int = 3
+    readmit: str = "after"
+    health_check: str | None = None
+    probe_timeout: Seconds = Seconds(30.0)
 
-    def __init__(
-        self,
-        *,
-        store: str | None = None,
-        respawns: int = 3,
-        respawn_backoff: Timeout = 0.0,
-        rejoin_timeout: Timeout = 60.0,
-        heartbeat_interval: Timeout = 1.0,
-        heartbeat_timeout: Timeout = 10.0,
-        exit_barrier_timeout: Timeout = 30.0,
-        events_dir: str | None = None,
-        on_evicted: str = "rejoin",
-        fence_timeout: Timeout = 300.0,
-        secret_file: str | None = None,
-        insecure: bool = False,
-        preemption_grace: Timeout | None = None,
-        warm_workers: int = 0,
-        quarantine_after: int = 0,
-        quarantine_window: Timeout = 3600.0,
-        quarantine_file: str | None = None,
-        health_interval: Timeout = 60.0,
-        readmit_after: int = 3,
-        readmit: str = "after",
-        health_check: str | None = None,
-        probe_timeout: Timeout = 30.0,
-    ) -> None:
-        def put(name: str, value: object) -> None:
-            object.__setattr__(self, name, value)
-
-        put("store", _store(store))
-        put("respawns", _count("respawns", respawns, "every worker death restarts the job"))
-        put("respawn_backoff", _backoff(respawn_backoff))
-        put("rejoin_timeout", seconds("rejoin_timeout", rejoin_timeout))
+    def __post_init__(self) -> None:
+        if not isinstance(self.insecure, bool):
+            raise ConfigError(f"insecure={self.insecure!r}: pass True or False (--tg-insecure)")
         if self.respawn_backoff:
             shorter(
                 "respawn_backoff",
@@ -159,8 +170,6 @@ class LaunchOptions:
                 self.rejoin_timeout,
                 "a worker respawned after the survivors stopped waiting for it is counted out",
             )
-        put("heartbeat_interval", seconds("heartbeat_interval", heartbeat_interval))
-        put("heartbeat_timeout", seconds("heartbeat_timeout", heartbeat_timeout))
         shorter(
             "heartbeat_interval",
             self.heartbeat_interval,
@@ -168,17 +177,6 @@ class LaunchOptions:
             self.heartbeat_timeout,
             "a node must be able to miss a heartbeat before it is declared lost",
         )
-        put("exit_barrier_timeout", seconds("exit_barrier_timeout", exit_barrier_timeout))
-        put("events_dir", _path("events_dir", events_dir, "a directory path"))
-        if on_evicted not in ON_EVICTED:
-            raise ConfigError(
-                f"on_evicted={on_evicted!r}: pass --tg-on-evicted rejoin (take a free place "
-                "again) or exit (leave the job)"
-            )
-        put("on_evicted", on_evicted)
-        put("secret_file", _path("secret_file", secret_file, "a file path"))
-        put("insecure", bool(insecure))
-        put("fence_timeout", seconds("fence_timeout", fence_timeout))
         shorter(
             "heartbeat_timeout",
             self.heartbeat_timeout,
@@ -186,87 +184,47 @@ class LaunchOptions:
             self.fence_timeout,
             "a node cut off from the store waits at least one heartbeat timeout for it",
         )
-        if preemption_grace is None:
-            from trainguard import _env
+        self._check_quarantine()
 
-            preemption_grace = _env.settings().preemption_grace
-        put("preemption_grace", seconds("preemption_grace", preemption_grace))
-        put("warm_workers", _count("warm_workers", warm_workers, "respawns start cold"))
-        policy = (quarantine_after, quarantine_window, quarantine_file, health_interval)
-        readmission = (readmit_after, readmit, health_check, probe_timeout)
-        for name, value in _quarantine(*policy, *readmission).items():
-            put(name, value)
+    def _check_quarantine(self) -> None:
+        """The quarantine fields, checked by :class:`~trainguard.restart.Quarantine` itself
+        (the same policy as the Wrapper's) and named by their flags."""
+        from trainguard.restart.quarantine import Quarantine
 
-
-def _store(store: str | None) -> tuple[str, int] | None:
-    if store is None:
-        return None
-    from trainguard.coord.store import parse_addr
-
-    return parse_addr(store)
-
-
-def _path(name: str, value: object, what: str) -> str | None:
-    if value is not None and not isinstance(value, str):
-        raise ConfigError(f"{name}={value!r} must be {what} (a str)")
-    return value or None
-
-
-def _quarantine(
-    after: int,
-    window: Timeout,
-    file: str | None,
-    interval: Timeout,
-    readmit_after: int,
-    readmit: str,
-    health_check: str | None,
-    probe_timeout: Timeout,
-) -> dict[str, object]:
-    """The quarantine fields, checked by :class:`~trainguard.restart.Quarantine` itself (the
-    same policy as the Wrapper's) and named by their flags."""
-    from trainguard.restart.quarantine import Quarantine
-
-    after = _count("quarantine_after", after, "no host is ever taken out")
-    if readmit not in ("after", "never"):
-        raise ConfigError(
-            f"readmit={readmit!r}: pass --tg-readmit after (back after --tg-readmit-after "
-            "passing probe rounds) or never (a quarantined host stays out)"
-        )
-    if isinstance(readmit_after, bool) or not isinstance(readmit_after, int) or readmit_after < 1:
-        raise ConfigError(
-            f"readmit_after={readmit_after!r} must be a whole number >= 1 (consecutive passing "
-            "probe rounds); pass --tg-readmit-after K, or --tg-readmit never"
-        )
-    if health_check is not None and (not isinstance(health_check, str) or not health_check):
-        raise ConfigError(
-            f"health_check={health_check!r}: pass --tg-health-check 'COMMAND' (a shell command "
-            "whose exit status 0 means the host is healthy)"
-        )
-    file = _path("quarantine_file", file, "a file path")
-    try:  # the same checks as the Wrapper's policy
-        policy = Quarantine(
-            max(after, 1),
-            window,
-            readmit=readmit_after,
-            probes=[],
-            probe_timeout=probe_timeout,
-            file=file or None,
-        )
-    except ConfigError as exc:
-        flags = "--tg-quarantine-window, --tg-probe-timeout, --tg-quarantine-file"
-        raise ConfigError(f"{exc} (the launcher's flags: {flags})") from None
-    if (file or health_check) and not after:
-        raise ConfigError(
-            "--tg-quarantine-file and --tg-health-check need a quarantine: pass "
-            "--tg-quarantine-after N (N >= 1 faults take a host out)"
-        )
-    return {
-        "quarantine_after": after,
-        "quarantine_window": policy.window,
-        "quarantine_file": file or None,
-        "health_interval": seconds("health_interval", interval),
-        "readmit_after": readmit_after,
-        "readmit": readmit,
-        "health_check": health_check or None,
-        "probe_timeout": policy.probe_timeout,
-    }
+        readmit, readmit_after, check = self.readmit, self.readmit_after, self.health_check
+        if readmit not in ("after", "never"):
+            raise ConfigError(
+                f"readmit={readmit!r}: pass --tg-readmit after (back after --tg-readmit-after "
+                "passing probe rounds) or never (a quarantined host stays out)"
+            )
+        if (
+            isinstance(readmit_after, bool)
+            or not isinstance(readmit_after, int)
+            or readmit_after < 1
+        ):
+            raise ConfigError(
+                f"readmit_after={readmit_after!r} must be a whole number >= 1 (consecutive "
+                "passing probe rounds); pass --tg-readmit-after K, or --tg-readmit never"
+            )
+        if check is not None and (not isinstance(check, str) or not check):
+            raise ConfigError(
+                f"health_check={check!r}: pass --tg-health-check 'COMMAND' (a shell command "
+                "whose exit status 0 means the host is healthy)"
+            )
+        try:  # the same checks as the Wrapper's policy
+            Quarantine(
+                max(self.quarantine_after, 1),
+                self.quarantine_window,
+                readmit=readmit_after,
+                probes=[],
+                probe_timeout=self.probe_timeout,
+                file=self.quarantine_file,
+            )
+        except ConfigError as exc:
+            flags = "--tg-quarantine-window, --tg-probe-timeout, --tg-quarantine-file"
+            raise ConfigError(f"{exc} (the launcher's flags: {flags})") from None
+        if (self.quarantine_file or check) and not self.quarantine_after:
+            raise ConfigError(
+                "--tg-quarantine-file and --tg-health-check need a quarantine: pass "
+                "--tg-quarantine-after N (N >= 1 faults take a host out)"
+            )

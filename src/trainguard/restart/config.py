@@ -1,4 +1,5 @@
-"""The Wrapper's arguments: one keyword-only dataclass, checked when it is built.
+"""The Wrapper's arguments: one keyword-only dataclass, checked when it is built
+(the settings mechanism of :mod:`trainguard._settings`).
 
 :class:`WrapperConfig` is the only place where the arguments are listed:
 :class:`~trainguard.restart.Wrapper` takes exactly its fields (its signature and documentation
@@ -11,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, Protocol
 
-from trainguard._timeouts import Timeout, seconds, shorter
+from trainguard import _settings
+from trainguard._settings import Converted, Seconds
+from trainguard._timeouts import Timeout, shorter
 from trainguard.coord.store import parse_addr
 from trainguard.errors import ConfigError
 from trainguard.restart.policy._round import Policy, RoundPolicies
@@ -41,27 +43,6 @@ class StoreHandle(Protocol):
     def port(self) -> int: ...
 
     def clone(self) -> Any: ...
-
-
-class _Seconds:
-    """A timeout field: assigned seconds or a ``timedelta`` (checked by :func:`seconds`, the
-    error names the field), read as float seconds."""
-
-    def __init__(self, default: float) -> None:
-        self._default = default
-        self._name = ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._name = name
-
-    def __get__(self, obj: object | None, owner: type | None = None) -> float:
-        if obj is None:  # the class: the dataclass reads the default here
-            return self._default
-        value: float = obj.__dict__[self._name]
-        return value
-
-    def __set__(self, obj: object, value: Timeout) -> None:
-        obj.__dict__[self._name] = seconds(self._name, value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -129,18 +110,20 @@ class WrapperConfig:
     retry: RetryController | None = None
     max_rounds: int | None = None
     max_repeated_faults: int | None = 3
-    barrier_timeout: _Seconds = _Seconds(120)
-    completion_timeout: _Seconds = _Seconds(120)
-    store_timeout: _Seconds = _Seconds(60)
-    abort_timeout: _Seconds = _Seconds(5)
-    soft_timeout: _Seconds = _Seconds(60)
-    hard_timeout: _Seconds = _Seconds(90)
-    termination_grace_time: _Seconds = _Seconds(5)
-    heartbeat_interval: _Seconds = _Seconds(1)
-    heartbeat_timeout: _Seconds = _Seconds(10)
+    barrier_timeout: Seconds = Seconds(120)
+    completion_timeout: Seconds = Seconds(120)
+    store_timeout: Seconds = Seconds(60)
+    abort_timeout: Seconds = Seconds(5)
+    soft_timeout: Seconds = Seconds(60)
+    hard_timeout: Seconds = Seconds(90)
+    termination_grace_time: Seconds = Seconds(5)
+    heartbeat_interval: Seconds = Seconds(1)
+    heartbeat_timeout: Seconds = Seconds(10)
     sidecar: bool = True
     stragglers: Stragglers | None = None
-    preemption_grace: Timeout | None = None
+    preemption_grace: Converted[Timeout | None, float] = Converted(
+        None, _settings.preemption_grace, written=f"{_settings.TIMEOUT} | None"
+    )
     quarantine: Quarantine | None = None
     #: rank assignment, rank filter and retry controller, as the round layout applies them.
     policies: RoundPolicies = dataclasses.field(init=False, repr=False, compare=False)
@@ -175,12 +158,8 @@ class WrapperConfig:
                 f"max_repeated_faults={repeats!r}: pass an int >= 1, or None to restart a fault "
                 "that repeats without progress forever"
             )
-        grace = self.preemption_grace
         from trainguard import _env
 
-        if grace is None:
-            grace = _env.settings().preemption_grace
-        object.__setattr__(self, "preemption_grace", seconds("preemption_grace", grace))
         if self.quarantine is None and (spec := _env.settings().quarantine) is not None:
             object.__setattr__(self, "quarantine", Quarantine.from_launcher(spec))
         if self.quarantine is not None and not isinstance(self.quarantine, Quarantine):
@@ -231,12 +210,7 @@ _HOOKS = ("initialize", "finalize", "health_check", "abort")
 
 def signature() -> inspect.Signature:
     """:class:`WrapperConfig`'s keyword arguments as a caller writes them (for ``help``)."""
-    written = f"float | {timedelta.__module__}.{timedelta.__qualname__}"
-    params = [
-        p.replace(annotation=written) if p.annotation == _Seconds.__name__ else p
-        for p in inspect.signature(WrapperConfig).parameters.values()
-    ]
-    return inspect.Signature(params, return_annotation=None)
+    return _settings.signature(WrapperConfig)
 
 
 def _check_callable(name: str, value: object) -> None:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from trainguard import _progress, _timeouts, events
+from trainguard import _progress, _settings, _timeouts, events
 from trainguard.checkpoint import _link, _onerror
 from trainguard.checkpoint._closing import Closing
 from trainguard.checkpoint.format.layout import flatten
@@ -40,7 +40,6 @@ from trainguard.checkpoint.local._resources import Resources, abandoned
 from trainguard.checkpoint.local._spare import SparePrefetch
 from trainguard.checkpoint.local.options import LocalOptions
 from trainguard.checkpoint.local.replication import CliqueReplication, no_replication
-from trainguard.checkpoint.options import chosen
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.writer import WriterProcess
 from trainguard.errors import (
@@ -144,10 +143,10 @@ class LocalCheckpointManager(Closing):
             on_error=on_error,
         )
         #: The settings, checked (built from the keywords unless given as ``options``).
-        self.options = opts = chosen(options, built, "LocalCheckpointManager")
+        self.options = opts = _settings.chosen(options, built, "LocalCheckpointManager")
         self._failures = _onerror.FailurePolicy(opts.on_error, "LocalCheckpointManager")
         started = time.monotonic()
-        self.timeout = _timeouts.seconds("timeout", opts.timeout)
+        self.timeout = opts.timeout
         _link.resolve(store, *dist_ranks())  # bad arguments fail here, before anything starts
         self.replication = opts.replication or no_replication()
         self.setting = self.replication.describe()
@@ -180,7 +179,7 @@ class LocalCheckpointManager(Closing):
             raise
         if opts.spare_roots and self._watch.unbound:
             roots = [os.path.abspath(r) for r in opts.spare_roots]
-            interval = _timeouts.seconds("spare_interval", opts.spare_interval)
+            interval = opts.spare_interval
             self._res.prefetch = SparePrefetch(self.root, roots, interval, self._inventory)
         self._release_when_collected(abandoned, self._res)
 

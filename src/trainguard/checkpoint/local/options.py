@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import torch
 
-from trainguard._timeouts import Timeout
+from trainguard._settings import Converted, Seconds
 from trainguard.checkpoint import _onerror
 from trainguard.checkpoint.local.replication import CliqueReplication
-from trainguard.checkpoint.options import check_shared, check_timeouts
+from trainguard.checkpoint.options import check_shared
 from trainguard.errors import ConfigError
 
 __all__ = ["LocalOptions"]
@@ -44,7 +44,7 @@ class LocalOptions:
     backend: str | None = None
     """Transport of the copies, a dedicated group: ``"gloo"`` (None: the default) or
     ``"nccl"``."""
-    timeout: Timeout = 300.0
+    timeout: Seconds = Seconds(300.0)
     """How long a rank waits for the others (store operations and transfers)."""
     staging_threads: int | None = None
     """Threads that copy the state into the staging buffer (None: up to 4)."""
@@ -59,10 +59,12 @@ class LocalOptions:
     :class:`~trainguard.errors.CheckpointReplicationMismatchError`."""
     key_prefix: str = "trainguard/local"
     """Prefix of the manager's store keys."""
-    spare_roots: Sequence[str | os.PathLike[str]] | None = None
+    spare_roots: Converted[Sequence[str | os.PathLike[str]] | None, tuple[str, ...] | None] = (
+        Converted(None, lambda _name, roots: _roots(roots))
+    )
     """Other ranks' roots this process can read, to prefetch from while it is a spare (costs
     one iteration's parts of those roots in its own root); None: off."""
-    spare_interval: Timeout = 1.0
+    spare_interval: Seconds = Seconds(1.0)
     """How often a spare looks for a newer iteration under ``spare_roots``."""
     on_error: str = "report"
     """A save that fails in the background (disk full, a killed writer, a failed copy):
@@ -90,8 +92,6 @@ class LocalOptions:
             )
         check_shared(self)
         _onerror.check(self.on_error)
-        check_timeouts(self, "timeout", "spare_interval")
-        object.__setattr__(self, "spare_roots", _roots(self.spare_roots))
 
 
 def _roots(
