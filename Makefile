@@ -5,13 +5,12 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch on this machine's disk; installed before the package so that pip never
 # resolves the package's `torch>=2.6` range to a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
-# every test but the soak on four pytest-xdist workers (tests/conftest.py keeps the
-# emulated-host tests on one of them: 4.5 min in a row), then the soak alone: its leak counts
-# are only clean without another test beside it. Most tests wait on processes, sockets and
-# timeouts: on two workers the suite used 0.86 of this machine's 2 cores and took 19.9 min;
-# on three, 16.5 min at first and 18.5-19 min once the suite grew (then the soak, 45 s); four
-# keep both cores busy.
-PYTEST_ARGS ?= -n 4 --dist loadgroup
+# every test but the soak on three pytest-xdist workers (tests/conftest.py keeps the
+# emulated-host tests on one of them), then the soak alone: its leak counts are only clean
+# without another test beside it. Most tests wait on processes, sockets and timeouts: on two
+# workers the suite used 0.86 of this machine's 2 cores and took 19.9 min; on three, 16.5 min
+# (then the soak, 45 s).
+PYTEST_ARGS ?= -n 3 --dist loadgroup
 
 .PHONY: test lint format bench demo clean soak-test compat gpu-check
 

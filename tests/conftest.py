@@ -1,6 +1,6 @@
 """Suite-wide settings: which tests must not run beside each other under ``pytest -n``.
 
-``make test`` runs the suite on four pytest-xdist workers (``--dist loadgroup``). Tests that
+``make test`` runs the suite on three pytest-xdist workers (``--dist loadgroup``). Tests that
 share something of the machine beyond their own processes, ports and temporary directories
 run on one worker, one after the other: the emulated hosts (network namespaces, a bridge and
 an address range are chosen by looking at what exists) and the soak (a tmpfs and a long,
