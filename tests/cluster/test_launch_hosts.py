@@ -115,9 +115,14 @@ def test_a_dead_host_is_replaced_by_a_new_host_while_the_others_train(
     cluster: Callable[[int], Cluster], tmp_path: Path
 ) -> None:
     """Every process of h2 SIGKILLed: h1 and h3 go on (h3's spares take ranks 2 and 3); a new
-    host h4 started for it takes its place and its workers join as newcomers."""
+    host h4 started for it takes its place and its workers join as newcomers.
+
+    The job is held until h4's workers started: its last round's 7 s of steps were shorter
+    than h4's agent took to start on a loaded machine (twice in CI: the job ended first and
+    h4 had no place left to take)."""
     c = cluster(4)
     job, out = _job(c, tmp_path, steps=70, hosts=c.hosts[:3])
+    (out / "hold").touch()  # every round goes on until h4's workers started
     job.start()
     job.wait_for(lambda: _round(out, 0), what="round 0 running on 4 ranks", timeout=90)
     c.kill_host(c.hosts[1])
@@ -128,6 +133,7 @@ def test_a_dead_host_is_replaced_by_a_new_host_while_the_others_train(
         what="h4's workers started in h2's place",
         timeout=60,
     )
+    (out / "hold").unlink()
     codes = job.wait(["h1", "h3", "h4"], timeout=100)
     assert codes == {"h1": 0, "h3": 0, "h4": 0}, job.output()
     assert job.agents["h2"].poll() == -signal.SIGKILL
