@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 
-from trainguard._settings import Converted, Seconds, chosen, signature
+from trainguard._settings import Converted, Seconds, _raw, chosen, signature
 from trainguard.checkpoint import AsyncOptions
 from trainguard.checkpoint.local import LocalOptions
 from trainguard.errors import ConfigError
@@ -17,10 +17,6 @@ from trainguard.launch import LaunchOptions
 from trainguard.restart import WrapperConfig
 
 ALL = (WrapperConfig, AsyncOptions, LocalOptions, LaunchOptions)
-
-
-def _field(cls: type, name: str) -> object:
-    return next(vars(k)[name] for k in cls.__mro__ if name in vars(k))
 
 
 @pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
@@ -37,7 +33,7 @@ def test_every_settings_class_is_built_one_way(cls: type) -> None:
     timeouts = [f.name for f in params if f.name.endswith(("_timeout", "_interval"))]
     assert timeouts, cls
     for name in timeouts:
-        assert isinstance(_field(cls, name), Seconds), f"{cls.__name__}.{name} is not Seconds"
+        assert isinstance(_raw(cls, name), Seconds), f"{cls.__name__}.{name} is not Seconds"
         value = getattr(cls(**{name: timedelta(seconds=getattr(built, name))}), name)
         assert type(value) is float and value == getattr(built, name)
         with pytest.raises(ConfigError, match=rf"^{name}=-1: must be a positive"):

@@ -32,7 +32,7 @@ from typing import Any, Generic, TypeVar
 from trainguard._timeouts import Timeout, seconds
 from trainguard.errors import ConfigError
 
-__all__ = ["TIMEOUT", "Converted", "Seconds", "chosen", "preemption_grace", "signature"]
+__all__ = ["TIMEOUT", "Converted", "PreemptionGrace", "Seconds", "chosen", "signature"]
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -80,14 +80,21 @@ class Seconds(Converted[Timeout, float]):
         super().__init__(default, seconds, written=TIMEOUT)
 
 
-def preemption_grace(name: str, value: Timeout | None) -> float:
-    """The converter of a ``preemption_grace`` field: None is the
-    ``TRAINGUARD_PREEMPTION_GRACE`` variable, else 60 s."""
+def _grace(name: str, value: Timeout | None) -> float:
     if value is None:
         from trainguard import _env
 
         value = _env.settings().preemption_grace
     return seconds(name, value)
+
+
+class PreemptionGrace(Converted[Timeout | None, float]):
+    """A ``preemption_grace`` field (the Wrapper's and the launcher's): assigned seconds, a
+    ``timedelta`` or None (the ``TRAINGUARD_PREEMPTION_GRACE`` variable, else 60 s), read as
+    float seconds."""
+
+    def __init__(self) -> None:
+        super().__init__(None, _grace, written=f"{TIMEOUT} | None")
 
 
 def chosen(given: _O | None, built: _O, what: str) -> _O:

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
 
-from trainguard._settings import TIMEOUT, Converted, Seconds, preemption_grace
+from trainguard._settings import TIMEOUT, Converted, PreemptionGrace, Seconds
 from trainguard._timeouts import Timeout, seconds, shorter
 from trainguard.errors import ConfigError
 
@@ -146,9 +146,7 @@ class LaunchOptions:
     fence_timeout: Seconds = Seconds(300.0)
     secret_file: Converted[str | None, str | None] = Converted(None, _path("a file path"))
     insecure: bool = False
-    preemption_grace: Converted[Timeout | None, float] = Converted(
-        None, preemption_grace, written=f"{TIMEOUT} | None"
-    )
+    preemption_grace: PreemptionGrace = PreemptionGrace()
     warm_workers: Converted[int, int] = Converted(0, _counter("respawns start cold"))
     quarantine_after: Converted[int, int] = Converted(0, _counter("no host is ever taken out"))
     quarantine_window: Seconds = Seconds(3600.0)

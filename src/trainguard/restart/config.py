@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from trainguard import _settings
-from trainguard._settings import Converted, Seconds
-from trainguard._timeouts import Timeout, shorter
+from trainguard._settings import PreemptionGrace, Seconds
+from trainguard._timeouts import shorter
 from trainguard.coord.store import parse_addr
 from trainguard.errors import ConfigError
 from trainguard.restart.policy._round import Policy, RoundPolicies
@@ -121,9 +121,7 @@ class WrapperConfig:
     heartbeat_timeout: Seconds = Seconds(10)
     sidecar: bool = True
     stragglers: Stragglers | None = None
-    preemption_grace: Converted[Timeout | None, float] = Converted(
-        None, _settings.preemption_grace, written=f"{_settings.TIMEOUT} | None"
-    )
+    preemption_grace: PreemptionGrace = PreemptionGrace()
     quarantine: Quarantine | None = None
     #: rank assignment, rank filter and retry controller, as the round layout applies them.
     policies: RoundPolicies = dataclasses.field(init=False, repr=False, compare=False)

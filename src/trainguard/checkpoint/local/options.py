@@ -27,6 +27,24 @@ __all__ = ["LocalOptions"]
 _BACKENDS = (None, "gloo", "nccl")
 
 
+def _roots(name: str, roots: Sequence[str | os.PathLike[str]] | None) -> tuple[str, ...] | None:
+    if roots is None:
+        return None
+    if isinstance(roots, (str, bytes, os.PathLike)):
+        raise ConfigError(
+            f"{name}={roots!r}: give a list of directories ({name}=[{roots!r}]), not one path"
+        )
+    out = []
+    for root in roots:
+        path = os.fspath(root) if isinstance(root, (str, os.PathLike)) else None
+        if not isinstance(path, str):
+            raise ConfigError(
+                f"{name}={roots!r}: give a list of directory paths (str or os.PathLike)"
+            )
+        out.append(path)
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LocalOptions:
     """The settings of a :class:`~trainguard.checkpoint.LocalCheckpointManager` (immutable).
@@ -60,7 +78,7 @@ class LocalOptions:
     key_prefix: str = "trainguard/local"
     """Prefix of the manager's store keys."""
     spare_roots: Converted[Sequence[str | os.PathLike[str]] | None, tuple[str, ...] | None] = (
-        Converted(None, lambda _name, roots: _roots(roots))
+        Converted(None, _roots)
     )
     """Other ranks' roots this process can read, to prefetch from while it is a spare (costs
     one iteration's parts of those roots in its own root); None: off."""
@@ -92,24 +110,3 @@ class LocalOptions:
             )
         check_shared(self)
         _onerror.check(self.on_error)
-
-
-def _roots(
-    roots: Sequence[str | os.PathLike[str]] | None,
-) -> tuple[str, ...] | None:
-    if roots is None:
-        return None
-    if isinstance(roots, (str, bytes, os.PathLike)):
-        raise ConfigError(
-            f"spare_roots={roots!r}: give a list of directories (spare_roots=[{roots!r}]), "
-            "not one path"
-        )
-    out = []
-    for root in roots:
-        path = os.fspath(root) if isinstance(root, (str, os.PathLike)) else None
-        if not isinstance(path, str):
-            raise ConfigError(
-                f"spare_roots={roots!r}: give a list of directory paths (str or os.PathLike)"
-            )
-        out.append(path)
-    return tuple(out)
